@@ -1,0 +1,34 @@
+# The two commands of the README: `make run` (the whole pipeline on embedded defaults) and
+# `make test`. Each creates .venv and installs the project into it when missing or outdated.
+VENV    := .venv
+PYTHON  ?= python3
+STAMP   := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install run test bench lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	# torch pinned in the install step: pip takes the CPU build on disk instead of a CUDA download.
+	$(VENV)/bin/pip install --quiet torch==2.13.0
+	$(VENV)/bin/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/prefect-ml run
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/training.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy flows tasks integrations
+
+clean:
+	rm -rf .prefect-ml

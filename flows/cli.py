@@ -1,0 +1,189 @@
+"""``prefect-ml``: run the pipeline, train, and check the environment, from a terminal.
+
+Flags are generated from the flow parameter models, so they always mirror the parameter names
+(``training.batch_size`` -> ``--batch-size``). Prefect is imported only after the environment
+points it at the project home, because Prefect reads its settings at import time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+from rich.console import Console
+from rich.table import Table
+
+from integrations.settings import get_settings, prepare_process_environment
+from tasks.params import PipelineParams, TrainModelParams
+
+console = Console(stderr=True)
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _parameter_fields(model: type[BaseModel]) -> Iterator[tuple[str | None, str, FieldInfo]]:
+    """(section, name, field) for every leaf parameter; section is None for top-level ones."""
+    for name, field in model.model_fields.items():
+        if _is_model(field.annotation):
+            for leaf, leaf_field in field.annotation.model_fields.items():  # type: ignore[union-attr]
+                yield name, leaf, leaf_field
+        else:
+            yield None, name, field
+
+
+def _click_option(name: str, field: FieldInfo) -> click.Option:
+    flag = "--" + name.replace("_", "-")
+    annotation = field.annotation
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = args[0]
+    help_text = f"{field.description} [default: {field.get_default(call_default_factory=True)}]"
+    if annotation is bool:
+        return click.Option([f"{flag}/--no-{flag[2:]}", name], default=None, help=help_text)
+    if typing.get_origin(annotation) is typing.Literal:
+        choice = click.Choice([str(c) for c in typing.get_args(annotation)])
+        return click.Option([flag, name], type=choice, default=None, help=help_text)
+    if typing.get_origin(annotation) is dict:
+        return click.Option([flag, name], type=str, default=None, help=help_text + " (JSON)")
+    click_type = {int: int, float: float}.get(annotation, str)  # type: ignore[call-overload]
+    return click.Option([flag, name], type=click_type, default=None, help=help_text)
+
+
+def _nested_parameters(model: type[BaseModel], flags: dict[str, Any]) -> dict[str, Any]:
+    """Turn the given (non-None) flags into the nested dict the parameter model expects."""
+    nested: dict[str, Any] = {}
+    for section, name, field in _parameter_fields(model):
+        value = flags.get(name)
+        if value is None:
+            continue
+        if typing.get_origin(field.annotation) is dict:
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise click.BadParameter(f"not valid JSON: {exc}", param_hint=f"--{name}") from exc
+        (nested.setdefault(section, {}) if section else nested)[name] = value
+    return nested
+
+
+def print_validation_error(error: ValidationError) -> None:
+    """One line per invalid field: its name, the value given and what to do."""
+    table = Table(title="Invalid parameters", title_style="bold red")
+    for column in ("parameter", "given", "problem"):
+        table.add_column(column)
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"]) or "parameters"
+        given = item.get("input")
+        table.add_row(location, "" if isinstance(given, dict) else repr(given), item["msg"])
+    console.print(table)
+
+
+def parse_parameters(model: type[BaseModel], flags: dict[str, Any]) -> BaseModel:
+    """Validate flags into the flow's parameter model, or exit 2 naming each bad field."""
+    try:
+        return model.model_validate(_nested_parameters(model, flags))
+    except ValidationError as exc:
+        print_validation_error(exc)
+        raise SystemExit(2) from exc
+
+
+def _with_parameter_flags(model: type[BaseModel]) -> Callable[[Callable[..., Any]], Any]:
+    """Add one option per parameter of ``model``, the way ``@click.option`` does."""
+
+    def decorate(function: Callable[..., Any]) -> Any:
+        options = [_click_option(name, field) for _s, name, field in _parameter_fields(model)]
+        # click reverses the collected list when it builds the command.
+        function.__click_params__ = [  # type: ignore[attr-defined]
+            *getattr(function, "__click_params__", []),
+            *reversed(options),
+        ]
+        return function
+
+    return decorate
+
+
+def print_outcome(outcome: Any) -> None:
+    """Closing summary: metrics, the registered version, the alias decision, where to look next."""
+    settings = get_settings()
+    table = Table(title="prefect-ml: training summary", title_style="bold green")
+    table.add_column("item")
+    table.add_column("value")
+    for name, value in outcome.evaluation.metrics.items():
+        table.add_row(f"test {name}", f"{value:.4f}")
+    registration = outcome.registration
+    table.add_row("model version", f"{registration.model_name} v{registration.version}")
+    table.add_row(
+        f"alias @{registration.alias}",
+        ("promoted: " if registration.promoted else "kept previous: ") + registration.reason,
+    )
+    table.add_row("MLflow run", outcome.trained.run_id)
+    table.add_row("checkpoints", outcome.trained.checkpoint_url)
+    console.print(table)
+    tracking_uri = settings.resolved_tracking_uri
+    console.print("[bold]Where to look next[/bold]")
+    if not tracking_uri.startswith("http"):
+        console.print(f"  MLflow UI:  mlflow ui --backend-store-uri {tracking_uri} --port 5000")
+    else:
+        console.print(f"  MLflow UI:  {tracking_uri}")
+    console.print(f"  Prefect UI: PREFECT_HOME={settings.prefect_home} prefect server start")
+    console.print(
+        f"  Serve it:   MLFLOW_TRACKING_URI={tracking_uri} mlflow models serve "
+        f"-m models:/{registration.model_name}@{registration.alias} --env-manager local"
+    )
+
+
+def _run_flow(flow_name: str, params: BaseModel) -> None:
+    if flow_name == "ml_pipeline":
+        from flows.pipeline import ml_pipeline as flow_fn
+    else:
+        from flows.train import train_model as flow_fn
+    state = flow_fn(params=params, return_state=True)
+    if not state.is_completed():
+        error = state.result(raise_on_failure=False)
+        console.print(f"[bold red]{flow_name} failed:[/bold red] {error}")
+        raise SystemExit(1)
+    print_outcome(state.result())
+
+
+@click.group()
+def app() -> None:
+    """prefect-ml: Prefect flows for Ray-distributed PyTorch training tracked in MLflow."""
+    prepare_process_environment()
+
+
+@app.command()
+@_with_parameter_flags(PipelineParams)
+def run(**flags: Any) -> None:
+    """Run the whole pipeline (ml_pipeline); defaults train digits in about a minute."""
+    _run_flow("ml_pipeline", parse_parameters(PipelineParams, flags))
+
+
+@app.command()
+@_with_parameter_flags(TrainModelParams)
+def train(**flags: Any) -> None:
+    """Train, evaluate and register one model (train_model)."""
+    _run_flow("train_model", parse_parameters(TrainModelParams, flags))
+
+
+@app.command()
+def doctor() -> None:
+    """Check Ray, MLflow and storage; print versions and devices; exit 1 if anything is wrong."""
+    from tasks.doctor import run_checks
+
+    checks = run_checks(get_settings())
+    table = Table(title="prefect-ml doctor")
+    for column in ("check", "status", "detail"):
+        table.add_column(column)
+    for check in checks:
+        status = "[green]ok[/green]" if check.ok else "[bold red]FAIL[/bold red]"
+        table.add_row(check.name, status, check.detail)
+    console.print(table)
+    sys.exit(0 if all(check.ok for check in checks) else 1)

@@ -1,0 +1,41 @@
+"""``train_model``: preprocess -> train on Ray -> evaluate -> register, as one Prefect flow."""
+
+from __future__ import annotations
+
+from prefect import flow
+from pydantic import BaseModel
+
+from tasks.data import PreparedData, inspect_data, preprocess
+from tasks.evaluate import Evaluation, evaluate
+from tasks.params import TrainModelParams
+from tasks.register import Registration, register
+from tasks.report import publish_summary
+from tasks.train import TrainResult, train
+
+
+class TrainingOutcome(BaseModel):
+    """Everything a training chain produced, as small serialisable pieces."""
+
+    data: PreparedData
+    trained: TrainResult
+    evaluation: Evaluation
+    registration: Registration
+
+
+def training_chain(params: TrainModelParams) -> TrainingOutcome:
+    """The steps shared by ``train_model`` and ``ml_pipeline``; runs inside either flow."""
+    summary = inspect_data(params)
+    data = preprocess(params.data, summary.fingerprint)
+    trained = train(params, data)
+    evaluation = evaluate(params, data, trained)
+    registration = register(params, data, trained, evaluation)
+    publish_summary(data, trained, evaluation, registration)
+    return TrainingOutcome(
+        data=data, trained=trained, evaluation=evaluation, registration=registration
+    )
+
+
+@flow(name="train-model")
+def train_model(params: TrainModelParams = TrainModelParams()) -> TrainingOutcome:  # noqa: B008
+    """Train a model on Ray, evaluate it, register it and promote it if it beats the champion."""
+    return training_chain(params)

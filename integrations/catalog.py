@@ -1,0 +1,305 @@
+"""Datasets and models by short name or by ``package.module:factory`` import path.
+
+Contracts for user code:
+
+* a dataset loader is ``loader(**options) -> (features, labels)`` returning NumPy arrays:
+  ``features`` shaped ``(n, *sample_shape)``, ``labels`` shaped ``(n,)`` with class labels;
+* a model factory is ``factory(input_shape, num_classes, **options) -> torch.nn.Module``
+  returning logits of shape ``(batch, num_classes)``.
+
+Both are resolved and checked (importable, callable, right signature) while parameters are
+parsed, before any compute starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from integrations.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import torch
+
+TABULAR_SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+
+
+@dataclass(frozen=True)
+class DatasetArrays:
+    """A whole dataset in memory: float32 features, int64 class ids and their names."""
+
+    features: np.ndarray
+    labels: np.ndarray
+    class_names: list[str]
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.features.shape[1:])
+
+
+def load_digits_dataset() -> DatasetArrays:
+    """scikit-learn's bundled 8x8 digits (1,797 images, 10 classes) as ``(n, 1, 8, 8)``."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    features = bunch.images.astype(np.float32)[:, None, :, :]
+    return DatasetArrays(features, bunch.target.astype(np.int64), [str(c) for c in range(10)])
+
+
+def tabular_format(url: str) -> str:
+    """``csv`` or ``parquet`` from the URL's suffix."""
+    for suffix, fmt in TABULAR_SUFFIXES.items():
+        if url.lower().endswith(suffix):
+            return fmt
+    raise ConfigurationError(
+        "data.url", f"{url!r} is neither .csv nor .parquet; give a CSV or Parquet file URL"
+    )
+
+
+def tabular_columns(url: str) -> list[str]:
+    """Column names of a CSV or Parquet file, reading only its header or footer."""
+    import fsspec
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    fmt = tabular_format(url)
+    try:
+        with fsspec.open(url, "rb") as handle:
+            if fmt == "parquet":
+                return list(pq.read_schema(handle).names)
+            return list(pd.read_csv(handle, nrows=0).columns)
+    except FileNotFoundError as exc:
+        raise ConfigurationError("data.url", f"no file at {url!r}; check the URL") from exc
+
+
+def load_tabular_dataset(url: str, label_column: str) -> DatasetArrays:
+    """A CSV or Parquet file at any fsspec URL; every column but ``label_column`` is a feature."""
+    import fsspec
+    import pandas as pd
+
+    columns = tabular_columns(url)
+    if label_column not in columns:
+        raise ConfigurationError(
+            "data.label_column",
+            f"column {label_column!r} is not in {url!r}; its columns are {columns}. "
+            "Set --label-column to one of them.",
+        )
+    with fsspec.open(url, "rb") as handle:
+        frame = pd.read_parquet(handle) if tabular_format(url) == "parquet" else pd.read_csv(handle)
+    feature_frame = frame.drop(columns=[label_column])
+    non_numeric = [c for c in feature_frame.columns if not pd.api.types.is_numeric_dtype(frame[c])]
+    if non_numeric:
+        raise ConfigurationError(
+            "data.url", f"feature columns {non_numeric} are not numeric; encode or drop them"
+        )
+    classes, labels = np.unique(frame[label_column].to_numpy(), return_inverse=True)
+    return DatasetArrays(
+        feature_frame.to_numpy(dtype=np.float32),
+        labels.astype(np.int64),
+        [str(c) for c in classes],
+    )
+
+
+def build_mlp(
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    hidden: int = 128,
+    depth: int = 2,
+    dropout: float = 0.1,
+) -> torch.nn.Module:
+    """A multilayer perceptron: ``depth`` hidden layers of ``hidden`` units, ReLU, dropout."""
+    from torch import nn
+
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = int(np.prod(input_shape))
+    for _ in range(depth):
+        layers += [nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(dropout)]
+        width = hidden
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+def build_cnn(
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    channels: int = 32,
+    dropout: float = 0.1,
+) -> torch.nn.Module:
+    """A small conv net for image-shaped inputs ``(C, H, W)``: two conv blocks, a linear head."""
+    from torch import nn
+
+    if len(input_shape) != 3:
+        raise ConfigurationError(
+            "model.name",
+            f"cnn needs image-shaped samples (C, H, W) but the dataset gives {tuple(input_shape)}; "
+            "use --model mlp",
+        )
+    in_channels = int(input_shape[0])
+    return nn.Sequential(
+        nn.Conv2d(in_channels, channels, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(channels, channels * 2, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Dropout(dropout),
+        nn.Linear(channels * 2 * 4, num_classes),
+    )
+
+
+BUILTIN_DATASETS: dict[str, Callable[..., Any]] = {
+    "digits": load_digits_dataset,
+    "tabular": load_tabular_dataset,
+}
+BUILTIN_MODELS: dict[str, Callable[..., Any]] = {"mlp": build_mlp, "cnn": build_cnn}
+
+
+def import_callable(path: str, *, field: str) -> Callable[..., Any]:
+    """Import ``package.module:attribute`` and check that it is callable."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ConfigurationError(
+            field, f"{path!r} is not an import path; write it as 'package.module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(
+            field,
+            f"cannot import module {module_name!r} ({exc}); install it or put it on PYTHONPATH",
+        ) from exc
+    target = getattr(module, attribute, None)
+    if target is None:
+        raise ConfigurationError(field, f"module {module_name!r} has no attribute {attribute!r}")
+    if not callable(target):
+        raise ConfigurationError(field, f"{path!r} is not callable; point it at a function")
+    return target  # type: ignore[no-any-return]
+
+
+def _check_accepts(target: Callable[..., Any], names: Sequence[str], *, field: str) -> None:
+    signature = inspect.signature(target)
+    params = signature.parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise ConfigurationError(
+            field,
+            f"{getattr(target, '__qualname__', target)}{signature} does not accept {missing}; "
+            f"its signature must accept {list(names)}",
+        )
+
+
+def _check_no_other_required(
+    target: Callable[..., Any], given: Sequence[str], *, field: str
+) -> None:
+    required = [
+        p.name
+        for p in inspect.signature(target).parameters.values()
+        if p.default is p.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.name not in given
+    ]
+    if required:
+        raise ConfigurationError(
+            field,
+            f"{getattr(target, '__qualname__', target)} requires {required}, which are not given",
+        )
+
+
+def resolve_dataset(name: str, options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The dataset loader for a built-in name or an import path, checked against ``options``."""
+    options = options or {}
+    if name in BUILTIN_DATASETS:
+        loader = BUILTIN_DATASETS[name]
+    elif ":" in name:
+        loader = import_callable(name, field="data.dataset")
+    else:
+        raise ConfigurationError(
+            "data.dataset",
+            f"unknown dataset {name!r}; use one of {sorted(BUILTIN_DATASETS)} "
+            "or an import path 'package.module:loader'",
+        )
+    _check_accepts(loader, list(options), field="data.dataset")
+    _check_no_other_required(loader, list(options), field="data.dataset")
+    return loader
+
+
+def resolve_model(name: str) -> Callable[..., Any]:
+    """The model factory for a built-in name or an import path, with its signature checked."""
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name]
+    if ":" not in name:
+        raise ConfigurationError(
+            "model.name",
+            f"unknown model {name!r}; use one of {sorted(BUILTIN_MODELS)} "
+            "or an import path 'package.module:factory'",
+        )
+    factory = import_callable(name, field="model.name")
+    _check_accepts(factory, ["input_shape", "num_classes"], field="model.name")
+    return factory
+
+
+def accepted_options(target: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``options`` that ``target`` accepts by keyword."""
+    params = inspect.signature(target).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(options)
+    return {k: v for k, v in options.items() if k in params}
+
+
+def load_dataset(name: str, options: dict[str, Any]) -> DatasetArrays:
+    """Load a dataset through its loader and normalise the result to :class:`DatasetArrays`."""
+    result = resolve_dataset(name, options)(**options)
+    if isinstance(result, DatasetArrays):
+        return result
+    try:
+        features, labels = result
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(
+            "data.dataset", f"{name} must return (features, labels) arrays, got {type(result)}"
+        ) from exc
+    classes, label_ids = np.unique(np.asarray(labels), return_inverse=True)
+    return DatasetArrays(
+        np.asarray(features, dtype=np.float32),
+        label_ids.astype(np.int64),
+        [str(c) for c in classes],
+    )
+
+
+def build_model(
+    name: str, input_shape: Sequence[int], num_classes: int, options: dict[str, Any]
+) -> torch.nn.Module:
+    """Build a model from the catalog, passing only the options its factory accepts."""
+    factory = resolve_model(name)
+    return factory(tuple(input_shape), num_classes, **accepted_options(factory, options))  # type: ignore[no-any-return]
+
+
+def with_standardizer(
+    model: torch.nn.Module, mean: np.ndarray, std: np.ndarray, sample_shape: Sequence[int]
+) -> torch.nn.Module:
+    """``model`` preceded by the training split's standardisation, built from torch's own modules.
+
+    An eval-mode ``BatchNorm1d`` whose running statistics are the training mean and variance
+    computes ``(x - mean) / std`` exactly; using it (not a custom class) keeps the logged model
+    loadable by ``mlflow models serve`` without any of this project's code.
+    """
+    import torch
+    from torch import nn
+
+    width = int(np.prod(sample_shape))
+    norm = nn.BatchNorm1d(width, eps=1e-12, affine=False)
+    with torch.no_grad():
+        norm.running_mean.copy_(torch.from_numpy(mean.reshape(-1).astype(np.float32)))
+        norm.running_var.copy_(torch.from_numpy((std.reshape(-1).astype(np.float32)) ** 2 - 1e-12))
+    layers: list[nn.Module] = [nn.Flatten(), norm]
+    if len(sample_shape) > 1:
+        layers.append(nn.Unflatten(1, tuple(int(d) for d in sample_shape)))
+    return nn.Sequential(*layers, model).eval()

@@ -1,0 +1,32 @@
+"""The one error root of prefect-ml and its few specific kinds."""
+
+from __future__ import annotations
+
+
+class PrefectMLError(Exception):
+    """Root of every error prefect-ml raises on purpose; the message says what to do next."""
+
+
+class ConfigurationError(PrefectMLError, ValueError):
+    """A parameter or setting is invalid; raised before any compute starts.
+
+    Args:
+        field: dotted name of the offending parameter, e.g. ``training.workers``.
+        message: what is wrong and how to fix it.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+    def __reduce__(self) -> tuple[type[ConfigurationError], tuple[str, str]]:
+        return (type(self), (self.field, self.message))
+
+
+class CheckpointError(PrefectMLError):
+    """No checkpoint could be verified where one was required."""
+
+
+class EnvironmentCheckError(PrefectMLError):
+    """A service prefect-ml needs (Ray, MLflow, storage) is unreachable or not writable."""

@@ -1,0 +1,47 @@
+"""Connecting to Ray: a cluster at an address, or a local Ray started (and owned) here."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+from integrations.errors import EnvironmentCheckError
+from integrations.settings import PrefectMLSettings
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
+    """Yield the cluster's resources, connecting to Ray for the duration of the block.
+
+    Reuses a Ray already initialised in this process (a test fixture, a notebook); otherwise
+    connects to ``settings.ray_address`` or starts a local Ray. It shuts down only what it started.
+    """
+    import ray
+
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        try:
+            if settings.ray_address:
+                ray.init(address=settings.ray_address, logging_level=logging.WARNING)
+            else:
+                ray.init(
+                    num_cpus=settings.local_ray_cpus,
+                    # The dashboard serves Ray's state API, which Ray Train v2 polls; loopback only.
+                    include_dashboard=True,
+                    dashboard_host="127.0.0.1",
+                    logging_level=logging.WARNING,
+                )
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            where = settings.ray_address or "a local Ray"
+            raise EnvironmentCheckError(
+                f"could not start or reach {where}: {exc}. Check PREFECT_ML_RAY_ADDRESS "
+                "(unset it to start a local Ray) and that `ray status` works."
+            ) from exc
+    try:
+        yield dict(ray.cluster_resources())
+    finally:
+        if owns_ray:
+            ray.shutdown()

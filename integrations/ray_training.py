@@ -1,0 +1,287 @@
+"""Ray Train v2: the per-worker training loop and the ``TorchTrainer`` that runs it.
+
+The loop owns checkpointing through :class:`CheckpointStore` (atomic, verified) instead of Ray
+Train's checkpoints, so that a restarted worker group, a restarted process and a reader on
+another machine all resume from the same verified bytes. Rank 0 writes checkpoints and
+metrics; metrics are logged once per epoch, after the checkpoint that holds them commits.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from integrations import storage, tracking
+from integrations.catalog import build_model
+from integrations.checkpoints import CheckpointStore
+
+if TYPE_CHECKING:
+    import torch
+
+STATE_FILE = "state.pt"
+
+
+@dataclass(frozen=True)
+class TrainLoopConfig:
+    """Everything a worker needs, as plain data (it crosses process boundaries)."""
+
+    splits_url: str
+    input_shape: list[int]
+    num_classes: int
+    model: str
+    model_options: dict[str, Any]
+    epochs: int
+    batch_size: int
+    lr: float
+    optimizer: str
+    weight_decay: float
+    scheduler: str
+    seed: int
+    checkpoint_url: str
+    tracking_uri: str
+    run_id: str
+
+
+def shard_bounds(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of worker ``rank``; every worker gets the same count.
+
+    Equal shards keep DDP's collective calls in step; the at most ``world_size - 1`` rows left
+    over are dropped (the split was shuffled, so they are a random few).
+    """
+    per_worker = rows // world_size
+    return rank * per_worker, (rank + 1) * per_worker
+
+
+def load_shard(
+    splits_url: str, split: str, rank: int, world_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """This worker's rows of one split, reading only those bytes."""
+    labels_url = storage.join(splits_url, f"{split}_labels.npy")
+    rows = storage.read_array(labels_url).shape[0]
+    start, stop = shard_bounds(rows, rank, world_size)
+    features = storage.read_array_rows(
+        storage.join(splits_url, f"{split}_features.npy"), start, stop
+    )
+    labels = storage.read_array_rows(labels_url, start, stop)
+    return features, labels
+
+
+def make_optimizer(name: str, params: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+
+
+def make_scheduler(name: str, optimizer: torch.optim.Optimizer, epochs: int) -> Any:
+    import torch
+
+    if name == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+def serialize_state(state: dict[str, Any]) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def deserialize_state(data: bytes) -> dict[str, Any]:
+    """Load a state saved by :func:`serialize_state`; never unpickles arbitrary objects."""
+    import torch
+
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # type: ignore[no-any-return]
+
+
+def _all_reduce_sum(values: list[float]) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor.tolist()  # type: ignore[no-any-return]
+
+
+def _gather_rng_states() -> list[Any]:
+    import torch
+    import torch.distributed as dist
+
+    own = torch.get_rng_state()
+    if not (dist.is_available() and dist.is_initialized()):
+        return [own]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, own)
+    return states
+
+
+def evaluate_batches(
+    model: torch.nn.Module, features: torch.Tensor, labels: torch.Tensor, batch_size: int
+) -> tuple[float, int, int]:
+    """(summed loss, correct predictions, rows) of ``model`` on the given rows."""
+    import torch
+    import torch.nn.functional as F
+
+    loss_sum, correct = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(labels), batch_size):
+            logits = model(features[start : start + batch_size])
+            target = labels[start : start + batch_size]
+            loss_sum += float(F.cross_entropy(logits, target, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == target).sum())
+    return loss_sum, correct, len(labels)
+
+
+def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
+    """One Ray Train worker: resume from the newest verified checkpoint, then train epochs."""
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.nn.functional as F
+
+    config = TrainLoopConfig(**config_dict)
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    device = ray.train.torch.get_device()
+
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, config.input_shape, config.num_classes, config.model_options)
+    optimizer = make_optimizer(config.optimizer, model.parameters(), config.lr, config.weight_decay)
+    scheduler = make_scheduler(config.scheduler, optimizer, config.epochs)
+    store = CheckpointStore(config.checkpoint_url)
+    client = tracking.client_for(config.tracking_uri) if rank == 0 else None
+
+    first_epoch = 1
+    latest = store.latest()
+    if latest is not None:
+        state = deserialize_state(latest.files[STATE_FILE])
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if len(state["rng"]) == world_size:
+            torch.set_rng_state(state["rng"][rank])
+        first_epoch = int(state["epoch"]) + 1
+        if client is not None:
+            # The process may have died between committing this checkpoint and logging it.
+            tracking.log_epoch_once(
+                client, config.run_id, latest.epoch, state["metrics"], latest.url
+            )
+
+    model = ray.train.torch.prepare_model(model)
+    train_x, train_y = load_shard(config.splits_url, "train", rank, world_size)
+    val_x, val_y = load_shard(config.splits_url, "val", rank, world_size)
+    train_features = torch.from_numpy(train_x).to(device)
+    train_labels = torch.from_numpy(train_y).to(device)
+    val_features = torch.from_numpy(val_x).to(device)
+    val_labels = torch.from_numpy(val_y).to(device)
+    steps = math.ceil(len(train_labels) / config.batch_size)
+
+    for epoch in range(first_epoch, config.epochs + 1):
+        started = time.perf_counter()
+        model.train()
+        order = torch.from_numpy(
+            np.random.default_rng([config.seed, epoch, rank]).permutation(len(train_labels))
+        )
+        loss_sum = 0.0
+        for step in range(steps):
+            index = order[step * config.batch_size : (step + 1) * config.batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(train_features[index]), train_labels[index])
+            loss.backward()
+            optimizer.step()
+            loss_sum += float(loss.detach()) * len(index)
+        scheduler.step()
+        train_seconds = time.perf_counter() - started
+        val_loss, val_correct, val_rows = evaluate_batches(
+            model, val_features, val_labels, max(config.batch_size, 256)
+        )
+        totals = _all_reduce_sum(
+            [loss_sum, len(train_labels), val_loss, val_correct, val_rows, train_seconds]
+        )
+        metrics = {
+            "train_loss": totals[0] / totals[1],
+            "val_loss": totals[2] / totals[4],
+            "val_accuracy": totals[3] / totals[4],
+            "samples_per_second": totals[1] / (totals[5] / world_size),
+        }
+        rng_states = _gather_rng_states()
+        if rank == 0:
+            assert client is not None
+            saving = time.perf_counter()
+            module = model.module if hasattr(model, "module") else model
+            state_bytes = serialize_state(
+                {
+                    "model": module.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "epoch": epoch,
+                    "rng": rng_states,
+                    "metrics": metrics,
+                }
+            )
+            url = store.save(epoch, {STATE_FILE: state_bytes})
+            metrics["checkpoint_seconds"] = time.perf_counter() - saving
+            tracking.log_epoch_once(client, config.run_id, epoch, metrics, url)
+    # Per-epoch metrics go to MLflow above. Ray Train v2's report() blocks until its controller
+    # polls (every 2 s), which would dominate short epochs, so Ray gets one final report.
+    ray.train.report({"epoch": config.epochs})
+
+
+def fit(
+    config: TrainLoopConfig,
+    *,
+    workers: int,
+    use_gpu: bool,
+    cpus_per_worker: float,
+    max_failures: int,
+    ray_storage_path: Path,
+    name: str,
+) -> None:
+    """Run ``train_loop_per_worker`` on ``workers`` Ray Train workers (DDP; gloo or NCCL)."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=asdict(config),
+        scaling_config=ScalingConfig(
+            num_workers=workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus_per_worker}
+        ),
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(ray_storage_path),
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
+    )
+    trainer.fit()
+
+
+def load_trained_model(
+    checkpoint_url: str,
+    model_name: str,
+    input_shape: list[int],
+    num_classes: int,
+    model_options: dict[str, Any],
+) -> tuple[torch.nn.Module, int]:
+    """The model of the newest verified checkpoint under ``checkpoint_url``, and its epoch."""
+    from integrations.errors import CheckpointError
+
+    latest = CheckpointStore(checkpoint_url).latest()
+    if latest is None:
+        raise CheckpointError(f"no verified checkpoint under {checkpoint_url}")
+    model = build_model(model_name, input_shape, num_classes, model_options)
+    model.load_state_dict(deserialize_state(latest.files[STATE_FILE])["model"])
+    return model.eval(), latest.epoch

@@ -1,0 +1,101 @@
+"""Environment settings (prefix ``PREFECT_ML_``); every embedded default lives under one home."""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class PrefectMLSettings(BaseSettings):
+    """Where prefect-ml keeps its state and which services it talks to.
+
+    Unset services fall back to embedded defaults under ``home``, so ``rm -rf .prefect-ml``
+    resets everything. The ecosystem's own variables (``MLFLOW_TRACKING_URI``) win over defaults.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="PREFECT_ML_", extra="ignore")
+
+    home: Path = Field(
+        default=Path(".prefect-ml"),
+        title="Project home",
+        description="Directory holding all embedded state (MLflow, storage, Prefect, Ray runs).",
+    )
+    ray_address: str | None = Field(
+        default=None,
+        title="Ray address",
+        description="Address of a running Ray cluster (e.g. ray://head:10001 or auto); "
+        "unset starts a local Ray on this machine.",
+    )
+    storage_url: str | None = Field(
+        default=None,
+        title="Storage URL",
+        description="fsspec URL for datasets and checkpoints; default file://<home>/storage.",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        title="MLflow tracking URI",
+        description="Overrides MLFLOW_TRACKING_URI; default sqlite:///<home>/mlflow.db.",
+    )
+    local_ray_cpus: int | None = Field(
+        default=None,
+        title="CPUs for a local Ray",
+        description="CPUs a locally started Ray may use; unset uses every core.",
+    )
+
+    @cached_property
+    def home_dir(self) -> Path:
+        return self.home.expanduser().resolve()
+
+    @property
+    def resolved_storage_url(self) -> str:
+        return (self.storage_url or (self.home_dir / "storage").as_uri()).rstrip("/")
+
+    @property
+    def resolved_tracking_uri(self) -> str:
+        return (
+            self.mlflow_tracking_uri
+            or os.environ.get("MLFLOW_TRACKING_URI")
+            or f"sqlite:///{self.home_dir / 'mlflow.db'}"
+        )
+
+    @property
+    def mlflow_artifact_root(self) -> str | None:
+        """Artifact root for experiments we create; None lets a remote MLflow server decide."""
+        if self.resolved_tracking_uri.startswith("sqlite:///"):
+            return (self.home_dir / "mlartifacts").as_uri()
+        return None
+
+    @property
+    def prefect_home(self) -> Path:
+        return self.home_dir / "prefect"
+
+    @property
+    def ray_storage_path(self) -> Path:
+        """Where Ray Train keeps its own run state (not our checkpoints)."""
+        return self.home_dir / "ray_results"
+
+
+def get_settings() -> PrefectMLSettings:
+    """Read settings from the environment now (not cached: tests and the CLI change it)."""
+    return PrefectMLSettings()
+
+
+def prepare_process_environment(settings: PrefectMLSettings | None = None) -> PrefectMLSettings:
+    """Point Prefect's own state at the project home and silence telemetry.
+
+    Must run before ``prefect`` is imported: Prefect reads its settings at import time.
+    Variables the user already set are left alone.
+    """
+    settings = settings or get_settings()
+    settings.prefect_home.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PREFECT_HOME", str(settings.prefect_home))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    return settings

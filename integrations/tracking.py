@@ -1,0 +1,261 @@
+"""MLflow: runs, per-epoch metrics, evaluation artifacts, registered versions and aliases.
+
+Everything goes through an explicit ``MlflowClient(tracking_uri)`` rather than the global
+``mlflow.*`` state, because the same process (and Ray workers) may talk to several runs and
+tracking URIs; global state would leak between them. The only exception is
+``mlflow.pytorch.log_model``, which needs an active run and is scoped with ``start_run(run_id)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from matplotlib.figure import Figure
+    from mlflow import MlflowClient
+
+RUN_KEY_TAG = "prefect_ml.run_key"
+FLOW_RUN_TAG = "prefect.flow_run_id"
+EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "samples_per_second")
+
+
+def client_for(tracking_uri: str) -> MlflowClient:
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+
+def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
+    """The id of experiment ``name``, created (with artifacts under ``artifact_root``) if new."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return str(experiment.experiment_id)
+    location = f"{artifact_root.rstrip('/')}/{name}" if artifact_root else None
+    return str(client.create_experiment(name, artifact_location=location))
+
+
+def start_or_resume_run(
+    client: MlflowClient,
+    experiment_id: str,
+    run_key: str,
+    *,
+    run_name: str,
+    params: dict[str, Any],
+    tags: dict[str, str],
+) -> tuple[str, bool]:
+    """Resume the unfinished run with ``run_key`` or start a new one; returns (run_id, resumed).
+
+    A run that a killed process left RUNNING (or that failed) is the same logical run: resuming
+    it keeps one metric history and one set of checkpoints. A FINISHED run is never reopened.
+    """
+    unfinished = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}' and attributes.status != 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    if unfinished:
+        run_id = unfinished[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+        for key, value in tags.items():
+            client.set_tag(run_id, key, value)
+        return run_id, True
+    run = client.create_run(experiment_id, run_name=run_name, tags={RUN_KEY_TAG: run_key, **tags})
+    log_params(client, run.info.run_id, params)
+    return run.info.run_id, False
+
+
+def log_params(client: MlflowClient, run_id: str, params: dict[str, Any]) -> None:
+    from mlflow.entities import Param
+
+    client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
+
+
+def logged_epochs(client: MlflowClient, run_id: str) -> list[int]:
+    """Epochs whose metrics are in the run, in the order they were logged."""
+    return [m.step for m in client.get_metric_history(run_id, "val_loss")]
+
+
+def log_epoch_once(
+    client: MlflowClient, run_id: str, epoch: int, metrics: dict[str, float], checkpoint_url: str
+) -> bool:
+    """Log one epoch's metrics unless that epoch is already in the run; True if it logged.
+
+    One ``log_batch`` call is atomic, so after any crash an epoch is either fully logged or
+    not at all, and a restarted worker can call this again for the epoch it resumed from.
+    """
+    import time
+
+    from mlflow.entities import Metric, RunTag
+
+    if epoch in logged_epochs(client, run_id):
+        return False
+    now = int(time.time() * 1000)
+    client.log_batch(
+        run_id,
+        metrics=[Metric(k, float(v), now, epoch) for k, v in metrics.items() if math.isfinite(v)],
+        tags=[
+            RunTag(f"checkpoint.epoch_{epoch:04d}", checkpoint_url),
+            RunTag("checkpoint.latest", checkpoint_url),
+        ],
+    )
+    return True
+
+
+def metric_history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+
+
+def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float]) -> None:
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
+
+
+def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
+    from mlflow.entities import RunTag
+
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
+def log_figure(client: MlflowClient, run_id: str, figure: Figure, artifact_file: str) -> None:
+    client.log_figure(run_id, figure, artifact_file)
+
+
+def log_text(client: MlflowClient, run_id: str, text: str, artifact_file: str) -> None:
+    client.log_text(run_id, text, artifact_file)
+
+
+def finish_run(client: MlflowClient, run_id: str, status: str = "FINISHED") -> None:
+    client.set_terminated(run_id, status=status)
+
+
+def run_metrics(client: MlflowClient, run_id: str) -> dict[str, float]:
+    return dict(client.get_run(run_id).data.metrics)
+
+
+def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """Where a person opens the run: the tracking server, or a local ``mlflow ui``."""
+    base = tracking_uri if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+@dataclass(frozen=True)
+class PromotionDecision:
+    """Whether a new version took the alias, and why, in words a person can act on."""
+
+    promoted: bool
+    reason: str
+    previous_version: str | None
+    previous_value: float | None
+
+
+def decide_promotion(
+    new_value: float,
+    champion_value: float | None,
+    *,
+    metric: str,
+    direction: str,
+    min_delta: float,
+    champion_version: str | None,
+) -> PromotionDecision:
+    """Promote when there is no champion or the new value beats it by at least ``min_delta``."""
+    if champion_value is None:
+        return PromotionDecision(True, f"no current champion; {metric}={new_value:.4f}", None, None)
+    gain = new_value - champion_value if direction == "maximize" else champion_value - new_value
+    verdict = gain >= min_delta and gain > 0
+    comparison = "beats" if verdict else "does not beat"
+    reason = (
+        f"{metric}={new_value:.4f} {comparison} champion v{champion_version} "
+        f"({champion_value:.4f}) by the required {min_delta:g} ({direction}; gain {gain:+.4f})"
+    )
+    return PromotionDecision(verdict, reason, champion_version, champion_value)
+
+
+def champion(client: MlflowClient, model_name: str, alias: str) -> tuple[str, str] | None:
+    """(version, run_id) holding ``alias``, or None if the model or alias does not exist yet."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        version = client.get_model_version_by_alias(model_name, alias)
+    except MlflowException:
+        return None
+    return str(version.version), str(version.run_id)
+
+
+def log_and_register_model(
+    client: MlflowClient,
+    tracking_uri: str,
+    run_id: str,
+    model: torch.nn.Module,
+    input_example: np.ndarray,
+    *,
+    model_name: str,
+    tags: dict[str, str],
+) -> str:
+    """Log ``model`` (signature, input example) to the run and register it; return the version."""
+    import mlflow
+    import mlflow.pytorch
+    import torch
+    from mlflow.models import infer_signature
+
+    model = model.eval()
+    with torch.no_grad():
+        output = model(torch.from_numpy(input_example)).numpy()
+    signature = infer_signature(input_example, output)
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
+    with mlflow.start_run(run_id=run_id, log_system_metrics=False):
+        info = mlflow.pytorch.log_model(
+            model,
+            name="model",
+            signature=signature,
+            input_example=input_example,
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "mlflow"],
+        )
+    _ensure_registered_model(client, model_name)
+    version = client.create_model_version(model_name, info.model_uri, run_id=run_id, tags=tags)
+    return str(version.version)
+
+
+def _ensure_registered_model(client: MlflowClient, model_name: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(model_name)
+    except MlflowException:
+        client.create_registered_model(model_name)
+
+
+def set_alias(client: MlflowClient, model_name: str, alias: str, version: str) -> None:
+    client.set_registered_model_alias(model_name, alias, version)
+
+
+def tag_version(client: MlflowClient, model_name: str, version: str, tags: dict[str, str]) -> None:
+    for key, value in tags.items():
+        client.set_model_version_tag(model_name, version, key, value)
+
+
+def check_writable(tracking_uri: str, artifact_root: str | None) -> str:
+    """Connect to the tracking store and check that its backing files can be written."""
+    import os
+
+    from integrations import storage
+
+    client_for(tracking_uri).search_experiments(max_results=1)
+    if tracking_uri.startswith("sqlite:///"):
+        database = tracking_uri.removeprefix("sqlite:///")
+        if not os.access(database, os.W_OK):
+            raise PermissionError(f"{database} is not writable")
+    if artifact_root:
+        storage.check_writable(artifact_root)
+    return f"{tracking_uri} reachable" + (
+        f", artifacts at {artifact_root}" if artifact_root else ""
+    )

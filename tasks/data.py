@@ -1,0 +1,153 @@
+"""Data steps: inspect (checks, no writes) and preprocess (split, normalise, write, fingerprint)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel
+
+from integrations import storage
+from integrations.catalog import DatasetArrays, load_dataset
+from integrations.errors import ConfigurationError
+from integrations.settings import get_settings
+from tasks.params import DataParams, TrainModelParams
+
+FORMAT_VERSION = "1"
+
+
+class DataSummary(BaseModel):
+    """What ``inspect_data`` learnt without writing anything."""
+
+    fingerprint: str
+    rows: int
+    train_rows: int
+    sample_shape: list[int]
+    num_classes: int
+
+
+class PreparedData(BaseModel):
+    """Where the splits are and what they hold; small enough to pass between tasks."""
+
+    fingerprint: str
+    splits_url: str
+    sample_shape: list[int]
+    num_classes: int
+    class_names: list[str]
+    rows: dict[str, int]
+
+
+def fingerprint_dataset(arrays: DatasetArrays, data: DataParams) -> str:
+    """Content hash of the source data and of every parameter that changes the splits."""
+    digest = hashlib.sha256()
+    for array in (arrays.features, arrays.labels):
+        digest.update(str((array.dtype.str, array.shape)).encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    recipe = data.model_dump(
+        mode="json", include={"val_fraction", "test_fraction", "split_seed", "normalize"}
+    )
+    digest.update(
+        json.dumps({"classes": arrays.class_names, **recipe, "v": FORMAT_VERSION}).encode()
+    )
+    return digest.hexdigest()[:20]
+
+
+def split_indices(labels: np.ndarray, data: DataParams) -> dict[str, np.ndarray]:
+    """Seeded, stratified train/val/test row indices (each split shuffled)."""
+    from sklearn.model_selection import train_test_split
+
+    rows = np.arange(len(labels))
+    try:
+        rest, test = train_test_split(
+            rows, test_size=data.test_fraction, stratify=labels, random_state=data.split_seed
+        )
+        train, val = train_test_split(
+            rest,
+            test_size=data.val_fraction / (1 - data.test_fraction),
+            stratify=labels[rest],
+            random_state=data.split_seed,
+        )
+    except ValueError as exc:
+        raise ConfigurationError(
+            "data.dataset",
+            f"cannot make a stratified split ({exc}); every class needs a few rows in each split",
+        ) from exc
+    return {"train": train, "val": val, "test": test}
+
+
+def train_rows(total_rows: int, data: DataParams) -> int:
+    """Rows of the training split, as ``split_indices`` will make it."""
+    test = int(np.ceil(total_rows * data.test_fraction))
+    rest = total_rows - test
+    return rest - int(np.ceil(rest * data.val_fraction / (1 - data.test_fraction)))
+
+
+def inspect_dataset(params: TrainModelParams) -> DataSummary:
+    """Load the data and check what parameters alone cannot; writes nothing anywhere."""
+    arrays = load_dataset(params.data.dataset, params.data.loader_options())
+    n_train = train_rows(len(arrays.labels), params.data)
+    per_worker = n_train // params.training.workers
+    if params.training.batch_size > n_train:
+        raise ConfigurationError(
+            "training.batch_size",
+            f"{params.training.batch_size} is larger than the training split ({n_train} rows); "
+            f"set --batch-size to at most {n_train}",
+        )
+    if per_worker < 1:
+        raise ConfigurationError(
+            "training.workers",
+            f"{params.training.workers} workers for {n_train} training rows leaves some with none; "
+            f"use at most {n_train} workers",
+        )
+    return DataSummary(
+        fingerprint=fingerprint_dataset(arrays, params.data),
+        rows=len(arrays.labels),
+        train_rows=n_train,
+        sample_shape=list(arrays.sample_shape),
+        num_classes=len(arrays.class_names),
+    )
+
+
+def preprocess_dataset(data: DataParams, fingerprint: str, storage_url: str) -> PreparedData:
+    """Split, standardise with training statistics only, write the splits under the fingerprint."""
+    arrays = load_dataset(data.dataset, data.loader_options())
+    splits = split_indices(arrays.labels, data)
+    train = arrays.features[splits["train"]]
+    mean = train.mean(axis=0) if data.normalize else np.zeros(arrays.sample_shape, np.float32)
+    std = train.std(axis=0) if data.normalize else np.ones(arrays.sample_shape, np.float32)
+    std = np.where(std < 1e-6, 1.0, std).astype(np.float32)
+    splits_url = storage.join(storage_url, "datasets", fingerprint)
+    for name, index in splits.items():
+        features = ((arrays.features[index] - mean) / std).astype(np.float32)
+        storage.write_array(storage.join(splits_url, f"{name}_features.npy"), features)
+        storage.write_array(storage.join(splits_url, f"{name}_labels.npy"), arrays.labels[index])
+    storage.write_array(storage.join(splits_url, "mean.npy"), mean.astype(np.float32))
+    storage.write_array(storage.join(splits_url, "std.npy"), std)
+    prepared = PreparedData(
+        fingerprint=fingerprint,
+        splits_url=splits_url,
+        sample_shape=list(arrays.sample_shape),
+        num_classes=len(arrays.class_names),
+        class_names=arrays.class_names,
+        rows={name: len(index) for name, index in splits.items()},
+    )
+    storage.write_bytes(storage.join(splits_url, "meta.json"), prepared.model_dump_json().encode())
+    return prepared
+
+
+@task(name="inspect-data", cache_policy=NO_CACHE)
+def inspect_data(params: TrainModelParams) -> DataSummary:
+    return inspect_dataset(params)
+
+
+def _preprocess_cache_key(_context: object, parameters: dict[str, object]) -> str:
+    return f"preprocess-{parameters['fingerprint']}-{get_settings().resolved_storage_url}"
+
+
+@task(name="preprocess", cache_key_fn=_preprocess_cache_key, persist_result=True)
+def preprocess(data: DataParams, fingerprint: str) -> PreparedData:
+    """Prefect caches this on the fingerprint: the same data and recipe are prepared once."""
+    return preprocess_dataset(data, fingerprint, get_settings().resolved_storage_url)

@@ -1,0 +1,70 @@
+"""``prefect-ml doctor``: is every system reachable and writable, and what runs where."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+
+from integrations import storage, tracking
+from integrations.ray_cluster import ray_session
+from integrations.settings import PrefectMLSettings
+
+PACKAGES = ("prefect", "ray", "torch", "mlflow", "optuna", "s3fs", "pydantic")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _guarded(name: str, probe: Callable[[], str]) -> Check:
+    try:
+        return Check(name, True, probe())
+    except Exception as exc:  # a doctor reports every failure instead of stopping at the first
+        return Check(name, False, f"{type(exc).__name__}: {exc}")
+
+
+def _versions() -> str:
+    found = [f"python {platform.python_version()}"]
+    for package in PACKAGES:
+        try:
+            found.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{package} missing")
+    return ", ".join(found)
+
+
+def _devices() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        runtime = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
+        return f"{runtime}: {', '.join(names)} (NCCL)"
+    return f"CPU only, {torch.get_num_threads()} threads (gloo)"
+
+
+def _ray(settings: PrefectMLSettings) -> str:
+    with ray_session(settings) as resources:
+        where = settings.ray_address or "local Ray"
+        return f"{where}: {resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU"
+
+
+def run_checks(settings: PrefectMLSettings) -> list[Check]:
+    """Every check, each isolated so that one failure does not hide the others."""
+    return [
+        _guarded("versions", _versions),
+        _guarded("devices", _devices),
+        _guarded("ray", lambda: _ray(settings)),
+        _guarded(
+            "mlflow",
+            lambda: tracking.check_writable(
+                settings.resolved_tracking_uri, settings.mlflow_artifact_root
+            ),
+        ),
+        _guarded("storage", lambda: storage.check_writable(settings.resolved_storage_url)),
+    ]

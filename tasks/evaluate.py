@@ -1,0 +1,92 @@
+"""The evaluation step: held-out test metrics and a confusion matrix, logged to the run."""
+
+from __future__ import annotations
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel
+
+from integrations import ray_training, storage, tracking
+from integrations.settings import get_settings
+from tasks.data import PreparedData
+from tasks.params import TrainModelParams
+from tasks.train import TrainResult
+
+
+class Evaluation(BaseModel):
+    """Test-set metrics, keyed without ``test_``: ``accuracy``, ``macro_f1``, ``loss``."""
+
+    metrics: dict[str, float]
+    confusion_matrix: list[list[int]]
+
+
+def confusion_figure(matrix: np.ndarray, class_names: list[str]):  # type: ignore[no-untyped-def]
+    """A confusion-matrix heat map with counts, as a matplotlib figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(1.2 + 0.5 * len(class_names), 1 + 0.5 * len(class_names)))
+    axes.imshow(matrix, cmap="Blues")
+    ticks = range(len(class_names))
+    axes.set_xticks(ticks, class_names)
+    axes.set_yticks(ticks, class_names)
+    axes.set_xlabel("predicted")
+    axes.set_ylabel("true")
+    threshold = matrix.max() / 2 if matrix.size else 0
+    for (row, col), count in np.ndenumerate(matrix):
+        axes.text(
+            col,
+            row,
+            int(count),
+            ha="center",
+            va="center",
+            color="white" if count > threshold else "black",
+            fontsize=8,
+        )
+    axes.set_title("Test confusion matrix")
+    figure.tight_layout()
+    return figure
+
+
+def evaluate_model(
+    params: TrainModelParams, data: PreparedData, trained: TrainResult
+) -> Evaluation:
+    """Score the final checkpoint on the test split and log metrics and the figure to MLflow."""
+    import matplotlib.pyplot as plt
+    import torch
+    from sklearn.metrics import confusion_matrix, f1_score
+
+    model, _epoch = ray_training.load_trained_model(
+        trained.checkpoint_url,
+        params.model.model,
+        data.sample_shape,
+        data.num_classes,
+        params.model.factory_options(),
+    )
+    features = torch.from_numpy(
+        storage.read_array(storage.join(data.splits_url, "test_features.npy"))
+    )
+    labels = torch.from_numpy(storage.read_array(storage.join(data.splits_url, "test_labels.npy")))
+    loss_sum, correct, rows = ray_training.evaluate_batches(model, features, labels, 512)
+    with torch.no_grad():
+        predictions = model(features).argmax(dim=1).numpy()
+    matrix = confusion_matrix(labels.numpy(), predictions, labels=range(data.num_classes))
+    metrics = {
+        "accuracy": correct / rows,
+        "macro_f1": float(f1_score(labels.numpy(), predictions, average="macro")),
+        "loss": loss_sum / rows,
+    }
+    client = tracking.client_for(get_settings().resolved_tracking_uri)
+    tracking.log_metrics(client, trained.run_id, {f"test_{k}": v for k, v in metrics.items()})
+    figure = confusion_figure(matrix, data.class_names)
+    tracking.log_figure(client, trained.run_id, figure, "evaluation/confusion_matrix.png")
+    plt.close(figure)
+    return Evaluation(metrics=metrics, confusion_matrix=matrix.tolist())
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate(params: TrainModelParams, data: PreparedData, trained: TrainResult) -> Evaluation:
+    return evaluate_model(params, data, trained)

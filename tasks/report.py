@@ -1,0 +1,83 @@
+"""What a person sees of a flow run: a markdown summary, a metrics table and links as artifacts."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from integrations import tracking
+from integrations.settings import get_settings
+from tasks.data import PreparedData
+from tasks.evaluate import Evaluation
+from tasks.register import Registration
+from tasks.train import TrainResult
+
+
+def summary_markdown(
+    data: PreparedData,
+    trained: TrainResult,
+    evaluation: Evaluation,
+    registration: Registration,
+    run_link: str,
+) -> str:
+    metric_rows = (
+        "\n".join(f"| test {name} | {value:.4f} |" for name, value in evaluation.metrics.items())
+        + "\n"
+        + "\n".join(
+            f"| last epoch {name} | {value:.4f} |" for name, value in trained.epoch_metrics.items()
+        )
+    )
+    resumed = (
+        f"resumed from epoch {trained.resumed_from_epoch}"
+        if trained.resumed_from_epoch
+        else "from scratch"
+    )
+    verdict = "**promoted**" if registration.promoted else "**not promoted**"
+    return f"""# Training summary
+
+| metric | value |
+|---|---|
+{metric_rows}
+
+- **Data**: fingerprint `{data.fingerprint}`, rows {data.rows}, splits at `{data.splits_url}`
+- **Training**: {trained.final_epoch} epochs ({resumed}), checkpoints at `{trained.checkpoint_url}`
+- **MLflow run**: [{trained.run_id}]({run_link})
+- **Model**: `{registration.model_uri}`
+- **Alias `{registration.alias}`**: {verdict} — {registration.reason}
+"""
+
+
+def publish_summary_artifacts(
+    data: PreparedData, trained: TrainResult, evaluation: Evaluation, registration: Registration
+) -> None:
+    """Markdown summary, a metrics table and a link to the MLflow run on the current flow run."""
+    settings = get_settings()
+    run_link = tracking.run_url(
+        settings.resolved_tracking_uri, trained.experiment_id, trained.run_id
+    )
+    create_markdown_artifact(
+        summary_markdown(data, trained, evaluation, registration, run_link),
+        key="training-summary",
+        description=f"{registration.model_name} v{registration.version}",
+    )
+    create_table_artifact(
+        [
+            {"metric": f"test_{name}", "value": round(value, 6)}
+            for name, value in evaluation.metrics.items()
+        ]
+        + [
+            {"metric": "model_version", "value": registration.version},
+            {"metric": "promoted", "value": str(registration.promoted)},
+        ],
+        key="test-metrics",
+        description="Held-out test metrics and the registry decision",
+    )
+    create_link_artifact(run_link, link_text=f"MLflow run {trained.run_id}", key="mlflow-run")
+
+
+@task(name="publish-summary", cache_policy=NO_CACHE)
+def publish_summary(
+    data: PreparedData, trained: TrainResult, evaluation: Evaluation, registration: Registration
+) -> None:
+    publish_summary_artifacts(data, trained, evaluation, registration)

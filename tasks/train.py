@@ -1,0 +1,199 @@
+"""The training step: one MLflow run, trained data-parallel on Ray Train, resumable."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.context import get_run_context
+from pydantic import BaseModel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from integrations import ray_training, storage, tracking
+from integrations.checkpoints import CheckpointStore
+from integrations.errors import PrefectMLError
+from integrations.ray_cluster import ray_session
+from integrations.settings import get_settings
+from tasks.data import PreparedData
+from tasks.params import TrainModelParams
+
+
+class TrainResult(BaseModel):
+    """A finished training run: where its checkpoints and metrics are."""
+
+    run_id: str
+    experiment_id: str
+    checkpoint_url: str
+    final_epoch: int
+    resumed_from_epoch: int
+    epoch_metrics: dict[str, float]
+
+
+def flatten(params: BaseModel) -> dict[str, Any]:
+    """``{"training.lr": 0.001, ...}``: nested parameters as MLflow params."""
+    flat: dict[str, Any] = {}
+    for section, values in params.model_dump(mode="json").items():
+        if isinstance(values, dict):
+            flat.update({f"{section}.{k}": v for k, v in values.items()})
+        else:
+            flat[section] = values
+    return flat
+
+
+def current_flow_run_id() -> str:
+    try:
+        context = get_run_context()
+    except RuntimeError:
+        return ""
+    flow_run = getattr(context, "flow_run", None) or getattr(context.task_run, "flow_run_id", None)
+    return str(getattr(flow_run, "id", flow_run) or "")
+
+
+class EpochProgress:
+    """Shows epochs as the workers log them (a rich bar and one log line per epoch).
+
+    The workers run in other processes; the MLflow run is the channel they already write to,
+    so the driver polls it instead of opening a second one.
+    """
+
+    def __init__(self, tracking_uri: str, run_id: str, epochs: int, logger: Any) -> None:
+        self._client = tracking.client_for(tracking_uri)
+        self._run_id, self._epochs, self._logger = run_id, epochs, logger
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._progress = Progress(
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[metrics]}"),
+            TimeElapsedColumn(),
+        )
+        self._bar = self._progress.add_task("epochs", total=epochs, metrics="")
+        self._seen: set[int] = set()
+
+    def __enter__(self) -> EpochProgress:
+        self._progress.start()
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._report_new_epochs()
+        self._progress.stop()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(1.0):
+            self._report_new_epochs()
+
+    def _report_new_epochs(self) -> None:
+        history = {
+            key: dict(tracking.metric_history(self._client, self._run_id, key))
+            for key in tracking.EPOCH_METRICS
+        }
+        for epoch in sorted(set(history["val_loss"]) - self._seen):
+            self._seen.add(epoch)
+            line = (
+                f"train_loss {history['train_loss'].get(epoch, float('nan')):.4f}  "
+                f"val_acc {history['val_accuracy'].get(epoch, float('nan')):.4f}  "
+                f"{history['samples_per_second'].get(epoch, 0.0):,.0f} samples/s"
+            )
+            self._logger.info("epoch %d/%d  %s", epoch, self._epochs, line)
+            self._progress.update(self._bar, completed=len(self._seen), metrics=line)
+
+
+def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResult:
+    """Train on Ray Train workers, resuming the unfinished run with the same identity if any."""
+    logger = get_run_logger()
+    settings = get_settings()
+    client = tracking.client_for(settings.resolved_tracking_uri)
+    experiment_id = tracking.ensure_experiment(
+        client, params.experiment, settings.mlflow_artifact_root
+    )
+    run_id, resumed = tracking.start_or_resume_run(
+        client,
+        experiment_id,
+        params.run_key(data.fingerprint),
+        run_name=f"{params.model.model}-{data.fingerprint[:8]}",
+        params={**flatten(params), "data.fingerprint": data.fingerprint},
+        tags={
+            tracking.FLOW_RUN_TAG: current_flow_run_id(),
+            "prefect_ml.dataset_fingerprint": data.fingerprint,
+        },
+    )
+    checkpoint_url = storage.join(
+        settings.resolved_storage_url, "checkpoints", experiment_id, run_id
+    )
+    latest = CheckpointStore(checkpoint_url).latest()
+    resumed_from = latest.epoch if latest else 0
+    if resumed:
+        logger.info("Resuming MLflow run %s from checkpoint epoch %d", run_id, resumed_from)
+        tracking.set_tags(client, run_id, {"prefect_ml.resumed_from_epoch": str(resumed_from)})
+    config = ray_training.TrainLoopConfig(
+        splits_url=data.splits_url,
+        input_shape=data.sample_shape,
+        num_classes=data.num_classes,
+        model=params.model.model,
+        model_options=params.model.factory_options(),
+        epochs=params.training.epochs,
+        batch_size=params.training.batch_size,
+        lr=params.training.lr,
+        optimizer=params.training.optimizer,
+        weight_decay=params.training.weight_decay,
+        scheduler=params.training.scheduler,
+        seed=params.training.seed,
+        checkpoint_url=checkpoint_url,
+        tracking_uri=settings.resolved_tracking_uri,
+        run_id=run_id,
+    )
+    if resumed_from < params.training.epochs:
+        try:
+            with (
+                ray_session(settings),
+                EpochProgress(
+                    settings.resolved_tracking_uri, run_id, params.training.epochs, logger
+                ),
+            ):
+                ray_training.fit(
+                    config,
+                    workers=params.training.workers,
+                    use_gpu=params.training.use_gpu,
+                    cpus_per_worker=params.training.cpus_per_worker,
+                    max_failures=params.training.max_failures,
+                    ray_storage_path=settings.ray_storage_path,
+                    name=f"{run_id}-{int(time.time())}",
+                )
+        except Exception as exc:
+            tracking.finish_run(client, run_id, status="FAILED")
+            raise PrefectMLError(
+                f"training run {run_id} failed: {exc}. Run the same command again to resume "
+                "from its last verified checkpoint."
+            ) from exc
+    final = CheckpointStore(checkpoint_url).latest()
+    if final is None or final.epoch < params.training.epochs:
+        raise PrefectMLError(
+            f"training ended without a verified final checkpoint in {checkpoint_url}"
+        )
+    epoch_metrics = ray_training.deserialize_state(final.files[ray_training.STATE_FILE])["metrics"]
+    return TrainResult(
+        run_id=run_id,
+        experiment_id=experiment_id,
+        checkpoint_url=checkpoint_url,
+        final_epoch=final.epoch,
+        resumed_from_epoch=resumed_from,
+        epoch_metrics=epoch_metrics,
+    )
+
+
+@task(name="train", cache_policy=NO_CACHE)
+def train(params: TrainModelParams, data: PreparedData) -> TrainResult:
+    return train_distributed(params, data)
