@@ -8,6 +8,7 @@ points it at the project home, because Prefect reads its settings at import time
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 import typing
@@ -156,6 +157,8 @@ def _run_flow(flow_name: str, params: BaseModel) -> None:
 @click.group()
 def app() -> None:
     """prefect-ml: Prefect flows for Ray-distributed PyTorch training tracked in MLflow."""
+    # Like `python -m`, resolve user code (`--model my_project.models:build`) from here.
+    sys.path.insert(0, os.getcwd())
     prepare_process_environment()
 
 

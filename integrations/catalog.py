@@ -137,7 +137,7 @@ def build_cnn(
 
     if len(input_shape) != 3:
         raise ConfigurationError(
-            "model.name",
+            "model.model",
             f"cnn needs image-shaped samples (C, H, W) but the dataset gives {tuple(input_shape)}; "
             "use --model mlp",
         )
@@ -238,12 +238,12 @@ def resolve_model(name: str) -> Callable[..., Any]:
         return BUILTIN_MODELS[name]
     if ":" not in name:
         raise ConfigurationError(
-            "model.name",
+            "model.model",
             f"unknown model {name!r}; use one of {sorted(BUILTIN_MODELS)} "
             "or an import path 'package.module:factory'",
         )
-    factory = import_callable(name, field="model.name")
-    _check_accepts(factory, ["input_shape", "num_classes"], field="model.name")
+    factory = import_callable(name, field="model.model")
+    _check_accepts(factory, ["input_shape", "num_classes"], field="model.model")
     return factory
 
 

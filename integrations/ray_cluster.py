@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 from collections.abc import Iterator
 
 from integrations.errors import EnvironmentCheckError
@@ -29,6 +31,8 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
             else:
                 ray.init(
                     num_cpus=settings.local_ray_cpus,
+                    # Local workers import user code (``module:factory``) the way the driver does.
+                    runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
                     # The dashboard serves Ray's state API, which Ray Train v2 polls; loopback only.
                     include_dashboard=True,
                     dashboard_host="127.0.0.1",

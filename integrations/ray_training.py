@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     import torch
 
 STATE_FILE = "state.pt"
+# Epoch at which the latest worker group started: > 1 after a restart from a checkpoint.
+STARTED_AT_TAG = "prefect_ml.worker_group_started_at_epoch"
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,8 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
             tracking.log_epoch_once(
                 client, config.run_id, latest.epoch, state["metrics"], latest.url
             )
+    if client is not None:
+        tracking.set_tags(client, config.run_id, {STARTED_AT_TAG: str(first_epoch)})
 
     model = ray.train.torch.prepare_model(model)
     train_x, train_y = load_shard(config.splits_url, "train", rank, world_size)

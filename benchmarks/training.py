@@ -1,0 +1,450 @@
+"""Training: bare PyTorch vs a plain Ray Train ``TorchTrainer`` vs our ``train`` step, in one run.
+
+Each workload (same data files, model, optimizer, batch size and epochs) is trained four ways:
+
+* ``a-bare``   one process, a plain PyTorch loop, no Ray;
+* ``b-ray``    Ray Train v2 ``TorchTrainer``, 2 workers (DDP over gloo), the same loop, no
+  checkpoints, ``ray.train.report`` after every epoch as Ray's docs do;
+* ``b-lean``   the same, with one ``ray.train.report`` at the end (what our loop does);
+* ``c-ours``   ``tasks.train.train_distributed`` inside a Prefect flow: per-epoch verified
+  checkpoints and MLflow logging, 2 workers.
+
+Steady state is every epoch after the first, measured as wall time per epoch *including* its
+per-epoch overheads (reports, checkpoints, MLflow logging): for a and b from timestamps taken
+inside the loop, for c from the MLflow timestamps of the run's ``val_loss`` history. End-to-end
+wall is the call that trains (for b, constructing and fitting the trainer; for c,
+``train_distributed``), with Ray already started; data preparation is not counted.
+
+Run ``make bench`` (or ``.venv/bin/python benchmarks/training.py --quick`` for a smoke run).
+Everything runs on embedded defaults under a temporary project home that is deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from tasks.data import PreparedData
+    from tasks.params import TrainModelParams
+    from tasks.train import TrainResult
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+WORKERS = 2
+MODES = ("a-bare", "b-ray", "b-lean", "c-ours")
+THROUGHPUT_TARGET = 0.9  # steady-state samples/s of c over b
+CHECKPOINT_TARGET = 0.05  # checkpoint seconds over epoch seconds, for c
+# Variables that would point the run at someone's real services instead of embedded defaults.
+FOREIGN_ENV = (
+    "MLFLOW_TRACKING_URI",
+    "PREFECT_API_URL",
+    "PREFECT_HOME",
+    "PREFECT_ML_RAY_ADDRESS",
+    "PREFECT_ML_STORAGE_URL",
+    "PREFECT_ML_MLFLOW_TRACKING_URI",
+)
+
+Report = Literal["epoch", "final"] | None
+
+
+def synthetic_dataset(
+    rows: int = 20_000, features: int = 512, classes: int = 10, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """A learnable dataset of any size: Gaussian features labelled by a noisy random linear map.
+
+    A user dataset loader (``benchmarks.training:synthetic_dataset``) for the catalog.
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, features), dtype=np.float32)
+    teacher = rng.standard_normal((features, classes), dtype=np.float32)
+    noise = rng.standard_normal((rows, classes), dtype=np.float32) * np.sqrt(features)
+    return x, np.argmax(x @ teacher + noise, axis=1)
+
+
+@dataclass(frozen=True)
+class PlainLoopConfig:
+    """What the plain loop (a and b) needs, as plain data (it crosses process boundaries)."""
+
+    splits_url: str
+    input_shape: list[int]
+    num_classes: int
+    model: str
+    model_options: dict[str, Any]
+    epochs: int
+    batch_size: int
+    lr: float
+    seed: int
+    report: Report  # None: no Ray at all (a); "epoch" (b); "final" (b-lean)
+    marks_path: str  # rank 0 writes its timestamps here (the workers run on this machine)
+
+
+def _read_shard(splits_url: str, split: str, rank: int, world: int) -> tuple[Any, Any]:
+    """Equal contiguous shards of one split, as tensors."""
+    import torch
+
+    from integrations import storage
+
+    features = storage.read_array(storage.join(splits_url, f"{split}_features.npy"))
+    labels = storage.read_array(storage.join(splits_url, f"{split}_labels.npy"))
+    per_worker = len(labels) // world
+    rows = slice(rank * per_worker, (rank + 1) * per_worker)
+    return torch.from_numpy(features[rows]), torch.from_numpy(labels[rows])
+
+
+def _evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, size: int) -> float:
+    """Mean cross-entropy of ``model`` on ``(x, y)``."""
+    import torch
+    import torch.nn.functional as F
+
+    model.eval()
+    with torch.no_grad():
+        total = sum(
+            float(F.cross_entropy(model(x[i : i + size]), y[i : i + size], reduction="sum"))
+            for i in range(0, len(y), size)
+        )
+    return total / max(len(y), 1)
+
+
+def plain_loop(config_dict: dict[str, Any]) -> None:
+    """The peer's loop: train, validate, optionally ``ray.train.report``; nothing else per epoch."""
+    import torch
+    import torch.nn.functional as F
+
+    from integrations.catalog import build_model
+
+    config = PlainLoopConfig(**config_dict)
+    rank, world = 0, 1
+    if config.report is not None:
+        import ray.train
+        import ray.train.torch
+
+        context = ray.train.get_context()
+        rank, world = context.get_world_rank(), context.get_world_size()
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, config.input_shape, config.num_classes, config.model_options)
+    if config.report is not None:
+        model = ray.train.torch.prepare_model(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    train_x, train_y = _read_shard(config.splits_url, "train", rank, world)
+    val_x, val_y = _read_shard(config.splits_url, "val", rank, world)
+    generator = torch.Generator().manual_seed(config.seed + rank)
+
+    marks, train_seconds, metrics = [time.time()], [], {}
+    for epoch in range(1, config.epochs + 1):
+        started = time.perf_counter()
+        model.train()
+        order = torch.randperm(len(train_y), generator=generator)
+        loss_sum = 0.0
+        for start in range(0, len(order), config.batch_size):
+            index = order[start : start + config.batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(train_x[index]), train_y[index])
+            loss.backward()
+            optimizer.step()
+            loss_sum += float(loss.detach()) * len(index)
+        train_seconds.append(time.perf_counter() - started)
+        val_loss = _evaluate(model, val_x, val_y, max(config.batch_size, 256))
+        metrics = {"epoch": epoch, "train_loss": loss_sum / len(train_y), "val_loss": val_loss}
+        if config.report == "epoch":
+            ray.train.report(metrics)
+        marks.append(time.time())
+    if config.report == "final":
+        ray.train.report(metrics)
+    if rank == 0:
+        threads = torch.get_num_threads()
+        record = {"marks": marks, "train_seconds": train_seconds, "threads": threads}
+        Path(config.marks_path).write_text(json.dumps(record))
+
+
+@dataclass
+class Measurement:
+    """One mode of one workload. ``epoch_seconds`` are the steady-state epochs (2..E)."""
+
+    mode: str
+    samples_per_epoch: int
+    steps_per_epoch: int
+    epoch_seconds: list[float]
+    train_seconds: list[float]  # training steps only, same epochs
+    end_to_end_seconds: float
+    checkpoint_seconds: list[float] = field(default_factory=list)  # c only
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples_per_epoch * len(self.epoch_seconds) / sum(self.epoch_seconds)
+
+    @property
+    def step_ms(self) -> float:
+        return 1000 * sum(self.train_seconds) / (len(self.train_seconds) * self.steps_per_epoch)
+
+    @property
+    def train_share(self) -> float:
+        return sum(self.train_seconds) / sum(self.epoch_seconds)
+
+    @property
+    def checkpoint_share(self) -> float | None:
+        if not self.checkpoint_seconds:
+            return None
+        return sum(self.checkpoint_seconds) / sum(self.epoch_seconds)
+
+    def as_dict(self) -> dict[str, Any]:
+        derived = ("samples_per_second", "step_ms", "train_share", "checkpoint_share")
+        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
+
+
+def run_plain(
+    params: TrainModelParams, data: PreparedData, mode: str, report: Report, work_dir: Path
+) -> Measurement:
+    """Run the plain loop in this process (``report=None``) or on a ``TorchTrainer``."""
+    world = 1 if report is None else WORKERS
+    per_worker = data.rows["train"] // world
+    marks_path = work_dir / f"marks-{mode}-{time.time_ns()}.json"
+    config = PlainLoopConfig(
+        splits_url=data.splits_url,
+        input_shape=data.sample_shape,
+        num_classes=data.num_classes,
+        model=params.model.model,
+        model_options=params.model.factory_options(),
+        epochs=params.training.epochs,
+        batch_size=params.training.batch_size,
+        lr=params.training.lr,
+        seed=params.training.seed,
+        report=report,
+        marks_path=str(marks_path),
+    )
+    started = time.perf_counter()
+    if report is None:
+        plain_loop(asdict(config))
+    else:
+        from ray.train import RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        TorchTrainer(
+            plain_loop,
+            train_loop_config=asdict(config),
+            scaling_config=ScalingConfig(
+                num_workers=WORKERS, use_gpu=False, resources_per_worker={"CPU": 1}
+            ),
+            run_config=RunConfig(name=marks_path.stem, storage_path=str(work_dir / "ray")),
+        ).fit()
+    wall = time.perf_counter() - started
+    record = json.loads(marks_path.read_text())
+    marks = record["marks"]
+    return Measurement(
+        mode=mode,
+        samples_per_epoch=per_worker * world,
+        steps_per_epoch=math.ceil(per_worker / params.training.batch_size),
+        epoch_seconds=np.diff(marks)[1:].tolist(),
+        train_seconds=record["train_seconds"][1:],
+        end_to_end_seconds=wall,
+        extra={"torch_threads_rank0": record["threads"], "workers": world},
+    )
+
+
+def _timed_train(params: TrainModelParams, data: PreparedData) -> tuple[TrainResult, float]:
+    """The body of the benchmark's flow: our train step, timed."""
+    from tasks.train import train_distributed
+
+    started = time.perf_counter()
+    result = train_distributed(params, data)
+    return result, time.perf_counter() - started
+
+
+def run_ours(params: TrainModelParams, data: PreparedData) -> Measurement:
+    """Our train step in a Prefect flow; per-epoch walls from the run's MLflow timestamps."""
+    from prefect import flow
+
+    from integrations import tracking
+    from integrations.settings import get_settings
+
+    flow_started = time.perf_counter()
+    bench_flow = flow(name="benchmark-train-step", validate_parameters=False)(_timed_train)
+    result, wall = bench_flow(params, data)
+    flow_wall = time.perf_counter() - flow_started
+    client = tracking.client_for(get_settings().resolved_tracking_uri)
+
+    def history(key: str) -> list[Any]:
+        return sorted(client.get_metric_history(result.run_id, key), key=lambda m: m.step)
+
+    logged_ms = [m.timestamp for m in history("val_loss")]
+    per_worker = data.rows["train"] // params.training.workers
+    samples = per_worker * params.training.workers
+    return Measurement(
+        mode="c-ours",
+        samples_per_epoch=samples,
+        steps_per_epoch=math.ceil(per_worker / params.training.batch_size),
+        epoch_seconds=(np.diff(logged_ms) / 1000).tolist(),
+        # samples_per_second = rows / mean worker training seconds, so this inverts it.
+        train_seconds=[samples / m.value for m in history("samples_per_second")[1:]],
+        end_to_end_seconds=wall,
+        checkpoint_seconds=[m.value for m in history("checkpoint_seconds")[1:]],
+        extra={"flow_seconds": flow_wall, "run_id": result.run_id, "workers": WORKERS},
+    )
+
+
+def workloads(args: argparse.Namespace) -> dict[str, TrainModelParams]:
+    """The two sizes: the default digits MLP, and a synthetic set with >= 20 ms steps."""
+    from tasks.params import TrainModelParams
+
+    digits = {"experiment": "bench-digits", "training": {"epochs": args.digits_epochs}}
+    synthetic = {
+        "experiment": "bench-synthetic",
+        "data": {
+            "dataset": "benchmarks.training:synthetic_dataset",
+            "dataset_options": {"rows": args.synthetic_rows, "features": 512},
+        },
+        "model": {"hidden": 512, "depth": 4},
+        "training": {"epochs": args.synthetic_epochs, "batch_size": 256},
+    }
+    return {
+        "digits-mlp": TrainModelParams.model_validate(digits),
+        "synthetic-mlp": TrainModelParams.model_validate(synthetic),
+    }
+
+
+def ratios(modes: dict[str, Measurement]) -> dict[str, float]:
+    """c over each peer: steady throughput (higher is better) and end-to-end wall (lower is)."""
+    ours = modes["c-ours"]
+    out: dict[str, float] = {}
+    for short, peer in (("b", "b-ray"), ("b_lean", "b-lean"), ("a", "a-bare")):
+        out[f"throughput_c_over_{short}"] = ours.samples_per_second / modes[peer].samples_per_second
+        out[f"wall_c_over_{short}"] = ours.end_to_end_seconds / modes[peer].end_to_end_seconds
+    return out
+
+
+def markdown(results: dict[str, dict[str, Any]]) -> str:
+    """The two tables of BENCHMARKS.md: ratios first, then the measurements behind them."""
+    lines = [
+        "| workload | throughput c/b | c/b-lean | c/a | wall c/b | c/b-lean | c/a "
+        "| c checkpoint share | targets (>= 0.9x b, <= 5%) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, result in results.items():
+        r, share = result["ratios"], result["modes"]["c-ours"]["checkpoint_share"]
+        met = r["throughput_c_over_b"] >= THROUGHPUT_TARGET and share <= CHECKPOINT_TARGET
+        lines.append(
+            f"| {name} | {r['throughput_c_over_b']:.2f}x | {r['throughput_c_over_b_lean']:.2f}x "
+            f"| {r['throughput_c_over_a']:.2f}x | {r['wall_c_over_b']:.2f}x "
+            f"| {r['wall_c_over_b_lean']:.2f}x | {r['wall_c_over_a']:.2f}x | {share:.1%} "
+            f"| {'met' if met else 'missed'} |"
+        )
+    lines += [
+        "",
+        "| workload | mode | steady samples/s | steady epoch ms | step ms | train share "
+        "| end-to-end s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, result in results.items():
+        for mode, m in result["modes"].items():
+            epoch_ms = 1000 * float(np.mean(m["epoch_seconds"]))
+            lines.append(
+                f"| {name} | {mode} | {m['samples_per_second']:,.0f} | {epoch_ms:,.0f} "
+                f"| {m['step_ms']:.1f} | {m['train_share']:.0%} | {m['end_to_end_seconds']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: 3 epochs, small data")
+    parser.add_argument("--digits-epochs", type=int, help="epochs of the digits MLP [20]")
+    parser.add_argument("--synthetic-epochs", type=int, help="epochs of the synthetic MLP [8]")
+    parser.add_argument("--synthetic-rows", type=int, help="rows of the synthetic set [20000]")
+    parser.add_argument("--output", type=Path, help="JSON results [results/training.json]")
+    args = parser.parse_args(argv)
+    quick, full = (3, 3, 4_000, "training.quick.json"), (20, 8, 20_000, "training.json")
+    defaults = quick if args.quick else full
+    args.digits_epochs = args.digits_epochs or defaults[0]
+    args.synthetic_epochs = args.synthetic_epochs or defaults[1]
+    args.synthetic_rows = args.synthetic_rows or defaults[2]
+    args.output = args.output or RESULTS_DIR / defaults[3]
+    if min(args.digits_epochs, args.synthetic_epochs) < 2:
+        parser.error("steady state needs at least 2 epochs")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    sys.path.insert(0, str(REPO_ROOT))  # `benchmarks.training:synthetic_dataset` must import
+    with tempfile.TemporaryDirectory(prefix="prefect-ml-bench-", ignore_cleanup_errors=True) as tmp:
+        for name in FOREIGN_ENV:
+            os.environ.pop(name, None)
+        os.environ["PREFECT_ML_HOME"] = str(Path(tmp) / "home")
+        from integrations.settings import prepare_process_environment
+
+        settings = prepare_process_environment()  # before anything imports prefect
+        import ray
+        import torch
+
+        from tasks.data import inspect_dataset, preprocess_dataset
+
+        params_by_name = workloads(args)
+        prepared = {
+            name: preprocess_dataset(
+                params.data, inspect_dataset(params).fingerprint, settings.resolved_storage_url
+            )
+            for name, params in params_by_name.items()
+        }
+        load_before = os.getloadavg()
+        ray.init(num_cpus=WORKERS, include_dashboard=True, dashboard_host="127.0.0.1")
+        try:
+            # One untimed fit first, so no mode pays the process's first-Ray-Train costs.
+            first = next(iter(params_by_name))
+            warm = params_by_name[first].model_copy(deep=True)
+            warm.training.epochs = 2
+            run_plain(warm, prepared[first], "warm-up", "final", Path(tmp))
+            results: dict[str, dict[str, Any]] = {}
+            for name, params in params_by_name.items():
+                data = prepared[name]
+                modes = {
+                    "a-bare": run_plain(params, data, "a-bare", None, Path(tmp)),
+                    "b-ray": run_plain(params, data, "b-ray", "epoch", Path(tmp)),
+                    "b-lean": run_plain(params, data, "b-lean", "final", Path(tmp)),
+                    "c-ours": run_ours(params, data),
+                }
+                results[name] = {
+                    "params": params.model_dump(mode="json"),
+                    "rows": data.rows,
+                    "modes": {mode: m.as_dict() for mode, m in modes.items()},
+                    "ratios": ratios(modes),
+                }
+        finally:
+            ray.shutdown()
+    report = {
+        "benchmark": "training",
+        "quick": args.quick,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "gpu": torch.cuda.is_available(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "ray": ray.__version__,
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
+        "workloads": results,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=1))
+    print(markdown(results))
+    print(f"\nraw results: {args.output}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Real services for the tests: Prefect's test harness, one local Ray, MLflow on SQLite in tmp.
+
+Prefect reads its settings when it is imported, so its home and telemetry switches are set
+here, before any test module imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="prefect-ml-tests-"))
+os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
+os.environ["PREFECT_ML_HOME"] = str(_SESSION_DIR / "home")
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+from integrations.settings import PrefectMLSettings, prepare_process_environment  # noqa: E402
+
+prepare_process_environment()
+
+import pytest  # noqa: E402
+from prefect.testing.utilities import prefect_test_harness  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def prefect_harness() -> Iterator[None]:
+    """One real (temporary) Prefect API for the whole session."""
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray with 2 CPUs, started once and shared by every test that trains."""
+    import ray
+
+    ray.init(
+        num_cpus=2,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        logging_level=logging.WARNING,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> PrefectMLSettings:
+    """A fresh project home per test: its own MLflow SQLite DB and storage directory."""
+    monkeypatch.setenv("PREFECT_ML_HOME", str(tmp_path / "home"))
+    for variable in (
+        "MLFLOW_TRACKING_URI",
+        "PREFECT_ML_STORAGE_URL",
+        "PREFECT_ML_MLFLOW_TRACKING_URI",
+    ):
+        monkeypatch.delenv(variable, raising=False)
+    return PrefectMLSettings()
