@@ -10,7 +10,8 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	# torch pinned in the install step: pip takes the CPU build on disk instead of a CUDA download.
+	# torch pinned in the install step (see shared FIELD_NOTES): on these machines pip takes the
+	# CPU build that lies on disk; an unpinned torch would pull a multi-GB CUDA build.
 	$(VENV)/bin/pip install --quiet torch==2.13.0
 	$(VENV)/bin/pip install --quiet -e '.[test]'
 	touch $(STAMP)

@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 WORKERS = 2
-MODES = ("a-bare", "b-ray", "b-lean", "c-ours")
 THROUGHPUT_TARGET = 0.9  # steady-state samples/s of c over b
 CHECKPOINT_TARGET = 0.05  # checkpoint seconds over epoch seconds, for c
 # Variables that would point the run at someone's real services instead of embedded defaults.
@@ -59,6 +58,9 @@ FOREIGN_ENV = (
 )
 
 Report = Literal["epoch", "final"] | None
+# The modes in the order they run; a and b are the plain loop, reporting to Ray like this.
+PLAIN_MODES: dict[str, Report] = {"a-bare": None, "b-ray": "epoch", "b-lean": "final"}
+MODES = (*PLAIN_MODES, "c-ours")
 
 
 def synthetic_dataset(
@@ -296,6 +298,16 @@ def run_ours(params: TrainModelParams, data: PreparedData) -> Measurement:
     )
 
 
+def measure(mode: str, params: TrainModelParams, data: PreparedData, work_dir: Path) -> Measurement:
+    """One mode, noting how busy the machine was right after it (it may be shared)."""
+    if mode in PLAIN_MODES:
+        measurement = run_plain(params, data, mode, PLAIN_MODES[mode], work_dir)
+    else:
+        measurement = run_ours(params, data)
+    measurement.extra["loadavg_1m_after"] = os.getloadavg()[0]
+    return measurement
+
+
 def workloads(args: argparse.Namespace) -> dict[str, TrainModelParams]:
     """The two sizes: the default digits MLP, and a synthetic set with >= 20 ms steps."""
     from tasks.params import TrainModelParams
@@ -410,12 +422,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results: dict[str, dict[str, Any]] = {}
             for name, params in params_by_name.items():
                 data = prepared[name]
-                modes = {
-                    "a-bare": run_plain(params, data, "a-bare", None, Path(tmp)),
-                    "b-ray": run_plain(params, data, "b-ray", "epoch", Path(tmp)),
-                    "b-lean": run_plain(params, data, "b-lean", "final", Path(tmp)),
-                    "c-ours": run_ours(params, data),
-                }
+                modes = {mode: measure(mode, params, data, Path(tmp)) for mode in MODES}
                 results[name] = {
                     "params": params.model_dump(mode="json"),
                     "rows": data.rows,

@@ -190,3 +190,7 @@ def doctor() -> None:
         table.add_row(check.name, status, check.detail)
     console.print(table)
     sys.exit(0 if all(check.ok for check in checks) else 1)
+
+
+if __name__ == "__main__":
+    app()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel
 
-from tasks.data import PreparedData, inspect_data, preprocess
+from tasks.data import PreparedData, inspect_data, preprocess, splits_present
 from tasks.evaluate import Evaluation, evaluate
 from tasks.params import TrainModelParams
 from tasks.register import Registration, register
@@ -26,6 +26,8 @@ def training_chain(params: TrainModelParams) -> TrainingOutcome:
     """The steps shared by ``train_model`` and ``ml_pipeline``; runs inside either flow."""
     summary = inspect_data(params)
     data = preprocess(params.data, summary.fingerprint)
+    if not splits_present(data):  # the cached result outlived its files (storage was wiped)
+        data = preprocess.with_options(refresh_cache=True)(params.data, summary.fingerprint)
     trained = train(params, data)
     evaluation = evaluate(params, data, trained)
     registration = register(params, data, trained, evaluation)

@@ -232,10 +232,16 @@ def resolve_dataset(name: str, options: dict[str, Any] | None = None) -> Callabl
     return loader
 
 
-def resolve_model(name: str) -> Callable[..., Any]:
-    """The model factory for a built-in name or an import path, with its signature checked."""
+def resolve_model(name: str, user_options: Sequence[str] = ()) -> Callable[..., Any]:
+    """The model factory for a built-in name or an import path, with its signature checked.
+
+    ``user_options`` are option names the user passed explicitly: each must be accepted by the
+    factory, so a typo fails here instead of being silently dropped.
+    """
     if name in BUILTIN_MODELS:
-        return BUILTIN_MODELS[name]
+        factory = BUILTIN_MODELS[name]
+        _check_accepts(factory, list(user_options), field="model.model_options")
+        return factory
     if ":" not in name:
         raise ConfigurationError(
             "model.model",
@@ -244,6 +250,7 @@ def resolve_model(name: str) -> Callable[..., Any]:
         )
     factory = import_callable(name, field="model.model")
     _check_accepts(factory, ["input_shape", "num_classes"], field="model.model")
+    _check_accepts(factory, list(user_options), field="model.model_options")
     return factory
 
 

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 RUN_KEY_TAG = "prefect_ml.run_key"
 FLOW_RUN_TAG = "prefect.flow_run_id"
+FINGERPRINT_TAG = "prefect_ml.dataset_fingerprint"
+SOURCE_RUN_TAG = "prefect_ml.mlflow_run_id"
 EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "samples_per_second")
 
 

@@ -138,6 +138,11 @@ def preprocess_dataset(data: DataParams, fingerprint: str, storage_url: str) -> 
     return prepared
 
 
+def splits_present(prepared: PreparedData) -> bool:
+    """Whether the splits a (possibly cached) preprocess result points at still exist."""
+    return storage.exists(storage.join(prepared.splits_url, "meta.json"))
+
+
 @task(name="inspect-data", cache_policy=NO_CACHE)
 def inspect_data(params: TrainModelParams) -> DataSummary:
     return inspect_dataset(params)

@@ -59,6 +59,9 @@ def evaluate_model(
     import torch
     from sklearn.metrics import confusion_matrix, f1_score
 
+    def read(name: str) -> np.ndarray:
+        return storage.read_array(storage.join(data.splits_url, name))
+
     model, _epoch = ray_training.load_trained_model(
         trained.checkpoint_url,
         params.model.model,
@@ -66,18 +69,16 @@ def evaluate_model(
         data.num_classes,
         params.model.factory_options(),
     )
-    features = torch.from_numpy(
-        storage.read_array(storage.join(data.splits_url, "test_features.npy"))
-    )
-    labels = torch.from_numpy(storage.read_array(storage.join(data.splits_url, "test_labels.npy")))
-    loss_sum, correct, rows = ray_training.evaluate_batches(model, features, labels, 512)
+    features = torch.from_numpy(read("test_features.npy"))
+    labels = read("test_labels.npy")
     with torch.no_grad():
-        predictions = model(features).argmax(dim=1).numpy()
-    matrix = confusion_matrix(labels.numpy(), predictions, labels=range(data.num_classes))
+        logits = torch.cat([model(batch) for batch in features.split(512)])
+    predictions = logits.argmax(dim=1).numpy()
+    matrix = confusion_matrix(labels, predictions, labels=range(data.num_classes))
     metrics = {
-        "accuracy": correct / rows,
-        "macro_f1": float(f1_score(labels.numpy(), predictions, average="macro")),
-        "loss": loss_sum / rows,
+        "accuracy": float((predictions == labels).mean()),
+        "macro_f1": float(f1_score(labels, predictions, average="macro")),
+        "loss": float(torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels))),
     }
     client = tracking.client_for(get_settings().resolved_tracking_uri)
     tracking.log_metrics(client, trained.run_id, {f"test_{k}": v for k, v in metrics.items()})

@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from integrations.catalog import resolve_dataset, resolve_model
 
@@ -94,11 +94,10 @@ class ModelParams(_Section):
         description="Extra keyword arguments for a user model factory.",
     )
 
-    @field_validator("model")
-    @classmethod
-    def _check_model(cls, value: str) -> str:
-        resolve_model(value)
-        return value
+    @model_validator(mode="after")
+    def _check_model(self) -> ModelParams:
+        resolve_model(self.model, list(self.model_options))
+        return self
 
     def factory_options(self) -> dict[str, Any]:
         """Options offered to the factory; it receives those its signature accepts."""

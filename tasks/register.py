@@ -76,9 +76,9 @@ def register_model(
         raw_example,
         model_name=registry.model_name,
         tags={
-            "dataset_fingerprint": data.fingerprint,
-            "mlflow_run_id": trained.run_id,
-            "prefect_flow_run_id": current_flow_run_id(),
+            tracking.FINGERPRINT_TAG: data.fingerprint,
+            tracking.SOURCE_RUN_TAG: trained.run_id,
+            tracking.FLOW_RUN_TAG: current_flow_run_id(),
             f"test_{registry.metric}": f"{new_value:.6f}",
         },
     )

@@ -127,7 +127,7 @@ def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResu
         params={**flatten(params), "data.fingerprint": data.fingerprint},
         tags={
             tracking.FLOW_RUN_TAG: current_flow_run_id(),
-            "prefect_ml.dataset_fingerprint": data.fingerprint,
+            tracking.FINGERPRINT_TAG: data.fingerprint,
         },
     )
     checkpoint_url = storage.join(

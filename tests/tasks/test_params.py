@@ -19,8 +19,9 @@ from tasks.params import PipelineParams, TrainModelParams
         ({"training": {"optimizer": "adagrad"}}, "training.optimizer", "'adam', 'adamw' or 'sgd'"),
         ({"data": {"dataset": "mnist"}}, "data", "unknown dataset 'mnist'"),
         ({"data": {"dataset": "tabular"}}, "data", "needs url; set --url"),
-        ({"model": {"model": "transformer"}}, "model.model", "unknown model 'transformer'"),
-        ({"model": {"model": "nope.nothing:build"}}, "model.model", "cannot import module"),
+        ({"model": {"model": "transformer"}}, "model", "model.model: unknown model 'transformer'"),
+        ({"model": {"model": "nope.nothing:build"}}, "model", "cannot import module"),
+        ({"model": {"model_options": {"widht": 3}}}, "model", "does not accept ['widht']"),
         ({"training": {"wokers": 2}}, "training.wokers", "Extra inputs are not permitted"),
     ],
 )

@@ -1,0 +1,84 @@
+"""``ml_pipeline`` end to end on real Prefect, Ray and MLflow: train, register, promote or not."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlflow.pyfunc
+import numpy as np
+import pytest
+from prefect.client.orchestration import get_client
+from sklearn.datasets import load_digits
+
+from flows.pipeline import ml_pipeline
+from integrations import tracking
+from integrations.settings import PrefectMLSettings
+from tasks.params import PipelineParams
+
+
+def _artifacts(flow_run_id: str) -> dict[str, str]:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    return {artifact.key: str(artifact.data) for artifact in found}
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_pipeline_registers_promotes_and_then_keeps_the_better_champion(
+    home: PrefectMLSettings,
+) -> None:
+    good = PipelineParams.model_validate({"training": {"epochs": 8}})
+    state = ml_pipeline(params=good, return_state=True)
+    assert state.is_completed(), state
+    outcome = state.result()
+    flow_run_id = str(state.state_details.flow_run_id)
+
+    assert outcome.evaluation.metrics["accuracy"] >= 0.93
+    registration = outcome.registration
+    assert (registration.version, registration.promoted) == ("1", True)
+    client = tracking.client_for(home.resolved_tracking_uri)
+    assert tracking.champion(client, "digits-classifier", "champion") == (
+        "1",
+        outcome.trained.run_id,
+    )
+
+    run = client.get_run(outcome.trained.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[tracking.FLOW_RUN_TAG] == flow_run_id
+    assert run.data.params["training.epochs"] == "8"
+    assert tracking.logged_epochs(client, run.info.run_id) == list(range(1, 9))
+    assert {"test_accuracy", "test_macro_f1", "test_loss"} <= set(run.data.metrics)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")}
+    assert "evaluation/confusion_matrix.png" in artifacts
+    version = client.get_model_version("digits-classifier", "1")
+    assert version.tags[tracking.FINGERPRINT_TAG] == outcome.data.fingerprint
+    assert version.tags[tracking.FLOW_RUN_TAG] == flow_run_id
+    assert version.tags["promotion.decision"] == "promoted"
+
+    published = _artifacts(flow_run_id)
+    assert "Training summary" in published["training-summary"]
+    assert outcome.trained.run_id in published["training-summary"]
+    assert {"test-metrics", "mlflow-run"} <= set(published)
+
+    # The registered model takes raw features (standardisation included) and serves as is.
+    mlflow.set_tracking_uri(home.resolved_tracking_uri)
+    served = mlflow.pyfunc.load_model("models:/digits-classifier@champion")
+    digits = load_digits()
+    logits = served.predict(digits.images[:400, None].astype(np.float32))
+    assert (np.asarray(logits).argmax(axis=1) == digits.target[:400]).mean() > 0.9
+
+    # A worse model (one epoch) is registered but does not take the alias. The splits were
+    # wiped meanwhile: the cached preprocess result must not point at missing files.
+    shutil.rmtree(home.home_dir / "storage" / "datasets")
+    worse = PipelineParams.model_validate({"training": {"epochs": 1}})
+    second = ml_pipeline(params=worse)
+    assert second.data.fingerprint == outcome.data.fingerprint
+    assert (second.registration.version, second.registration.promoted) == ("2", False)
+    assert "does not beat champion v1" in second.registration.reason
+    assert tracking.champion(client, "digits-classifier", "champion")[0] == "1"
+    assert client.get_model_version("digits-classifier", "2").tags["promotion.decision"] == (
+        "not promoted"
+    )

@@ -1,0 +1,75 @@
+"""The whole process killed mid-training; the same command resumes from the last checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from integrations import tracking
+from integrations.settings import PrefectMLSettings
+from tests.conftest import REPO_ROOT
+from tests.helpers import committed_epochs, wait_for
+
+EPOCHS = 5
+COMMAND = [
+    sys.executable,
+    "-m",
+    "flows.cli",
+    "train",
+    "--model",
+    "tests.fixtures.user_code:slow_model",
+    "--model-options",
+    '{"delay": 0.05}',
+    "--epochs",
+    str(EPOCHS),
+    "--workers",
+    "2",
+]
+
+
+def _kill_tree(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the CLI and everything it started (its local Ray included), like a lost machine."""
+    root = psutil.Process(process.pid)
+    victims = [root, *root.children(recursive=True)]
+    for victim in victims:
+        try:
+            victim.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=30)
+
+
+def test_killed_process_resumes_from_last_verified_checkpoint(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PREFECT_ML_HOME": str(home.home_dir), "PREFECT_HOME": str(tmp_path / "p")}
+    log = (tmp_path / "first.log").open("wb")
+    first = subprocess.Popen(COMMAND, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    storage_dir = home.home_dir / "storage"
+    try:
+        wait_for(lambda: 2 in committed_epochs(storage_dir), 300, "the epoch-2 checkpoint")
+    finally:
+        _kill_tree(first)
+    killed_at = max(committed_epochs(storage_dir))
+    assert killed_at < EPOCHS, "the process must die before training ends"
+
+    second = subprocess.run(
+        COMMAND, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "Resuming MLflow run" in second.stderr + second.stdout
+
+    client = tracking.client_for(home.resolved_tracking_uri)
+    runs = client.search_runs(["1"])
+    assert len(runs) == 1, "the second command continued the same MLflow run"
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    resumed_from = int(run.data.tags["prefect_ml.resumed_from_epoch"])
+    assert resumed_from >= killed_at >= 2, "resumed from the last checkpoint, not from epoch 0"
+    assert tracking.logged_epochs(client, run.info.run_id) == list(range(1, EPOCHS + 1))
+    assert run.data.tags["registered_version"] == "1"

@@ -1,0 +1,71 @@
+"""Invalid parameters fail with the field's name before Ray, MLflow or storage is touched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+from flows.train import train_model
+from integrations.settings import PrefectMLSettings
+
+
+def _task_names(flow_run_id: str) -> list[str]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    return [run.name.rsplit("-", 1)[0] for run in runs]
+
+
+def _assert_nothing_written(home: PrefectMLSettings) -> None:
+    assert not (home.home_dir / "mlflow.db").exists()
+    assert not (home.home_dir / "storage").exists()
+    assert not (home.home_dir / "ray_results").exists()
+
+
+@pytest.mark.parametrize(
+    ("parameters", "expected"),
+    [
+        ({"training": {"workers": 0}}, "training.workers"),
+        ({"training": {"epochs": 0}}, "training.epochs"),
+        ({"training": {"lr": -1.0}}, "training.lr"),
+        ({"data": {"dataset": "imagenet"}}, "unknown dataset 'imagenet'"),
+        ({"model": {"model": "missing_pkg.mod:build"}}, "cannot import module 'missing_pkg.mod'"),
+    ],
+)
+def test_parameter_errors_fail_the_flow_before_any_task(
+    home: PrefectMLSettings, parameters: dict[str, Any], expected: str
+) -> None:
+    state = train_model(params=parameters, return_state=True)
+    assert state.is_failed()
+    assert expected in str(state.message) + str(state.result(raise_on_failure=False))
+    assert _task_names(str(state.state_details.flow_run_id)) == []
+    _assert_nothing_written(home)
+
+
+def test_data_errors_fail_in_inspection_before_anything_is_written(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    csv = tmp_path / "flowers.csv"
+    pd.DataFrame({"petal": [1.0, 2.0] * 20, "kind": ["a", "b"] * 20}).to_csv(csv, index=False)
+    cases = [
+        (
+            {"data": {"dataset": "tabular", "url": csv.as_uri(), "label_column": "species"}},
+            "data.label_column: column 'species' is not in",
+        ),
+        (
+            {"training": {"batch_size": 4000}},
+            "training.batch_size: 4000 is larger than the training split",
+        ),
+    ]
+    for parameters, expected in cases:
+        state = train_model(params=parameters, return_state=True)
+        assert state.is_failed()
+        assert expected in str(state.result(raise_on_failure=False))
+        assert _task_names(str(state.state_details.flow_run_id)) == ["inspect-data"]
+    _assert_nothing_written(home)
