@@ -55,7 +55,7 @@ def _click_option(name: str, field: FieldInfo) -> click.Option:
         return click.Option([flag, name], type=choice, default=None, help=help_text)
     if typing.get_origin(annotation) is dict:
         return click.Option([flag, name], type=str, default=None, help=help_text + " (JSON)")
-    click_type = {int: int, float: float}.get(annotation, str)  # type: ignore[call-overload]
+    click_type: type = annotation if annotation in (int, float) else str  # type: ignore[assignment]
     return click.Option([flag, name], type=click_type, default=None, help=help_text)
 
 

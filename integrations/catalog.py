@@ -303,6 +303,7 @@ def with_standardizer(
 
     width = int(np.prod(sample_shape))
     norm = nn.BatchNorm1d(width, eps=1e-12, affine=False)
+    assert norm.running_mean is not None and norm.running_var is not None
     with torch.no_grad():
         norm.running_mean.copy_(torch.from_numpy(mean.reshape(-1).astype(np.float32)))
         norm.running_var.copy_(torch.from_numpy((std.reshape(-1).astype(np.float32)) ** 2 - 1e-12))

@@ -225,7 +225,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
         if rank == 0:
             assert client is not None
             saving = time.perf_counter()
-            module = model.module if hasattr(model, "module") else model
+            module: torch.nn.Module = getattr(model, "module", model)  # unwrap DDP
             state_bytes = serialize_state(
                 {
                     "model": module.state_dict(),

@@ -7,11 +7,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from integrations import ray_training, storage, tracking
+from integrations import storage, tracking
 from integrations.settings import get_settings
 from tasks.data import PreparedData
 from tasks.params import TrainModelParams
-from tasks.train import TrainResult
+from tasks.train import TrainResult, trained_model
 
 
 class Evaluation(BaseModel):
@@ -40,7 +40,7 @@ def confusion_figure(matrix: np.ndarray, class_names: list[str]):  # type: ignor
         axes.text(
             col,
             row,
-            int(count),
+            str(int(count)),
             ha="center",
             va="center",
             color="white" if count > threshold else "black",
@@ -62,13 +62,7 @@ def evaluate_model(
     def read(name: str) -> np.ndarray:
         return storage.read_array(storage.join(data.splits_url, name))
 
-    model, _epoch = ray_training.load_trained_model(
-        trained.checkpoint_url,
-        params.model.model,
-        data.sample_shape,
-        data.num_classes,
-        params.model.factory_options(),
-    )
+    model = trained_model(params, data, trained)
     features = torch.from_numpy(read("test_features.npy"))
     labels = read("test_labels.npy")
     with torch.no_grad():

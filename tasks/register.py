@@ -6,13 +6,13 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from integrations import ray_training, storage, tracking
+from integrations import storage, tracking
 from integrations.catalog import with_standardizer
 from integrations.settings import get_settings
 from tasks.data import PreparedData
 from tasks.evaluate import Evaluation
 from tasks.params import TrainModelParams
-from tasks.train import TrainResult, current_flow_run_id
+from tasks.train import TrainResult, current_flow_run_id, trained_model
 
 INPUT_EXAMPLE_ROWS = 5
 
@@ -41,13 +41,7 @@ def register_model(
     settings = get_settings()
     registry = params.registry
     client = tracking.client_for(settings.resolved_tracking_uri)
-    model, _epoch = ray_training.load_trained_model(
-        trained.checkpoint_url,
-        params.model.model,
-        data.sample_shape,
-        data.num_classes,
-        params.model.factory_options(),
-    )
+    model = trained_model(params, data, trained)
     mean = storage.read_array(storage.join(data.splits_url, "mean.npy"))
     std = storage.read_array(storage.join(data.splits_url, "std.npy"))
     test_rows = storage.read_array_rows(

@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import prefect.runtime
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.context import get_run_context
 from pydantic import BaseModel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -20,6 +20,9 @@ from integrations.ray_cluster import ray_session
 from integrations.settings import get_settings
 from tasks.data import PreparedData
 from tasks.params import TrainModelParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TrainResult(BaseModel):
@@ -45,12 +48,8 @@ def flatten(params: BaseModel) -> dict[str, Any]:
 
 
 def current_flow_run_id() -> str:
-    try:
-        context = get_run_context()
-    except RuntimeError:
-        return ""
-    flow_run = getattr(context, "flow_run", None) or getattr(context.task_run, "flow_run_id", None)
-    return str(getattr(flow_run, "id", flow_run) or "")
+    """The id of the Prefect flow run this code runs in, or "" outside of one."""
+    return str(prefect.runtime.flow_run.id or "")
 
 
 class EpochProgress:
@@ -192,6 +191,20 @@ def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResu
         resumed_from_epoch=resumed_from,
         epoch_metrics=epoch_metrics,
     )
+
+
+def trained_model(
+    params: TrainModelParams, data: PreparedData, trained: TrainResult
+) -> torch.nn.Module:
+    """The model of the run's final verified checkpoint, in eval mode."""
+    model, _epoch = ray_training.load_trained_model(
+        trained.checkpoint_url,
+        params.model.model,
+        data.sample_shape,
+        data.num_classes,
+        params.model.factory_options(),
+    )
+    return model
 
 
 @task(name="train", cache_policy=NO_CACHE)
