@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -117,16 +118,56 @@ def _all_reduce_sum(values: list[float]) -> list[float]:
     return tensor.tolist()  # type: ignore[no-any-return]
 
 
-def _gather_rng_states() -> list[Any]:
-    import torch
-    import torch.distributed as dist
+def epoch_seed(seed: int, epoch: int, rank: int) -> int:
+    """The seed of one worker's epoch: shuffling and dropout are a pure function of it.
 
-    own = torch.get_rng_state()
-    if not (dist.is_available() and dist.is_initialized()):
-        return [own]
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, own)
-    return states
+    Reseeding every epoch makes a resumed run draw exactly the numbers the uninterrupted run
+    would have, without gathering per-worker RNG states into every checkpoint.
+    """
+    return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
+
+
+class EpochCommitter:
+    """Rank 0's background writer: commit an epoch's checkpoint, then log its metrics.
+
+    The training loop hands over serialised bytes and carries on. One commit is in flight at a
+    time, so commits stay in epoch order, memory stays bounded, and an epoch's metrics reach
+    MLflow only after its checkpoint is committed (what exactly-once logging relies on).
+    """
+
+    def __init__(self, store: CheckpointStore, client: Any, run_id: str) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._store, self._client, self._run_id = store, client, run_id
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._in_flight: Future[None] | None = None
+
+    def submit(self, epoch: int, state: bytes, metrics: dict[str, float]) -> float:
+        """Queue one epoch; returns the seconds the caller waited for the previous commit."""
+        started = time.perf_counter()
+        self.wait()
+        blocked = time.perf_counter() - started
+        self._in_flight = self._executor.submit(self._commit, epoch, state, metrics, blocked)
+        return blocked
+
+    def wait(self) -> None:
+        """Block until the queued commit is done; re-raise its error, if any."""
+        if self._in_flight is not None:
+            self._in_flight.result()
+            self._in_flight = None
+
+    def close(self) -> None:
+        self.wait()
+        self._executor.shutdown()
+
+    def _commit(self, epoch: int, state: bytes, metrics: dict[str, float], blocked: float) -> None:
+        started = time.perf_counter()
+        url = self._store.save(epoch, {STATE_FILE: state})
+        timings = {
+            "checkpoint_seconds": time.perf_counter() - started,
+            "checkpoint_wait_seconds": blocked,
+        }
+        tracking.log_epoch(self._client, self._run_id, epoch, {**metrics, **timings}, url)
 
 
 def evaluate_batches(
@@ -159,7 +200,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
 
-    torch.manual_seed(config.seed)
+    torch.manual_seed(epoch_seed(config.seed, 0, 0))  # the same initial weights on every worker
     model = build_model(config.model, config.input_shape, config.num_classes, config.model_options)
     optimizer = make_optimizer(config.optimizer, model.parameters(), config.lr, config.weight_decay)
     scheduler = make_scheduler(config.scheduler, optimizer, config.epochs)
@@ -173,8 +214,6 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        if len(state["rng"]) == world_size:
-            torch.set_rng_state(state["rng"][rank])
         first_epoch = int(state["epoch"]) + 1
         if client is not None:
             # The process may have died between committing this checkpoint and logging it.
@@ -193,27 +232,28 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
     val_labels = torch.from_numpy(val_y).to(device)
     steps = math.ceil(len(train_labels) / config.batch_size)
 
+    committer = EpochCommitter(store, client, config.run_id) if client is not None else None
     for epoch in range(first_epoch, config.epochs + 1):
         started = time.perf_counter()
         model.train()
-        order = torch.from_numpy(
-            np.random.default_rng([config.seed, epoch, rank]).permutation(len(train_labels))
-        )
-        loss_sum = 0.0
+        seed = epoch_seed(config.seed, epoch, rank)
+        torch.manual_seed(seed)
+        order = torch.from_numpy(np.random.default_rng(seed).permutation(len(train_labels)))
+        loss_sum = torch.zeros((), device=device)  # summed on device: no host sync per step
         for step in range(steps):
             index = order[step * config.batch_size : (step + 1) * config.batch_size]
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(train_features[index]), train_labels[index])
             loss.backward()
             optimizer.step()
-            loss_sum += float(loss.detach()) * len(index)
+            loss_sum += loss.detach() * len(index)
         scheduler.step()
         train_seconds = time.perf_counter() - started
         val_loss, val_correct, val_rows = evaluate_batches(
             model, val_features, val_labels, max(config.batch_size, 256)
         )
         totals = _all_reduce_sum(
-            [loss_sum, len(train_labels), val_loss, val_correct, val_rows, train_seconds]
+            [float(loss_sum), len(train_labels), val_loss, val_correct, val_rows, train_seconds]
         )
         metrics = {
             "train_loss": totals[0] / totals[1],
@@ -221,24 +261,20 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
             "val_accuracy": totals[3] / totals[4],
             "samples_per_second": totals[1] / (totals[5] / world_size),
         }
-        rng_states = _gather_rng_states()
-        if rank == 0:
-            assert client is not None
-            saving = time.perf_counter()
+        if committer is not None:
             module: torch.nn.Module = getattr(model, "module", model)  # unwrap DDP
-            state_bytes = serialize_state(
-                {
-                    "model": module.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "epoch": epoch,
-                    "rng": rng_states,
-                    "metrics": metrics,
-                }
-            )
-            url = store.save(epoch, {STATE_FILE: state_bytes})
-            metrics["checkpoint_seconds"] = time.perf_counter() - saving
-            tracking.log_epoch_once(client, config.run_id, epoch, metrics, url)
+            # Serialising is the snapshot; hashing, writing and logging happen in the background.
+            state = {
+                "model": module.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "epoch": epoch,
+                "seed": config.seed,
+                "metrics": metrics,
+            }
+            committer.submit(epoch, serialize_state(state), metrics)
+    if committer is not None:
+        committer.close()
     # Per-epoch metrics go to MLflow above. Ray Train v2's report() blocks until its controller
     # polls (every 2 s), which would dominate short epochs, so Ray gets one final report.
     ray.train.report({"epoch": config.epochs})

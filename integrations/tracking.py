@@ -90,12 +90,20 @@ def log_epoch_once(
     One ``log_batch`` call is atomic, so after any crash an epoch is either fully logged or
     not at all, and a restarted worker can call this again for the epoch it resumed from.
     """
+    if epoch in logged_epochs(client, run_id):
+        return False
+    log_epoch(client, run_id, epoch, metrics, checkpoint_url)
+    return True
+
+
+def log_epoch(
+    client: MlflowClient, run_id: str, epoch: int, metrics: dict[str, float], checkpoint_url: str
+) -> None:
+    """Log one epoch's metrics and checkpoint URL in a single (atomic) batch."""
     import time
 
     from mlflow.entities import Metric, RunTag
 
-    if epoch in logged_epochs(client, run_id):
-        return False
     now = int(time.time() * 1000)
     client.log_batch(
         run_id,
@@ -105,7 +113,6 @@ def log_epoch_once(
             RunTag("checkpoint.latest", checkpoint_url),
         ],
     )
-    return True
 
 
 def metric_history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:

@@ -91,15 +91,18 @@ class EpochProgress:
         self._progress.stop()
 
     def _poll(self) -> None:
-        while not self._stop.wait(1.0):
+        while not self._stop.wait(2.0):
             self._report_new_epochs()
 
     def _report_new_epochs(self) -> None:
+        new_epochs = set(tracking.logged_epochs(self._client, self._run_id)) - self._seen
+        if not new_epochs:
+            return
         history = {
             key: dict(tracking.metric_history(self._client, self._run_id, key))
             for key in tracking.EPOCH_METRICS
         }
-        for epoch in sorted(set(history["val_loss"]) - self._seen):
+        for epoch in sorted(new_epochs):
             self._seen.add(epoch)
             line = (
                 f"train_loss {history['train_loss'].get(epoch, float('nan')):.4f}  "

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import psutil
+from prefect.settings import PREFECT_API_URL
 
 from integrations import tracking
 from integrations.settings import PrefectMLSettings
@@ -47,7 +48,12 @@ def _kill_tree(process: subprocess.Popen[bytes]) -> None:
 def test_killed_process_resumes_from_last_verified_checkpoint(
     home: PrefectMLSettings, tmp_path: Path
 ) -> None:
-    env = {**os.environ, "PREFECT_ML_HOME": str(home.home_dir), "PREFECT_HOME": str(tmp_path / "p")}
+    env = {
+        **os.environ,
+        "PREFECT_ML_HOME": str(home.home_dir),
+        # Both commands report to the session's real Prefect server instead of each starting one.
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+    }
     log = (tmp_path / "first.log").open("wb")
     first = subprocess.Popen(COMMAND, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     storage_dir = home.home_dir / "storage"
