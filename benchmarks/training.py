@@ -46,7 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 WORKERS = 2
 THROUGHPUT_TARGET = 0.9  # steady-state samples/s of c over b
-CHECKPOINT_TARGET = 0.05  # checkpoint seconds over epoch seconds, for c
+CHECKPOINT_TARGET = 0.05  # seconds the loop is blocked by checkpoints over epoch seconds (c)
 # Variables that would point the run at someone's real services instead of embedded defaults.
 FOREIGN_ENV = (
     "MLFLOW_TRACKING_URI",
@@ -80,17 +80,9 @@ def synthetic_dataset(
 
 @dataclass(frozen=True)
 class PlainLoopConfig:
-    """What the plain loop (a and b) needs, as plain data (it crosses process boundaries)."""
+    """What the plain loop (a and b) needs: our workers' config plus how to report and time."""
 
-    splits_url: str
-    input_shape: list[int]
-    num_classes: int
-    model: str
-    model_options: dict[str, Any]
-    epochs: int
-    batch_size: int
-    lr: float
-    seed: int
+    loop: dict[str, Any]  # a TrainLoopConfig as a dict (it crosses process boundaries)
     report: Report  # None: no Ray at all (a); "epoch" (b); "final" (b-lean)
     marks_path: str  # rank 0 writes its timestamps here (the workers run on this machine)
 
@@ -128,8 +120,10 @@ def plain_loop(config_dict: dict[str, Any]) -> None:
     import torch.nn.functional as F
 
     from integrations.catalog import build_model
+    from integrations.ray_training import TrainLoopConfig
 
     config = PlainLoopConfig(**config_dict)
+    loop = TrainLoopConfig(**config.loop)
     rank, world = 0, 1
     if config.report is not None:
         import ray.train
@@ -137,30 +131,30 @@ def plain_loop(config_dict: dict[str, Any]) -> None:
 
         context = ray.train.get_context()
         rank, world = context.get_world_rank(), context.get_world_size()
-    torch.manual_seed(config.seed)
-    model = build_model(config.model, config.input_shape, config.num_classes, config.model_options)
+    torch.manual_seed(loop.seed)
+    model = build_model(loop.model, loop.input_shape, loop.num_classes, loop.model_options)
     if config.report is not None:
         model = ray.train.torch.prepare_model(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    train_x, train_y = _read_shard(config.splits_url, "train", rank, world)
-    val_x, val_y = _read_shard(config.splits_url, "val", rank, world)
-    generator = torch.Generator().manual_seed(config.seed + rank)
+    optimizer = torch.optim.Adam(model.parameters(), lr=loop.lr)
+    train_x, train_y = _read_shard(loop.splits_url, "train", rank, world)
+    val_x, val_y = _read_shard(loop.splits_url, "val", rank, world)
+    generator = torch.Generator().manual_seed(loop.seed + rank)
 
     marks, train_seconds, metrics = [time.time()], [], {}
-    for epoch in range(1, config.epochs + 1):
+    for epoch in range(1, loop.epochs + 1):
         started = time.perf_counter()
         model.train()
         order = torch.randperm(len(train_y), generator=generator)
         loss_sum = 0.0
-        for start in range(0, len(order), config.batch_size):
-            index = order[start : start + config.batch_size]
+        for start in range(0, len(order), loop.batch_size):
+            index = order[start : start + loop.batch_size]
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(train_x[index]), train_y[index])
             loss.backward()
             optimizer.step()
             loss_sum += float(loss.detach()) * len(index)
         train_seconds.append(time.perf_counter() - started)
-        val_loss = _evaluate(model, val_x, val_y, max(config.batch_size, 256))
+        val_loss = _evaluate(model, val_x, val_y, max(loop.batch_size, 256))
         metrics = {"epoch": epoch, "train_loss": loss_sum / len(train_y), "val_loss": val_loss}
         if config.report == "epoch":
             ray.train.report(metrics)
@@ -183,7 +177,7 @@ class Measurement:
     epoch_seconds: list[float]
     train_seconds: list[float]  # training steps only, same epochs
     end_to_end_seconds: float
-    checkpoint_seconds: list[float] = field(default_factory=list)  # c only
+    checkpoint_blocking_seconds: list[float] = field(default_factory=list)  # c: loop blocked
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -216,9 +210,9 @@ class Measurement:
 
     @property
     def checkpoint_share(self) -> float | None:
-        if not self.checkpoint_seconds:
+        if not self.checkpoint_blocking_seconds:
             return None
-        return sum(self.checkpoint_seconds) / sum(self.epoch_seconds)
+        return sum(self.checkpoint_blocking_seconds) / sum(self.epoch_seconds)
 
     def as_dict(self) -> dict[str, Any]:
         derived = (
@@ -236,22 +230,13 @@ def run_plain(
     params: TrainModelParams, data: PreparedData, mode: str, report: Report, work_dir: Path
 ) -> Measurement:
     """Run the plain loop in this process (``report=None``) or on a ``TorchTrainer``."""
+    from tasks.train import loop_config
+
     world = 1 if report is None else WORKERS
     per_worker = data.rows["train"] // world
     marks_path = work_dir / f"marks-{mode}-{time.time_ns()}.json"
-    config = PlainLoopConfig(
-        splits_url=data.splits_url,
-        input_shape=data.sample_shape,
-        num_classes=data.num_classes,
-        model=params.model.model,
-        model_options=params.model.factory_options(),
-        epochs=params.training.epochs,
-        batch_size=params.training.batch_size,
-        lr=params.training.lr,
-        seed=params.training.seed,
-        report=report,
-        marks_path=str(marks_path),
-    )
+    loop = loop_config(params, data, checkpoint_url="", tracking_uri="", run_id="")
+    config = PlainLoopConfig(loop=asdict(loop), report=report, marks_path=str(marks_path))
     started = time.perf_counter()
     if report is None:
         plain_loop(asdict(config))
@@ -318,7 +303,7 @@ def run_ours(params: TrainModelParams, data: PreparedData) -> Measurement:
         # 1's training time includes waiting for worker 0's checkpoint and MLflow write.
         train_seconds=[samples / m.value for m in history("samples_per_second")[1:]],
         end_to_end_seconds=wall,
-        checkpoint_seconds=[m.value for m in history("checkpoint_seconds")[1:]],
+        checkpoint_blocking_seconds=[m.value for m in history("checkpoint_blocking_seconds")[1:]],
         extra={"flow_seconds": flow_wall, "run_id": result.run_id, "workers": WORKERS},
     )
 

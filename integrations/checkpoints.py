@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from integrations import storage
 from integrations.errors import CheckpointError
@@ -68,27 +69,41 @@ class CheckpointStore:
                 found.append(int(name[len(_PREFIX) :]))
         return sorted(found)
 
-    def load(self, epoch: int) -> VerifiedCheckpoint:
-        """Read and verify one checkpoint; raise :class:`CheckpointError` if it does not verify."""
-        url = self.url_for(epoch)
+    def _manifest(self, url: str) -> dict[str, Any]:
         try:
-            manifest = json.loads(storage.read_bytes(storage.join(url, MANIFEST)))
+            manifest: dict[str, Any] = json.loads(storage.read_bytes(storage.join(url, MANIFEST)))
         except FileNotFoundError as exc:
             raise CheckpointError(f"{url} has no {MANIFEST}: it was never committed") from exc
         except ValueError as exc:
             raise CheckpointError(f"{url}/{MANIFEST} is not valid JSON") from exc
-        files: dict[str, bytes] = {}
-        for name, expected in manifest.get("files", {}).items():
-            try:
-                data = storage.read_bytes(storage.join(url, name))
-            except FileNotFoundError as exc:
-                raise CheckpointError(
-                    f"{url}/{name} is listed in the manifest but missing"
-                ) from exc
-            if len(data) != expected["size"] or _sha256(data) != expected["sha256"]:
-                raise CheckpointError(f"{url}/{name} does not match its sha256 in the manifest")
-            files[name] = data
+        return manifest
+
+    @staticmethod
+    def _verified_file(url: str, name: str, expected: dict[str, Any]) -> bytes:
+        try:
+            data = storage.read_bytes(storage.join(url, name))
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"{url}/{name} is listed in the manifest but missing") from exc
+        if len(data) != expected["size"] or _sha256(data) != expected["sha256"]:
+            raise CheckpointError(f"{url}/{name} does not match its sha256 in the manifest")
+        return data
+
+    def load(self, epoch: int) -> VerifiedCheckpoint:
+        """Read and verify one checkpoint; raise :class:`CheckpointError` if it does not verify."""
+        url = self.url_for(epoch)
+        listed = self._manifest(url).get("files", {})
+        files = {
+            name: self._verified_file(url, name, expected) for name, expected in listed.items()
+        }
         return VerifiedCheckpoint(epoch, url, files)
+
+    def read_verified(self, epoch: int, name: str) -> bytes:
+        """One file of a committed checkpoint, verified, without reading the others."""
+        url = self.url_for(epoch)
+        listed = self._manifest(url).get("files", {})
+        if name not in listed:
+            raise CheckpointError(f"{url} has no {name} in its manifest")
+        return self._verified_file(url, name, listed[name])
 
     def latest(self) -> VerifiedCheckpoint | None:
         """The newest checkpoint that verifies; broken ones are skipped with a warning."""

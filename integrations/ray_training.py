@@ -2,13 +2,14 @@
 
 The loop owns checkpointing through :class:`CheckpointStore` (atomic, verified) instead of Ray
 Train's checkpoints, so that a restarted worker group, a restarted process and a reader on
-another machine all resume from the same verified bytes. Rank 0 writes checkpoints and
-metrics; metrics are logged once per epoch, after the checkpoint that holds them commits.
+another machine all resume from the same verified bytes. Rank 0 commits one checkpoint per
+epoch, its metrics included; the driver logs those metrics to MLflow once each.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import math
 import time
 from concurrent.futures import Future
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
 STATE_FILE = "state.pt"
+METRICS_FILE = "metrics.json"
 # Epoch at which the latest worker group started: > 1 after a restart from a checkpoint.
 STARTED_AT_TAG = "prefect_ml.worker_group_started_at_epoch"
 
@@ -128,27 +130,30 @@ def epoch_seed(seed: int, epoch: int, rank: int) -> int:
 
 
 class EpochCommitter:
-    """Rank 0's background writer: commit an epoch's checkpoint, then log its metrics.
+    """Rank 0's background writer: commits each epoch's checkpoint while training carries on.
 
-    The training loop hands over serialised bytes and carries on. One commit is in flight at a
-    time, so commits stay in epoch order, memory stays bounded, and an epoch's metrics reach
-    MLflow only after its checkpoint is committed (what exactly-once logging relies on).
+    The loop hands over serialised bytes. One commit is in flight at a time, so commits stay in
+    epoch order and memory stays bounded. Workers never write metrics anywhere else: the driver
+    turns committed checkpoints into MLflow history (see ``tasks.train.EpochRecorder``), which
+    keeps MLflow's client work off the training process's interpreter lock.
     """
 
-    def __init__(self, store: CheckpointStore, client: Any, run_id: str) -> None:
+    def __init__(self, store: CheckpointStore) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self._store, self._client, self._run_id = store, client, run_id
+        self._store = store
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._in_flight: Future[None] | None = None
+        self._in_flight: Future[str] | None = None
 
-    def submit(self, epoch: int, state: bytes, metrics: dict[str, float]) -> float:
-        """Queue one epoch; returns the seconds the caller waited for the previous commit."""
-        started = time.perf_counter()
+    def submit(
+        self, epoch: int, state: bytes, metrics: dict[str, float], blocked_since: float
+    ) -> None:
+        """Queue one epoch; the loop was blocked from ``blocked_since`` until this returns."""
         self.wait()
-        blocked = time.perf_counter() - started
-        self._in_flight = self._executor.submit(self._commit, epoch, state, metrics, blocked)
-        return blocked
+        # What checkpointing cost the loop: the snapshot plus waiting for the previous commit.
+        metrics = {**metrics, "checkpoint_blocking_seconds": time.perf_counter() - blocked_since}
+        files = {STATE_FILE: state, METRICS_FILE: json.dumps(metrics).encode()}
+        self._in_flight = self._executor.submit(self._store.save, epoch, files)
 
     def wait(self) -> None:
         """Block until the queued commit is done; re-raise its error, if any."""
@@ -159,15 +164,6 @@ class EpochCommitter:
     def close(self) -> None:
         self.wait()
         self._executor.shutdown()
-
-    def _commit(self, epoch: int, state: bytes, metrics: dict[str, float], blocked: float) -> None:
-        started = time.perf_counter()
-        url = self._store.save(epoch, {STATE_FILE: state})
-        timings = {
-            "checkpoint_seconds": time.perf_counter() - started,
-            "checkpoint_wait_seconds": blocked,
-        }
-        tracking.log_epoch(self._client, self._run_id, epoch, {**metrics, **timings}, url)
 
 
 def evaluate_batches(
@@ -205,7 +201,6 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
     optimizer = make_optimizer(config.optimizer, model.parameters(), config.lr, config.weight_decay)
     scheduler = make_scheduler(config.scheduler, optimizer, config.epochs)
     store = CheckpointStore(config.checkpoint_url)
-    client = tracking.client_for(config.tracking_uri) if rank == 0 else None
 
     first_epoch = 1
     latest = store.latest()
@@ -215,13 +210,12 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         first_epoch = int(state["epoch"]) + 1
-        if client is not None:
-            # The process may have died between committing this checkpoint and logging it.
-            tracking.log_epoch_once(
-                client, config.run_id, latest.epoch, state["metrics"], latest.url
-            )
-    if client is not None:
-        tracking.set_tags(client, config.run_id, {STARTED_AT_TAG: str(first_epoch)})
+    if rank == 0:
+        tracking.set_tags(
+            tracking.client_for(config.tracking_uri),
+            config.run_id,
+            {STARTED_AT_TAG: str(first_epoch)},
+        )
 
     model = ray.train.torch.prepare_model(model)
     train_x, train_y = load_shard(config.splits_url, "train", rank, world_size)
@@ -232,7 +226,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
     val_labels = torch.from_numpy(val_y).to(device)
     steps = math.ceil(len(train_labels) / config.batch_size)
 
-    committer = EpochCommitter(store, client, config.run_id) if client is not None else None
+    committer = EpochCommitter(store) if rank == 0 else None
     for epoch in range(first_epoch, config.epochs + 1):
         started = time.perf_counter()
         model.train()
@@ -262,6 +256,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
             "samples_per_second": totals[1] / (totals[5] / world_size),
         }
         if committer is not None:
+            blocked_since = time.perf_counter()
             module: torch.nn.Module = getattr(model, "module", model)  # unwrap DDP
             # Serialising is the snapshot; hashing, writing and logging happen in the background.
             state = {
@@ -270,13 +265,12 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
                 "scheduler": scheduler.state_dict(),
                 "epoch": epoch,
                 "seed": config.seed,
-                "metrics": metrics,
             }
-            committer.submit(epoch, serialize_state(state), metrics)
+            committer.submit(epoch, serialize_state(state), metrics, blocked_since)
     if committer is not None:
         committer.close()
-    # Per-epoch metrics go to MLflow above. Ray Train v2's report() blocks until its controller
-    # polls (every 2 s), which would dominate short epochs, so Ray gets one final report.
+    # Per-epoch metrics travel in the checkpoints. Ray Train v2's report() blocks until its
+    # controller polls (every 2 s), which would dominate short epochs: Ray gets one final report.
     ray.train.report({"epoch": config.epochs})
 
 

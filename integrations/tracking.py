@@ -22,7 +22,6 @@ RUN_KEY_TAG = "prefect_ml.run_key"
 FLOW_RUN_TAG = "prefect.flow_run_id"
 FINGERPRINT_TAG = "prefect_ml.dataset_fingerprint"
 SOURCE_RUN_TAG = "prefect_ml.mlflow_run_id"
-EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "samples_per_second")
 
 
 def client_for(tracking_uri: str) -> MlflowClient:
@@ -82,20 +81,6 @@ def logged_epochs(client: MlflowClient, run_id: str) -> list[int]:
     return [m.step for m in client.get_metric_history(run_id, "val_loss")]
 
 
-def log_epoch_once(
-    client: MlflowClient, run_id: str, epoch: int, metrics: dict[str, float], checkpoint_url: str
-) -> bool:
-    """Log one epoch's metrics unless that epoch is already in the run; True if it logged.
-
-    One ``log_batch`` call is atomic, so after any crash an epoch is either fully logged or
-    not at all, and a restarted worker can call this again for the epoch it resumed from.
-    """
-    if epoch in logged_epochs(client, run_id):
-        return False
-    log_epoch(client, run_id, epoch, metrics, checkpoint_url)
-    return True
-
-
 def log_epoch(
     client: MlflowClient, run_id: str, epoch: int, metrics: dict[str, float], checkpoint_url: str
 ) -> None:
@@ -113,10 +98,6 @@ def log_epoch(
             RunTag("checkpoint.latest", checkpoint_url),
         ],
     )
-
-
-def metric_history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
-    return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
 
 
 def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float]) -> None:

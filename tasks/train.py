@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from types import TracebackType
@@ -15,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from integrations import ray_training, storage, tracking
 from integrations.checkpoints import CheckpointStore
-from integrations.errors import PrefectMLError
+from integrations.errors import CheckpointError, PrefectMLError
 from integrations.ray_cluster import ray_session
 from integrations.settings import get_settings
 from tasks.data import PreparedData
@@ -52,16 +53,21 @@ def current_flow_run_id() -> str:
     return str(prefect.runtime.flow_run.id or "")
 
 
-class EpochProgress:
-    """Shows epochs as the workers log them (a rich bar and one log line per epoch).
+class EpochRecorder:
+    """Logs each committed epoch to MLflow exactly once, and shows it (rich bar, log line).
 
-    The workers run in other processes; the MLflow run is the channel they already write to,
-    so the driver polls it instead of opening a second one.
+    Workers only commit checkpoints, each holding its epoch's metrics; this driver-side poller
+    turns verified checkpoints into the run's metric history. The checkpoint store is the source
+    of truth, so epochs that a killed process committed but never logged are logged on resume,
+    and no epoch is logged twice (this is the run's only metric writer).
     """
 
-    def __init__(self, tracking_uri: str, run_id: str, epochs: int, logger: Any) -> None:
+    def __init__(self, tracking_uri: str, run_id: str, checkpoint_url: str, epochs: int) -> None:
         self._client = tracking.client_for(tracking_uri)
-        self._run_id, self._epochs, self._logger = run_id, epochs, logger
+        self._run_id, self._epochs = run_id, epochs
+        self._store = CheckpointStore(checkpoint_url)
+        self._logged = set(tracking.logged_epochs(self._client, run_id))
+        self._logger = get_run_logger()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._progress = Progress(
@@ -72,10 +78,10 @@ class EpochProgress:
             TimeElapsedColumn(),
         )
         self._bar = self._progress.add_task("epochs", total=epochs, metrics="")
-        self._seen: set[int] = set()
 
-    def __enter__(self) -> EpochProgress:
+    def __enter__(self) -> EpochRecorder:
         self._progress.start()
+        self.record_new_epochs()
         self._thread.start()
         return self
 
@@ -87,30 +93,59 @@ class EpochProgress:
     ) -> None:
         self._stop.set()
         self._thread.join()
-        self._report_new_epochs()
+        self.record_new_epochs()
         self._progress.stop()
 
     def _poll(self) -> None:
-        while not self._stop.wait(2.0):
-            self._report_new_epochs()
+        while not self._stop.wait(1.0):
+            self.record_new_epochs()
 
-    def _report_new_epochs(self) -> None:
-        new_epochs = set(tracking.logged_epochs(self._client, self._run_id)) - self._seen
-        if not new_epochs:
-            return
-        history = {
-            key: dict(tracking.metric_history(self._client, self._run_id, key))
-            for key in tracking.EPOCH_METRICS
-        }
-        for epoch in sorted(new_epochs):
-            self._seen.add(epoch)
+    def record_new_epochs(self) -> None:
+        for epoch in self._store.epochs():
+            if epoch in self._logged:
+                continue
+            try:
+                metrics = json.loads(self._store.read_verified(epoch, ray_training.METRICS_FILE))
+            except CheckpointError:
+                continue  # not committed yet; a later poll sees it
+            tracking.log_epoch(
+                self._client, self._run_id, epoch, metrics, self._store.url_for(epoch)
+            )
+            self._logged.add(epoch)
             line = (
-                f"train_loss {history['train_loss'].get(epoch, float('nan')):.4f}  "
-                f"val_acc {history['val_accuracy'].get(epoch, float('nan')):.4f}  "
-                f"{history['samples_per_second'].get(epoch, 0.0):,.0f} samples/s"
+                f"train_loss {metrics['train_loss']:.4f}  val_acc {metrics['val_accuracy']:.4f}  "
+                f"{metrics['samples_per_second']:,.0f} samples/s"
             )
             self._logger.info("epoch %d/%d  %s", epoch, self._epochs, line)
-            self._progress.update(self._bar, completed=len(self._seen), metrics=line)
+            self._progress.update(self._bar, completed=len(self._logged), metrics=line)
+
+
+def loop_config(
+    params: TrainModelParams,
+    data: PreparedData,
+    *,
+    checkpoint_url: str,
+    tracking_uri: str,
+    run_id: str,
+) -> ray_training.TrainLoopConfig:
+    """What every training worker needs to know, from the parameters and the prepared data."""
+    return ray_training.TrainLoopConfig(
+        splits_url=data.splits_url,
+        input_shape=data.sample_shape,
+        num_classes=data.num_classes,
+        model=params.model.model,
+        model_options=params.model.factory_options(),
+        epochs=params.training.epochs,
+        batch_size=params.training.batch_size,
+        lr=params.training.lr,
+        optimizer=params.training.optimizer,
+        weight_decay=params.training.weight_decay,
+        scheduler=params.training.scheduler,
+        seed=params.training.seed,
+        checkpoint_url=checkpoint_url,
+        tracking_uri=tracking_uri,
+        run_id=run_id,
+    )
 
 
 def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResult:
@@ -140,52 +175,41 @@ def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResu
     if resumed:
         logger.info("Resuming MLflow run %s from checkpoint epoch %d", run_id, resumed_from)
         tracking.set_tags(client, run_id, {"prefect_ml.resumed_from_epoch": str(resumed_from)})
-    config = ray_training.TrainLoopConfig(
-        splits_url=data.splits_url,
-        input_shape=data.sample_shape,
-        num_classes=data.num_classes,
-        model=params.model.model,
-        model_options=params.model.factory_options(),
-        epochs=params.training.epochs,
-        batch_size=params.training.batch_size,
-        lr=params.training.lr,
-        optimizer=params.training.optimizer,
-        weight_decay=params.training.weight_decay,
-        scheduler=params.training.scheduler,
-        seed=params.training.seed,
+    config = loop_config(
+        params,
+        data,
         checkpoint_url=checkpoint_url,
         tracking_uri=settings.resolved_tracking_uri,
         run_id=run_id,
     )
-    if resumed_from < params.training.epochs:
-        try:
-            with (
-                ray_session(settings),
-                EpochProgress(
-                    settings.resolved_tracking_uri, run_id, params.training.epochs, logger
-                ),
-            ):
-                ray_training.fit(
-                    config,
-                    workers=params.training.workers,
-                    use_gpu=params.training.use_gpu,
-                    cpus_per_worker=params.training.cpus_per_worker,
-                    max_failures=params.training.max_failures,
-                    ray_storage_path=settings.ray_storage_path,
-                    name=f"{run_id}-{int(time.time())}",
-                )
-        except Exception as exc:
-            tracking.finish_run(client, run_id, status="FAILED")
-            raise PrefectMLError(
-                f"training run {run_id} failed: {exc}. Run the same command again to resume "
-                "from its last verified checkpoint."
-            ) from exc
+    recorder = EpochRecorder(
+        settings.resolved_tracking_uri, run_id, checkpoint_url, params.training.epochs
+    )
+    with recorder:  # also logs epochs a killed process committed but never logged
+        if resumed_from < params.training.epochs:
+            try:
+                with ray_session(settings):
+                    ray_training.fit(
+                        config,
+                        workers=params.training.workers,
+                        use_gpu=params.training.use_gpu,
+                        cpus_per_worker=params.training.cpus_per_worker,
+                        max_failures=params.training.max_failures,
+                        ray_storage_path=settings.ray_storage_path,
+                        name=f"{run_id}-{int(time.time())}",
+                    )
+            except Exception as exc:
+                tracking.finish_run(client, run_id, status="FAILED")
+                raise PrefectMLError(
+                    f"training run {run_id} failed: {exc}. Run the same command again to "
+                    "resume from its last verified checkpoint."
+                ) from exc
     final = CheckpointStore(checkpoint_url).latest()
     if final is None or final.epoch < params.training.epochs:
         raise PrefectMLError(
             f"training ended without a verified final checkpoint in {checkpoint_url}"
         )
-    epoch_metrics = ray_training.deserialize_state(final.files[ray_training.STATE_FILE])["metrics"]
+    epoch_metrics = json.loads(final.files[ray_training.METRICS_FILE])
     return TrainResult(
         run_id=run_id,
         experiment_id=experiment_id,

@@ -34,21 +34,6 @@ def test_promotion_decision(
         assert "v3" in decision.reason and decision.previous_value == champion
 
 
-def test_epoch_metrics_are_logged_once(home: PrefectMLSettings) -> None:
-    client = tracking.client_for(home.resolved_tracking_uri)
-    experiment = tracking.ensure_experiment(client, "exp", home.mlflow_artifact_root)
-    run_id, resumed = tracking.start_or_resume_run(
-        client, experiment, "key-1", run_name="r", params={"a": 1}, tags={}
-    )
-    assert not resumed
-    metrics = {name: 1.0 for name in tracking.EPOCH_METRICS}
-    assert tracking.log_epoch_once(client, run_id, 1, metrics, "file:///ckpt/1")
-    assert not tracking.log_epoch_once(client, run_id, 1, metrics, "file:///ckpt/1")
-    assert tracking.log_epoch_once(client, run_id, 2, metrics, "file:///ckpt/2")
-    assert tracking.logged_epochs(client, run_id) == [1, 2]
-    assert client.get_run(run_id).data.tags["checkpoint.latest"] == "file:///ckpt/2"
-
-
 def test_unfinished_runs_are_resumed_finished_ones_are_not(home: PrefectMLSettings) -> None:
     client = tracking.client_for(home.resolved_tracking_uri)
     experiment = tracking.ensure_experiment(client, "exp", home.mlflow_artifact_root)

@@ -1,0 +1,53 @@
+"""The driver logs committed epochs to MLflow exactly once, including those a dead process left."""
+
+from __future__ import annotations
+
+import json
+
+from prefect import flow
+
+from integrations import ray_training, tracking
+from integrations.checkpoints import CheckpointStore
+from integrations.settings import PrefectMLSettings
+from tasks.train import EpochRecorder
+
+
+def _commit(store: CheckpointStore, epoch: int) -> None:
+    metrics = {
+        "train_loss": 1 / epoch,
+        "val_loss": 2 / epoch,
+        "val_accuracy": 0.5,
+        "samples_per_second": 100.0,
+    }
+    store.save(epoch, {ray_training.METRICS_FILE: json.dumps(metrics).encode()})
+
+
+@flow
+def record(tracking_uri: str, run_id: str, checkpoint_url: str) -> None:
+    with EpochRecorder(tracking_uri, run_id, checkpoint_url, epochs=5):
+        pass
+
+
+def test_each_committed_epoch_is_logged_once(home: PrefectMLSettings) -> None:
+    uri = home.resolved_tracking_uri
+    client = tracking.client_for(uri)
+    experiment = tracking.ensure_experiment(client, "exp", home.mlflow_artifact_root)
+    run_id, _ = tracking.start_or_resume_run(
+        client, experiment, "k", run_name="r", params={}, tags={}
+    )
+    store = CheckpointStore(f"{home.resolved_storage_url}/checkpoints/{run_id}")
+    for epoch in (1, 2, 3):
+        _commit(store, epoch)
+    partial = store.url_for(4).removeprefix("file://")  # a commit that a crash interrupted
+    (home.home_dir / partial).mkdir(parents=True, exist_ok=True)
+
+    record(uri, run_id, store.root_url)
+    record(uri, run_id, store.root_url)  # a resumed process: nothing is logged twice
+    assert tracking.logged_epochs(client, run_id) == [1, 2, 3]
+
+    _commit(store, 4)
+    record(uri, run_id, store.root_url)
+    assert tracking.logged_epochs(client, run_id) == [1, 2, 3, 4]
+    history = {m.step: m.value for m in client.get_metric_history(run_id, "train_loss")}
+    assert history == {e: 1 / e for e in (1, 2, 3, 4)}
+    assert client.get_run(run_id).data.tags["checkpoint.latest"] == store.url_for(4)
