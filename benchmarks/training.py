@@ -11,7 +11,7 @@ Each workload (same data files, model, optimizer, batch size and epochs) is trai
 
 Steady state is every epoch after the first, measured as wall time per epoch *including* its
 per-epoch overheads (reports, checkpoints, MLflow logging): for a and b from timestamps taken
-inside the loop, for c from the MLflow timestamps of the run's ``val_loss`` history. End-to-end
+inside the loop, for c from the ``epoch_seconds`` metric rank 0 logs per epoch. End-to-end
 wall is the call that trains (for b, constructing and fitting the trainer; for c,
 ``train_distributed``), with Ray already started; data preparation is not counted.
 
@@ -276,7 +276,7 @@ def _timed_train(params: TrainModelParams, data: PreparedData) -> tuple[TrainRes
 
 
 def run_ours(params: TrainModelParams, data: PreparedData) -> Measurement:
-    """Our train step in a Prefect flow; per-epoch walls from the run's MLflow timestamps."""
+    """Our train step in a Prefect flow; per-epoch walls from its ``epoch_seconds`` metric."""
     from prefect import flow
 
     from integrations import tracking
@@ -291,14 +291,13 @@ def run_ours(params: TrainModelParams, data: PreparedData) -> Measurement:
     def history(key: str) -> list[Any]:
         return sorted(client.get_metric_history(result.run_id, key), key=lambda m: m.step)
 
-    logged_ms = [m.timestamp for m in history("val_loss")]
     per_worker = data.rows["train"] // params.training.workers
     samples = per_worker * params.training.workers
     return Measurement(
         mode="c-ours",
         samples_per_epoch=samples,
         steps_per_epoch=math.ceil(per_worker / params.training.batch_size),
-        epoch_seconds=(np.diff(logged_ms) / 1000).tolist(),
+        epoch_seconds=[m.value for m in history("epoch_seconds")[1:]],
         # samples_per_second = rows / mean worker training seconds, so this inverts it. Worker
         # 1's training time includes waiting for worker 0's checkpoint and MLflow write.
         train_seconds=[samples / m.value for m in history("samples_per_second")[1:]],

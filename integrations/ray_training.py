@@ -146,12 +146,23 @@ class EpochCommitter:
         self._in_flight: Future[str] | None = None
 
     def submit(
-        self, epoch: int, state: bytes, metrics: dict[str, float], blocked_since: float
+        self,
+        epoch: int,
+        state: bytes,
+        metrics: dict[str, float],
+        *,
+        epoch_started: float,
+        blocked_since: float,
     ) -> None:
         """Queue one epoch; the loop was blocked from ``blocked_since`` until this returns."""
         self.wait()
-        # What checkpointing cost the loop: the snapshot plus waiting for the previous commit.
-        metrics = {**metrics, "checkpoint_blocking_seconds": time.perf_counter() - blocked_since}
+        now = time.perf_counter()
+        metrics = {
+            **metrics,
+            # What checkpointing cost the loop: the snapshot plus waiting for the previous commit.
+            "checkpoint_blocking_seconds": now - blocked_since,
+            "epoch_seconds": now - epoch_started,  # wall time of the whole epoch on rank 0
+        }
         files = {STATE_FILE: state, METRICS_FILE: json.dumps(metrics).encode()}
         self._in_flight = self._executor.submit(self._store.save, epoch, files)
 
@@ -266,7 +277,13 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
                 "epoch": epoch,
                 "seed": config.seed,
             }
-            committer.submit(epoch, serialize_state(state), metrics, blocked_since)
+            committer.submit(
+                epoch,
+                serialize_state(state),
+                metrics,
+                epoch_started=started,
+                blocked_since=blocked_since,
+            )
     if committer is not None:
         committer.close()
     # Per-epoch metrics travel in the checkpoints. Ray Train v2's report() blocks until its
