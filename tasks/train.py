@@ -170,7 +170,8 @@ def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResu
     checkpoint_url = storage.join(
         settings.resolved_storage_url, "checkpoints", experiment_id, run_id
     )
-    latest = CheckpointStore(checkpoint_url).latest()
+    store = CheckpointStore(checkpoint_url)
+    latest = store.latest()
     resumed_from = latest.epoch if latest else 0
     if resumed:
         logger.info("Resuming MLflow run %s from checkpoint epoch %d", run_id, resumed_from)
@@ -204,7 +205,7 @@ def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResu
                     f"training run {run_id} failed: {exc}. Run the same command again to "
                     "resume from its last verified checkpoint."
                 ) from exc
-    final = CheckpointStore(checkpoint_url).latest()
+    final = store.latest()
     if final is None or final.epoch < params.training.epochs:
         raise PrefectMLError(
             f"training ended without a verified final checkpoint in {checkpoint_url}"
