@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
+import subprocess
+import sys
 
+import httpx
 import mlflow.pyfunc
 import numpy as np
 import pytest
@@ -14,6 +19,7 @@ from flows.pipeline import ml_pipeline
 from integrations import tracking
 from integrations.settings import PrefectMLSettings
 from tasks.params import PipelineParams
+from tests.helpers import wait_for
 
 
 def _artifacts(flow_run_id: str) -> dict[str, str]:
@@ -24,6 +30,60 @@ def _artifacts(flow_run_id: str) -> dict[str, str]:
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
         )
     return {artifact.key: str(artifact.data) for artifact in found}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _predict_with_mlflow_models_serve(home: PrefectMLSettings, images: np.ndarray) -> np.ndarray:
+    """``mlflow models serve -m models:/digits-classifier@champion``, as the README says."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "models",
+            "serve",
+            "-m",
+            "models:/digits-classifier@champion",
+            "--env-manager",
+            "local",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        env={
+            **os.environ,
+            "MLFLOW_TRACKING_URI": home.resolved_tracking_uri,
+            # mlflow starts `uvicorn` by name: the virtualenv's bin must be on PATH, as when active.
+            "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _responds(f"{base}/ping"), 120, "mlflow models serve to come up")
+        response = httpx.post(
+            f"{base}/invocations", json={"inputs": images.astype(np.float32).tolist()}, timeout=30
+        )
+        response.raise_for_status()
+        return np.asarray(response.json()["predictions"])
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _responds(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -69,6 +129,8 @@ def test_pipeline_registers_promotes_and_then_keeps_the_better_champion(
     digits = load_digits()
     logits = served.predict(digits.images[:400, None].astype(np.float32))
     assert (np.asarray(logits).argmax(axis=1) == digits.target[:400]).mean() > 0.9
+    served_by_cli = _predict_with_mlflow_models_serve(home, digits.images[:50, None])
+    assert (served_by_cli.argmax(axis=1) == digits.target[:50]).mean() > 0.9
 
     # A worse model (one epoch) is registered but does not take the alias. The splits were
     # wiped meanwhile: the cached preprocess result must not point at missing files.
