@@ -119,10 +119,6 @@ def log_figure(client: MlflowClient, run_id: str, figure: Figure, artifact_file:
     client.log_figure(run_id, figure, artifact_file)
 
 
-def log_text(client: MlflowClient, run_id: str, text: str, artifact_file: str) -> None:
-    client.log_text(run_id, text, artifact_file)
-
-
 def finish_run(client: MlflowClient, run_id: str, status: str = "FINISHED") -> None:
     client.set_terminated(run_id, status=status)
 
