@@ -269,7 +269,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
         if committer is not None:
             blocked_since = time.perf_counter()
             module: torch.nn.Module = getattr(model, "module", model)  # unwrap DDP
-            # Serialising is the snapshot; hashing, writing and logging happen in the background.
+            # Serialising is the snapshot; hashing and writing happen in the background.
             state = {
                 "model": module.state_dict(),
                 "optimizer": optimizer.state_dict(),
