@@ -7,7 +7,6 @@ points it at the project home, because Prefect reads its settings at import time
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import types
@@ -22,20 +21,27 @@ from rich.console import Console
 from rich.table import Table
 
 from integrations.settings import get_settings, prepare_process_environment
-from tasks.params import PipelineParams, TrainModelParams
+from tasks.params import CampaignParams, PipelineParams, TrainModelParams
 
 console = Console(stderr=True)
 
 
-def _is_model(annotation: Any) -> bool:
-    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model of a section field (``Section`` or ``Section | None``), or None for a leaf."""
+    candidates = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    first = candidates[0]
+    return first if isinstance(first, type) and issubclass(first, BaseModel) else None
 
 
 def _parameter_fields(model: type[BaseModel]) -> Iterator[tuple[str | None, str, FieldInfo]]:
-    """(section, name, field) for every leaf parameter; section is None for top-level ones."""
+    """(section, name, field) for every leaf parameter; section is None for top-level ones.
+
+    An optional section (``sweep`` of the pipeline) is switched on by giving any of its flags.
+    """
     for name, field in model.model_fields.items():
-        if _is_model(field.annotation):
-            for leaf, leaf_field in field.annotation.model_fields.items():  # type: ignore[union-attr]
+        section = _section_model(field.annotation)
+        if section is not None:
+            for leaf, leaf_field in section.model_fields.items():
                 yield name, leaf, leaf_field
         else:
             yield None, name, field
@@ -54,7 +60,8 @@ def _click_option(name: str, field: FieldInfo) -> click.Option:
         choice = click.Choice([str(c) for c in typing.get_args(annotation)])
         return click.Option([flag, name], type=choice, default=None, help=help_text)
     if typing.get_origin(annotation) is dict:
-        return click.Option([flag, name], type=str, default=None, help=help_text + " (JSON)")
+        help_text += " (inline JSON/YAML, or the path of a JSON/YAML file)"
+        return click.Option([flag, name], type=str, default=None, help=help_text)
     click_type: type = annotation if annotation in (int, float) else str  # type: ignore[assignment]
     return click.Option([flag, name], type=click_type, default=None, help=help_text)
 
@@ -67,12 +74,26 @@ def _nested_parameters(model: type[BaseModel], flags: dict[str, Any]) -> dict[st
         if value is None:
             continue
         if typing.get_origin(field.annotation) is dict:
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise click.BadParameter(f"not valid JSON: {exc}", param_hint=f"--{name}") from exc
+            value = _mapping_flag(name, value)
         (nested.setdefault(section, {}) if section else nested)[name] = value
     return nested
+
+
+def _mapping_flag(name: str, value: str) -> Any:
+    """A dict flag: inline JSON or YAML, or the path of a file holding either."""
+    import yaml
+
+    hint = "--" + name.replace("_", "-")
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as handle:
+            value = handle.read()
+    try:
+        loaded = yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise click.BadParameter(f"not valid JSON or YAML: {exc}", param_hint=hint) from exc
+    if not isinstance(loaded, dict):
+        raise click.BadParameter("expected a mapping, e.g. '{\"key\": ...}'", param_hint=hint)
+    return loaded
 
 
 def print_validation_error(error: ValidationError) -> None:
@@ -141,9 +162,36 @@ def print_outcome(outcome: Any) -> None:
     )
 
 
-def _run_flow(flow_name: str, params: BaseModel) -> None:
+def print_campaign(result: Any) -> None:
+    """The campaign's leaderboard and best trial(s), and how to look at the study."""
+    settings = get_settings()
+    title = f"campaign {result.campaign}: {result.finished} finished trials"
+    table = Table(title=title, title_style="bold green")
+    objectives = list(result.objectives)
+    for column in ("trial", "state", *objectives, "params"):
+        table.add_column(column)
+    for row in result.leaderboard:
+        values = [f"{row.values[n]:.4f}" if n in row.values else "" for n in objectives]
+        params = ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in sorted(row.params.items())
+        )
+        table.add_row(str(row.number), row.state, *values, params)
+    console.print(table)
+    console.print(
+        f"complete {result.complete}, pruned {result.pruned}, failed {result.failed}; "
+        f"best trial(s): {', '.join(str(b.number) for b in result.best)}; "
+        f"MLflow parent run {result.parent_run_id}"
+    )
+    console.print("[bold]Watch it[/bold]")
+    console.print(f"  optuna-dashboard {settings.resolved_optuna_storage}")
+
+
+def _run_flow(flow_name: str, params: BaseModel) -> Any:
     if flow_name == "ml_pipeline":
         from flows.pipeline import ml_pipeline as flow_fn
+    elif flow_name == "hpo_campaign":
+        from flows.sweep import hpo_campaign as flow_fn  # type: ignore[assignment]
     else:
         from flows.train import train_model as flow_fn
     state = flow_fn(params=params, return_state=True)
@@ -151,7 +199,7 @@ def _run_flow(flow_name: str, params: BaseModel) -> None:
         error = state.result(raise_on_failure=False)
         console.print(f"[bold red]{flow_name} failed:[/bold red] {error}")
         raise SystemExit(1)
-    print_outcome(state.result())
+    return state.result()
 
 
 @click.group()
@@ -165,15 +213,23 @@ def app() -> None:
 @app.command()
 @_with_parameter_flags(PipelineParams)
 def run(**flags: Any) -> None:
-    """Run the whole pipeline (ml_pipeline); defaults train digits in about a minute."""
-    _run_flow("ml_pipeline", parse_parameters(PipelineParams, flags))
+    """Run the whole pipeline (ml_pipeline); any sweep flag (--campaign, --n-trials, ...) adds
+    a campaign whose best values train the final model."""
+    print_outcome(_run_flow("ml_pipeline", parse_parameters(PipelineParams, flags)))
 
 
 @app.command()
 @_with_parameter_flags(TrainModelParams)
 def train(**flags: Any) -> None:
     """Train, evaluate and register one model (train_model)."""
-    _run_flow("train_model", parse_parameters(TrainModelParams, flags))
+    print_outcome(_run_flow("train_model", parse_parameters(TrainModelParams, flags)))
+
+
+@app.command()
+@_with_parameter_flags(CampaignParams)
+def sweep(**flags: Any) -> None:
+    """Run or continue a hyperparameter campaign (hpo_campaign); same name = same study."""
+    print_campaign(_run_flow("hpo_campaign", parse_parameters(CampaignParams, flags)))
 
 
 @app.command()

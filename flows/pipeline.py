@@ -1,14 +1,22 @@
-"""``ml_pipeline``: the whole job; campaign and serving steps plug in around the training chain."""
+"""``ml_pipeline``: the whole job; an optional campaign first, then the training chain."""
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
+from flows.sweep import hpo_campaign
 from flows.train import TrainingOutcome, training_chain
-from tasks.params import PipelineParams
+from tasks.params import PipelineParams, with_trial_values
 
 
 @flow(name="ml-pipeline")
 def ml_pipeline(params: PipelineParams = PipelineParams()) -> TrainingOutcome:  # noqa: B008
-    """Prepare data, train on Ray, evaluate, register and promote: the end-to-end pipeline."""
+    """Prepare data, (search hyperparameters,) train on Ray, evaluate, register and promote."""
+    if params.sweep is not None:
+        result = hpo_campaign(params.campaign())
+        best = result.best[0]  # with several objectives: the Pareto trial best on the first
+        get_run_logger().info(
+            "Training the final model with trial %d's values: %s", best.number, best.params
+        )
+        params = with_trial_values(params, best.params)
     return training_chain(params)

@@ -7,7 +7,7 @@ from pydantic import BaseModel
 
 from tasks.data import PreparedData, inspect_data, preprocess, splits_present
 from tasks.evaluate import Evaluation, evaluate
-from tasks.params import TrainModelParams
+from tasks.params import CampaignParams, TrainModelParams
 from tasks.register import Registration, register
 from tasks.report import publish_summary
 from tasks.train import TrainResult, train
@@ -22,12 +22,18 @@ class TrainingOutcome(BaseModel):
     registration: Registration
 
 
-def training_chain(params: TrainModelParams) -> TrainingOutcome:
-    """The steps shared by ``train_model`` and ``ml_pipeline``; runs inside either flow."""
+def prepared_data(params: TrainModelParams | CampaignParams) -> PreparedData:
+    """Inspect the data, then prepare the splits (cached on the content fingerprint)."""
     summary = inspect_data(params)
     data = preprocess(params.data, summary.fingerprint)
     if not splits_present(data):  # the cached result outlived its files (storage was wiped)
         data = preprocess.with_options(refresh_cache=True)(params.data, summary.fingerprint)
+    return data
+
+
+def training_chain(params: TrainModelParams) -> TrainingOutcome:
+    """The steps shared by ``train_model`` and ``ml_pipeline``; runs inside either flow."""
+    data = prepared_data(params)
     trained = train(params, data)
     evaluation = evaluate(params, data, trained)
     registration = register(params, data, trained, evaluation)

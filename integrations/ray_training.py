@@ -22,6 +22,7 @@ import numpy as np
 from integrations import storage, tracking
 from integrations.catalog import build_model
 from integrations.checkpoints import CheckpointStore
+from integrations.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +51,8 @@ class TrainLoopConfig:
     seed: int
     checkpoint_url: str
     tracking_uri: str
-    run_id: str
+    run_id: str  # MLflow run told where the worker group started; "" for none
+    stop_url: str = ""  # a file whose existence asks the workers to stop after this epoch
 
 
 def shard_bounds(rows: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -195,91 +197,159 @@ def evaluate_batches(
     return loss_sum, correct, len(labels)
 
 
+class EpochTrainer:
+    """One worker's model, optimiser and data shard, trained one epoch at a time.
+
+    Shared by Ray Train workers (``train_loop_per_worker``, DDP) and campaign trials that train
+    in one warm process. It resumes from the newest verified checkpoint in ``checkpoint_url``.
+    """
+
+    def __init__(
+        self,
+        config: TrainLoopConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | None = None,
+        prepare_model: Any = None,
+        shards: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> None:
+        import torch
+
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.device = device or torch.device("cpu")
+        torch.manual_seed(epoch_seed(config.seed, 0, 0))  # the same initial weights everywhere
+        model = build_model(
+            config.model, config.input_shape, config.num_classes, config.model_options
+        )
+        self.optimizer = make_optimizer(
+            config.optimizer, model.parameters(), config.lr, config.weight_decay
+        )
+        self.scheduler = make_scheduler(config.scheduler, self.optimizer, config.epochs)
+        self.store = CheckpointStore(config.checkpoint_url)
+        self.first_epoch = 1
+        latest = self.store.latest()
+        if latest is not None:
+            state = deserialize_state(latest.files[STATE_FILE])
+            model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.first_epoch = int(state["epoch"]) + 1
+        self.model = prepare_model(model) if prepare_model else model
+        shards = shards or {
+            split: load_shard(config.splits_url, split, rank, world_size)
+            for split in ("train", "val")
+        }
+        self.train_features, self.train_labels = (
+            torch.from_numpy(a).to(self.device) for a in shards["train"]
+        )
+        self.val_features, self.val_labels = (
+            torch.from_numpy(a).to(self.device) for a in shards["val"]
+        )
+
+    def train_epoch(self, epoch: int) -> dict[str, float]:
+        """Train one epoch, then evaluate; metrics are summed over all workers."""
+        import torch
+        import torch.nn.functional as F
+
+        config, model = self.config, self.model
+        started = time.perf_counter()
+        model.train()
+        seed = epoch_seed(config.seed, epoch, self.rank)
+        torch.manual_seed(seed)
+        order = torch.from_numpy(np.random.default_rng(seed).permutation(len(self.train_labels)))
+        loss_sum = torch.zeros((), device=self.device)  # summed on device: no host sync per step
+        for step in range(math.ceil(len(self.train_labels) / config.batch_size)):
+            index = order[step * config.batch_size : (step + 1) * config.batch_size]
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(self.train_features[index]), self.train_labels[index])
+            loss.backward()
+            self.optimizer.step()
+            loss_sum += loss.detach() * len(index)
+        self.scheduler.step()
+        train_seconds = time.perf_counter() - started
+        val_loss, val_correct, val_rows = evaluate_batches(
+            model, self.val_features, self.val_labels, max(config.batch_size, 256)
+        )
+        totals = _all_reduce_sum(
+            [
+                float(loss_sum),
+                len(self.train_labels),
+                val_loss,
+                val_correct,
+                val_rows,
+                train_seconds,
+            ]
+        )
+        return {
+            "train_loss": totals[0] / totals[1],
+            "val_loss": totals[2] / totals[4],
+            "val_accuracy": totals[3] / totals[4],
+            "samples_per_second": totals[1] / (totals[5] / self.world_size),
+        }
+
+    def snapshot(self, epoch: int) -> bytes:
+        """The training state after ``epoch``, serialised (what a checkpoint stores)."""
+        module: torch.nn.Module = getattr(self.model, "module", self.model)  # unwrap DDP
+        return serialize_state(
+            {
+                "model": module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "epoch": epoch,
+                "seed": self.config.seed,
+            }
+        )
+
+    def committed_metrics(self) -> list[dict[str, float]]:
+        """Metrics of every verified epoch before ``first_epoch`` (a resumed trial's history)."""
+        history = []
+        for epoch in range(1, self.first_epoch):
+            try:
+                history.append(json.loads(self.store.read_verified(epoch, METRICS_FILE)))
+            except CheckpointError:
+                continue
+        return history
+
+
+def stop_requested(stop_url: str) -> bool:
+    """Whether someone asked this run to stop (a pruned trial); every worker agrees."""
+    flag = 1.0 if stop_url and storage.exists(stop_url) else 0.0
+    return _all_reduce_sum([flag])[0] > 0
+
+
 def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
     """One Ray Train worker: resume from the newest verified checkpoint, then train epochs."""
     import ray.train
     import ray.train.torch
-    import torch
-    import torch.nn.functional as F
 
     config = TrainLoopConfig(**config_dict)
     context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
-    device = ray.train.torch.get_device()
-
-    torch.manual_seed(epoch_seed(config.seed, 0, 0))  # the same initial weights on every worker
-    model = build_model(config.model, config.input_shape, config.num_classes, config.model_options)
-    optimizer = make_optimizer(config.optimizer, model.parameters(), config.lr, config.weight_decay)
-    scheduler = make_scheduler(config.scheduler, optimizer, config.epochs)
-    store = CheckpointStore(config.checkpoint_url)
-
-    first_epoch = 1
-    latest = store.latest()
-    if latest is not None:
-        state = deserialize_state(latest.files[STATE_FILE])
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        first_epoch = int(state["epoch"]) + 1
-    if rank == 0:
+    trainer = EpochTrainer(
+        config,
+        rank=context.get_world_rank(),
+        world_size=context.get_world_size(),
+        device=ray.train.torch.get_device(),
+        prepare_model=ray.train.torch.prepare_model,
+    )
+    if trainer.rank == 0 and config.run_id:
         tracking.set_tags(
             tracking.client_for(config.tracking_uri),
             config.run_id,
-            {STARTED_AT_TAG: str(first_epoch)},
+            {STARTED_AT_TAG: str(trainer.first_epoch)},
         )
-
-    model = ray.train.torch.prepare_model(model)
-    train_x, train_y = load_shard(config.splits_url, "train", rank, world_size)
-    val_x, val_y = load_shard(config.splits_url, "val", rank, world_size)
-    train_features = torch.from_numpy(train_x).to(device)
-    train_labels = torch.from_numpy(train_y).to(device)
-    val_features = torch.from_numpy(val_x).to(device)
-    val_labels = torch.from_numpy(val_y).to(device)
-    steps = math.ceil(len(train_labels) / config.batch_size)
-
-    committer = EpochCommitter(store) if rank == 0 else None
-    for epoch in range(first_epoch, config.epochs + 1):
+    committer = EpochCommitter(trainer.store) if trainer.rank == 0 else None
+    for epoch in range(trainer.first_epoch, config.epochs + 1):
+        if stop_requested(config.stop_url):
+            break
         started = time.perf_counter()
-        model.train()
-        seed = epoch_seed(config.seed, epoch, rank)
-        torch.manual_seed(seed)
-        order = torch.from_numpy(np.random.default_rng(seed).permutation(len(train_labels)))
-        loss_sum = torch.zeros((), device=device)  # summed on device: no host sync per step
-        for step in range(steps):
-            index = order[step * config.batch_size : (step + 1) * config.batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(train_features[index]), train_labels[index])
-            loss.backward()
-            optimizer.step()
-            loss_sum += loss.detach() * len(index)
-        scheduler.step()
-        train_seconds = time.perf_counter() - started
-        val_loss, val_correct, val_rows = evaluate_batches(
-            model, val_features, val_labels, max(config.batch_size, 256)
-        )
-        totals = _all_reduce_sum(
-            [float(loss_sum), len(train_labels), val_loss, val_correct, val_rows, train_seconds]
-        )
-        metrics = {
-            "train_loss": totals[0] / totals[1],
-            "val_loss": totals[2] / totals[4],
-            "val_accuracy": totals[3] / totals[4],
-            "samples_per_second": totals[1] / (totals[5] / world_size),
-        }
+        metrics = trainer.train_epoch(epoch)
         if committer is not None:
             blocked_since = time.perf_counter()
-            module: torch.nn.Module = getattr(model, "module", model)  # unwrap DDP
             # Serialising is the snapshot; hashing and writing happen in the background.
-            state = {
-                "model": module.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "epoch": epoch,
-                "seed": config.seed,
-            }
             committer.submit(
                 epoch,
-                serialize_state(state),
+                trainer.snapshot(epoch),
                 metrics,
                 epoch_started=started,
                 blocked_since=blocked_since,
@@ -328,8 +398,6 @@ def load_trained_model(
     model_options: dict[str, Any],
 ) -> tuple[torch.nn.Module, int]:
     """The model of the newest verified checkpoint under ``checkpoint_url``, and its epoch."""
-    from integrations.errors import CheckpointError
-
     latest = CheckpointStore(checkpoint_url).latest()
     if latest is None:
         raise CheckpointError(f"no verified checkpoint under {checkpoint_url}")

@@ -40,6 +40,13 @@ class PrefectMLSettings(BaseSettings):
         title="MLflow tracking URI",
         description="Overrides MLFLOW_TRACKING_URI; default sqlite:///<home>/mlflow.db.",
     )
+    optuna_storage: str | None = Field(
+        default=None,
+        title="Optuna storage",
+        description="Where campaigns keep their studies: an SQLAlchemy URL "
+        "(postgresql://..., sqlite:///...) or the path of an Optuna journal file; "
+        "default sqlite:///<home>/optuna.db.",
+    )
     local_ray_cpus: int | None = Field(
         default=None,
         title="CPUs for a local Ray",
@@ -68,6 +75,10 @@ class PrefectMLSettings(BaseSettings):
         if self.resolved_tracking_uri.startswith("sqlite:///"):
             return (self.home_dir / "mlartifacts").as_uri()
         return None
+
+    @property
+    def resolved_optuna_storage(self) -> str:
+        return self.optuna_storage or f"sqlite:///{self.home_dir / 'optuna.db'}"
 
     @property
     def prefect_home(self) -> Path:

@@ -245,3 +245,103 @@ def check_writable(tracking_uri: str, artifact_root: str | None) -> str:
     return f"{tracking_uri} reachable" + (
         f", artifacts at {artifact_root}" if artifact_root else ""
     )
+
+
+# Campaigns: one parent run per campaign, one nested run per trial.
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests runs by it
+CAMPAIGN_TAG = "prefect_ml.campaign"  # on trial runs
+CAMPAIGN_PARENT_TAG = "prefect_ml.campaign_parent"  # on the campaign's parent run
+TRIAL_TAG = "prefect_ml.trial_number"
+TRIAL_STATE_TAG = "prefect_ml.trial_state"
+ERROR_TAG = "prefect_ml.error"
+
+
+def campaign_parent_run(
+    client: MlflowClient,
+    experiment_id: str,
+    campaign_key: str,
+    known_run_id: str | None,
+    *,
+    run_name: str,
+    params: dict[str, Any],
+    tags: dict[str, str],
+) -> tuple[str, bool]:
+    """The campaign's parent run, re-attached if it exists; returns (run_id, reattached).
+
+    ``known_run_id`` comes from the study; the tag search covers a process killed between
+    creating the run and recording its id in the study.
+    """
+    from mlflow.exceptions import MlflowException
+
+    run_id = None
+    if known_run_id:
+        try:
+            run_id = client.get_run(known_run_id).info.run_id
+        except MlflowException:
+            run_id = None
+    if run_id is None:
+        found = client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`{CAMPAIGN_PARENT_TAG}` = '{campaign_key}'",
+            max_results=1,
+        )
+        run_id = found[0].info.run_id if found else None
+    if run_id is not None:
+        client.update_run(run_id, status="RUNNING")
+        set_tags(client, run_id, tags)
+        return run_id, True
+    run = client.create_run(
+        experiment_id, run_name=run_name, tags={CAMPAIGN_PARENT_TAG: campaign_key, **tags}
+    )
+    log_params(client, run.info.run_id, params)
+    return run.info.run_id, False
+
+
+def trial_runs(client: MlflowClient, experiment_id: str, parent_run_id: str) -> dict[int, Any]:
+    """The nested trial runs of a campaign by trial number (``RunInfo`` plus tags)."""
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
+        max_results=50000,
+    )
+    return {int(run.data.tags[TRIAL_TAG]): run for run in runs if run.data.tags.get(TRIAL_TAG)}
+
+
+def start_trial_run(
+    client: MlflowClient,
+    experiment_id: str,
+    parent_run_id: str,
+    campaign_key: str,
+    number: int,
+    params: dict[str, Any],
+) -> str:
+    run = client.create_run(
+        experiment_id,
+        run_name=f"trial-{number}",
+        tags={PARENT_TAG: parent_run_id, CAMPAIGN_TAG: campaign_key, TRIAL_TAG: str(number)},
+    )
+    log_params(client, run.info.run_id, params)
+    return str(run.info.run_id)
+
+
+TRIAL_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
+
+
+def end_trial_run(
+    client: MlflowClient,
+    run_id: str,
+    state: str,
+    values: dict[str, float],
+    error: str | None = None,
+) -> None:
+    """Record a trial's final state (complete, pruned, failed with its error) and values."""
+    tags = {TRIAL_STATE_TAG: state}
+    if error:
+        tags[ERROR_TAG] = error[:4000]
+    set_tags(client, run_id, tags)
+    finite = {f"objective.{k}": v for k, v in values.items() if math.isfinite(v)}
+    if finite:
+        log_metrics(client, run_id, finite)
+    if error:
+        client.log_text(run_id, error, "error.txt")
+    finish_run(client, run_id, TRIAL_STATUS.get(state, "FAILED"))

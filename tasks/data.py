@@ -14,7 +14,7 @@ from integrations import storage
 from integrations.catalog import DatasetArrays, load_dataset
 from integrations.errors import ConfigurationError
 from integrations.settings import get_settings
-from tasks.params import DataParams, TrainModelParams
+from tasks.params import CampaignParams, DataParams, TrainModelParams
 
 FORMAT_VERSION = "1"
 
@@ -85,11 +85,16 @@ def train_rows(total_rows: int, data: DataParams) -> int:
     return rest - int(np.ceil(rest * data.val_fraction / (1 - data.test_fraction)))
 
 
-def inspect_dataset(params: TrainModelParams) -> DataSummary:
+def inspect_dataset(params: TrainModelParams | CampaignParams) -> DataSummary:
     """Load the data and check what parameters alone cannot; writes nothing anywhere."""
     arrays = load_dataset(params.data.dataset, params.data.loader_options())
     n_train = train_rows(len(arrays.labels), params.data)
-    per_worker = n_train // params.training.workers
+    workers = (
+        params.sweep.trial_workers
+        if isinstance(params, CampaignParams)
+        else params.training.workers
+    )
+    per_worker = n_train // workers
     if params.training.batch_size > n_train:
         raise ConfigurationError(
             "training.batch_size",
@@ -99,7 +104,7 @@ def inspect_dataset(params: TrainModelParams) -> DataSummary:
     if per_worker < 1:
         raise ConfigurationError(
             "training.workers",
-            f"{params.training.workers} workers for {n_train} training rows leaves some with none; "
+            f"{workers} workers for {n_train} training rows leaves some with none; "
             f"use at most {n_train} workers",
         )
     return DataSummary(
@@ -144,7 +149,7 @@ def splits_present(prepared: PreparedData) -> bool:
 
 
 @task(name="inspect-data", cache_policy=NO_CACHE)
-def inspect_data(params: TrainModelParams) -> DataSummary:
+def inspect_data(params: TrainModelParams | CampaignParams) -> DataSummary:
     return inspect_dataset(params)
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from integrations.catalog import resolve_dataset, resolve_model
 
@@ -191,5 +191,221 @@ class TrainModelParams(_Section):
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# Search-space names a campaign may tune: every model and training field that shapes the result.
+SEARCHABLE_SECTIONS: dict[str, type[_Section]] = {"model": ModelParams, "training": TrainingParams}
+NOT_SEARCHABLE = {"model", "model_options", "workers", "max_failures", "use_gpu", "cpus_per_worker"}
+EPOCH_METRICS = ("val_accuracy", "val_loss", "train_loss")
+
+
+class SearchDimension(_Section):
+    """One tuned parameter: a float or int range, or a list of choices."""
+
+    type: Literal["float", "int", "categorical"] = Field(
+        title="Type", description="'float' and 'int' are ranges [low, high]; 'categorical' picks."
+    )
+    low: float | None = Field(None, title="Low", description="Lower bound (float and int).")
+    high: float | None = Field(None, title="High", description="Upper bound (float and int).")
+    log: bool = Field(False, title="Log scale", description="Sample on a log scale (low > 0).")
+    step: float | None = Field(
+        None, gt=0, title="Step", description="Grid step (int and float; required by 'grid')."
+    )
+    choices: list[str | int | float | bool] | None = Field(
+        None, title="Choices", description="Values of a 'categorical' dimension."
+    )
+
+    @model_validator(mode="after")
+    def _check_dimension(self) -> SearchDimension:
+        if self.type == "categorical":
+            if not self.choices:
+                raise ValueError("choices must be a non-empty list for a 'categorical' dimension")
+            return self
+        if self.low is None or self.high is None:
+            raise ValueError(f"a '{self.type}' dimension needs both low and high")
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low:g}) must be smaller than high ({self.high:g})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log scale needs low > 0 (got low={self.low:g})")
+        if self.log and self.step is not None:
+            raise ValueError("log and step cannot be combined")
+        return self
+
+    def candidate_values(self) -> list[Any]:
+        """Values that must all be valid training parameters: the bounds or every choice."""
+        if self.type == "categorical":
+            return list(self.choices or [])
+        assert self.low is not None and self.high is not None  # checked by the validator
+        if self.type == "int":
+            return [int(self.low), int(self.high)]
+        return [self.low, self.high]
+
+    def grid(self) -> list[Any]:
+        """Every value a grid search visits."""
+        if self.type == "categorical":
+            return list(self.choices or [])
+        assert self.low is not None and self.high is not None
+        if self.type == "int":
+            return list(range(int(self.low), int(self.high) + 1, int(self.step or 1)))
+        if self.step is None:
+            raise ValueError("a float dimension needs a step for grid search")
+        count = int((self.high - self.low) / self.step + 1e-9) + 1
+        return [self.low + i * self.step for i in range(count)]
+
+
+def default_search_space() -> dict[str, SearchDimension]:
+    return {
+        "lr": SearchDimension(type="float", low=1e-4, high=1e-1, log=True),
+        "hidden": SearchDimension(type="int", low=32, high=256),
+        "dropout": SearchDimension(type="float", low=0.0, high=0.5),
+        "optimizer": SearchDimension(type="categorical", choices=["adam", "sgd"]),
+    }
+
+
+class SweepParams(_Section):
+    """The campaign: what to search, how to choose, how much to spend and how wide to run."""
+
+    campaign: str = Field(
+        "default",
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        title="Campaign name",
+        description="Names the Optuna study; running the same name again continues it.",
+    )
+    search_space: dict[str, SearchDimension] = Field(
+        default_factory=default_search_space,
+        title="Search space",
+        description='Tuned parameters, e.g. {"lr": {"type": "float", "low": 1e-4, "high": 0.1, '
+        '"log": true}}; names are model or training parameters.',
+    )
+    objectives: dict[str, Literal["maximize", "minimize"]] = Field(
+        default_factory=lambda: {"val_accuracy": "maximize"},  # type: ignore[arg-type,return-value]
+        title="Objectives",
+        description="Validation metric(s) of the last epoch and their direction "
+        f"({', '.join(EPOCH_METRICS)}); several give a Pareto front.",
+    )
+    sampler: Literal["tpe", "random", "cmaes", "grid"] = Field(
+        "tpe", title="Sampler", description="How Optuna proposes the next trial."
+    )
+    sampler_seed: int | None = Field(0, title="Sampler seed", description="Seed of the sampler.")
+    pruner: Literal["median", "hyperband", "successive_halving", "none"] = Field(
+        "median",
+        title="Pruner",
+        description="Stops unpromising trials early (single objective only).",
+    )
+    n_trials: int | None = Field(
+        20, ge=1, title="Trials", description="Trials to finish (completed, pruned or failed)."
+    )
+    timeout_seconds: float | None = Field(
+        None, gt=0, title="Timeout (s)", description="Stop starting new trials after this long."
+    )
+    concurrency: int = Field(2, ge=1, title="Concurrency", description="Trials run in parallel.")
+    trial_cpus: float = Field(1.0, gt=0, title="CPUs per trial", description="CPUs per trial.")
+    trial_gpus: float = Field(0.0, ge=0, title="GPUs per trial", description="GPUs per trial.")
+    trial_workers: int = Field(
+        1,
+        ge=1,
+        title="Workers per trial",
+        description="1: a trial trains in one warm process; >1: each trial is a Ray Train run.",
+    )
+    max_consecutive_failures: int = Field(
+        10,
+        ge=1,
+        title="Failures in a row",
+        description="Stop the campaign after this many trials in a row failed.",
+    )
+
+    @model_validator(mode="after")
+    def _check_sweep(self) -> SweepParams:
+        if self.n_trials is None and self.timeout_seconds is None:
+            raise ValueError("set a budget: n_trials and/or timeout_seconds")
+        if not self.search_space:
+            raise ValueError("search_space is empty; name at least one parameter to tune")
+        if not self.objectives:
+            raise ValueError("objectives is empty; e.g. {'val_accuracy': 'maximize'}")
+        unknown = [name for name in self.objectives if name not in EPOCH_METRICS]
+        if unknown:
+            raise ValueError(f"unknown objective {unknown}; choose from {list(EPOCH_METRICS)}")
+        if len(self.objectives) > 1 and "pruner" in self.model_fields_set and self.pruner != "none":
+            raise ValueError("pruning needs a single objective; set --pruner none")
+        for name, dimension in self.search_space.items():
+            _check_searchable(name, dimension)
+            if self.sampler == "grid":
+                try:
+                    dimension.grid()
+                except ValueError as exc:
+                    raise ValueError(f"search_space.{name}: {exc}") from exc
+        return self
+
+    @property
+    def effective_pruner(self) -> str:
+        return self.pruner if len(self.objectives) == 1 else "none"
+
+
+def _check_searchable(name: str, dimension: SearchDimension) -> None:
+    """``name`` is a tunable model or training field and every candidate value is valid for it."""
+    section = next((s for s, m in SEARCHABLE_SECTIONS.items() if name in m.model_fields), None)
+    if section is None or name in NOT_SEARCHABLE:
+        tunable = sorted(
+            n
+            for m in SEARCHABLE_SECTIONS.values()
+            for n in m.model_fields
+            if n not in NOT_SEARCHABLE
+        )
+        raise ValueError(f"search_space: '{name}' is not a tunable parameter; use one of {tunable}")
+    model = SEARCHABLE_SECTIONS[section]
+    for value in dimension.candidate_values():
+        try:
+            model.model_validate({name: value})
+        except ValidationError as exc:
+            problem = exc.errors()[0]["msg"]
+            raise ValueError(
+                f"search_space.{name}: {value!r} is not a valid {name}: {problem}"
+            ) from None
+
+
+class CampaignParams(_Section):
+    """Parameters of ``hpo_campaign``: data, model and fixed training values, and the search."""
+
+    experiment: str = Field(
+        "prefect-ml", min_length=1, title="Experiment", description="MLflow experiment name."
+    )
+    data: DataParams = Field(default_factory=DataParams, title="Data")
+    model: ModelParams = Field(default_factory=ModelParams, title="Model")
+    training: TrainingParams = Field(default_factory=TrainingParams, title="Training")
+    sweep: SweepParams = Field(default_factory=SweepParams, title="Sweep")
+
+
 class PipelineParams(TrainModelParams):
-    """Parameters of ``ml_pipeline``; the sweep and serve sections plug in here."""
+    """Parameters of ``ml_pipeline``: a training run, optionally preceded by a campaign."""
+
+    sweep: SweepParams | None = Field(
+        None,
+        title="Sweep",
+        description="When set, a campaign runs first; the model trains with its best values.",
+    )
+
+    def campaign(self) -> CampaignParams:
+        if self.sweep is None:
+            raise ValueError("this pipeline has no sweep section")
+        return CampaignParams(
+            experiment=self.experiment,
+            data=self.data,
+            model=self.model,
+            training=self.training,
+            sweep=self.sweep,
+        )
+
+
+Tunable = TypeVar("Tunable", bound=BaseModel)
+
+
+def with_trial_values(params: Tunable, values: dict[str, Any]) -> Tunable:
+    """``params`` with tuned values put into their model and training sections (validated)."""
+    updates: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        section = next(s for s, m in SEARCHABLE_SECTIONS.items() if name in m.model_fields)
+        updates.setdefault(section, {})[name] = value
+    merged = params.model_dump()
+    for section, changes in updates.items():
+        merged[section].update(changes)
+    return type(params).model_validate(merged)

@@ -60,3 +60,57 @@ def test_doctor_fails_on_unwritable_storage(
     assert result.exit_code == 1
     storage_row = next(line for line in result.output.splitlines() if "│ storage" in line)
     assert "FAIL" in storage_row and "Not a directory" in storage_row
+
+
+def test_sweep_flags_mirror_campaign_parameters() -> None:
+    result = CliRunner().invoke(app, ["sweep", "--help"])
+    assert result.exit_code == 0
+    for flag in (
+        "--campaign",
+        "--search-space",
+        "--objectives",
+        "--sampler",
+        "--pruner",
+        "--n-trials",
+        "--timeout-seconds",
+        "--concurrency",
+        "--trial-cpus",
+        "--trial-gpus",
+        "--trial-workers",
+        "--epochs",
+    ):
+        assert flag in result.output
+    run_help = CliRunner().invoke(app, ["run", "--help"]).output
+    assert "--campaign" in run_help and "--n-trials" in run_help
+
+
+def _squash(text: str) -> str:
+    return "".join(c for c in text if c.isalnum())
+
+
+@pytest.mark.parametrize("source", ["inline", "yaml-file"])
+def test_invalid_search_space_exits_2_before_any_trial(
+    home: PrefectMLSettings, tmp_path, source: str
+) -> None:
+    space = (
+        "lr: {type: float, low: 0.0, high: 0.1, log: true}\nhidden: {type: int, low: 9, high: 3}"
+    )
+    if source == "yaml-file":
+        path = tmp_path / "space.yaml"
+        path.write_text(space)
+        space = str(path)
+    result = CliRunner().invoke(
+        app, ["sweep", "--search-space", space, "--n-trials", "0", "--concurrency", "0"]
+    )
+    assert result.exit_code == 2, result.output
+    for text in (
+        "sweep.search_space.lr",
+        "log scale needs low > 0",
+        "sweep.search_space.hidden",
+        "low (9) must be smaller than high (3)",
+        "sweep.n_trials",
+        "sweep.concurrency",
+    ):
+        assert _squash(text) in _squash(result.output)  # the table wraps long messages
+    assert not home.home_dir.joinpath("optuna.db").exists()
+    assert not home.home_dir.joinpath("mlflow.db").exists()

@@ -6,7 +6,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tasks.params import PipelineParams, TrainModelParams
+from tasks.params import (
+    CampaignParams,
+    PipelineParams,
+    SweepParams,
+    TrainModelParams,
+    with_trial_values,
+)
 
 
 @pytest.mark.parametrize(
@@ -48,3 +54,98 @@ def test_run_key_ignores_fault_tolerance_but_not_hyperparameters() -> None:
     assert base.run_key("fp") == same.run_key("fp")
     assert base.run_key("fp") != other.run_key("fp")
     assert base.run_key("fp") != base.run_key("fp2")
+
+
+@pytest.mark.parametrize(
+    ("sweep", "field", "message"),
+    [
+        (
+            {"search_space": {"lr": {"type": "float", "low": 0.1, "high": 0.01}}},
+            "sweep.search_space.lr",
+            "low (0.1) must be smaller than high (0.01)",
+        ),
+        (
+            {"search_space": {"lr": {"type": "float", "low": 0.0, "high": 0.1, "log": True}}},
+            "sweep.search_space.lr",
+            "log scale needs low > 0",
+        ),
+        (
+            {"search_space": {"optimizer": {"type": "categorical", "choices": []}}},
+            "sweep.search_space.optimizer",
+            "choices must be a non-empty list",
+        ),
+        (
+            {"search_space": {"lr": {"type": "normal", "low": 0.1, "high": 1}}},
+            "sweep.search_space.lr.type",
+            "'float', 'int' or 'categorical'",
+        ),
+        (
+            {"search_space": {"learning_rate": {"type": "float", "low": 0.1, "high": 1}}},
+            "sweep",
+            "'learning_rate' is not a tunable parameter",
+        ),
+        (
+            {"search_space": {"workers": {"type": "int", "low": 1, "high": 4}}},
+            "sweep",
+            "'workers' is not a tunable parameter",
+        ),
+        (
+            {"search_space": {"optimizer": {"type": "categorical", "choices": ["adam", "lion"]}}},
+            "sweep",
+            "search_space.optimizer: 'lion' is not a valid optimizer",
+        ),
+        (
+            {"search_space": {"dropout": {"type": "float", "low": 0.0, "high": 1.5}}},
+            "sweep",
+            "search_space.dropout: 1.5 is not a valid dropout",
+        ),
+        ({"n_trials": 0}, "sweep.n_trials", "greater than or equal to 1"),
+        ({"concurrency": 0}, "sweep.concurrency", "greater than or equal to 1"),
+        ({"timeout_seconds": -5}, "sweep.timeout_seconds", "greater than 0"),
+        ({"n_trials": None}, "sweep", "set a budget: n_trials and/or timeout_seconds"),
+        ({"objectives": {"accuracy": "maximize"}}, "sweep", "unknown objective ['accuracy']"),
+        (
+            {
+                "objectives": {"val_accuracy": "maximize", "val_loss": "minimize"},
+                "pruner": "median",
+            },
+            "sweep",
+            "pruning needs a single objective",
+        ),
+        (
+            {"sampler": "grid", "search_space": {"lr": {"type": "float", "low": 0.1, "high": 1}}},
+            "sweep",
+            "search_space.lr: a float dimension needs a step for grid search",
+        ),
+        ({"campaign": "../escape"}, "sweep.campaign", "should match pattern"),
+    ],
+)
+def test_invalid_campaigns_name_the_field(sweep: dict[str, Any], field: str, message: str) -> None:
+    with pytest.raises(ValidationError) as error:
+        CampaignParams.model_validate({"sweep": sweep})
+    problems = {".".join(map(str, e["loc"])): e["msg"] for e in error.value.errors()}
+    assert field in problems, problems
+    assert message in problems[field]
+
+
+def test_trial_values_go_into_their_sections() -> None:
+    params = PipelineParams(sweep={"n_trials": 2})
+    tuned = with_trial_values(params, {"lr": 0.01, "hidden": 64, "optimizer": "sgd"})
+    assert (tuned.training.lr, tuned.model.hidden, tuned.training.optimizer) == (0.01, 64, "sgd")
+    assert tuned.sweep == params.sweep and tuned.training.epochs == params.training.epochs
+    campaign = params.campaign()
+    assert campaign.sweep.n_trials == 2 and campaign.training == params.training
+
+
+def test_grid_values_cover_int_float_and_choices() -> None:
+    grid = SweepParams(
+        sampler="grid",
+        search_space={
+            "hidden": {"type": "int", "low": 16, "high": 64, "step": 16},
+            "dropout": {"type": "float", "low": 0.0, "high": 0.2, "step": 0.1},
+            "optimizer": {"type": "categorical", "choices": ["adam", "sgd"]},
+        },
+    ).search_space
+    assert grid["hidden"].grid() == [16, 32, 48, 64]
+    assert grid["dropout"].grid() == pytest.approx([0.0, 0.1, 0.2])
+    assert grid["optimizer"].grid() == ["adam", "sgd"]

@@ -1,0 +1,382 @@
+"""Sweeps: plain Optuna vs Ray Tune (with Optuna's sampler) vs our sweep, in one run, 2 at a time.
+
+* **overhead**: N trials (40; 12 with ``--quick``) of an objective that only sleeps 0.5 s; wall
+  over the ideal ``N * 0.5 / 2``. ``optuna``: ``study.optimize(n_trials=N, n_jobs=2)`` in memory;
+  ``ray-tune``: a ``Tuner`` with ``OptunaSearch`` and ``max_concurrent_trials=2`` running a
+  function trainable (1 CPU) that sleeps and reports once (wall: constructing and fitting it);
+  ``ours``: :func:`ours_overhead`.
+* **quality**: an MLP on the digits (standardised, stratified 70/15/15 split, seed 0) searched over
+  the project's default space (lr, hidden, dropout, optimizer); batch 32, up to 12 epochs, val
+  accuracy reported per epoch. Each arm stops once any trial reaches the target (0.97; 0.95 with
+  ``--quick``) or after the budget (180 s; 30 s): time to the target, best accuracy. ``ray-tune``:
+  ``OptunaSearch`` + ``ASHAScheduler`` (grace 1, max_t 12), a ``Stopper`` whose ``stop_all`` fires
+  at the target and ``time_budget_s``; ``ours``: :func:`ours_quality`.
+
+Every arm gets the same seed and data. Ray is started once (2 CPUs), not counted, and an untimed
+Tune fit starts its workers; arms not implemented yet are reported so. Smoke run: ``.venv/bin/python
+benchmarks/sweep.py --quick``. All runs on embedded defaults in a temporary project home.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import optuna
+    import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+CONCURRENCY = 2
+SEED = 0
+WORK_SECONDS = 0.5  # the overhead objective's fixed work
+MAX_EPOCHS = 12
+BATCH_SIZE = 32
+Fn = Callable[..., Any]
+# Variables that would point the run at someone's real services instead of embedded defaults.
+FOREIGN_ENV = (
+    "MLFLOW_TRACKING_URI",
+    "PREFECT_API_URL",
+    "PREFECT_HOME",
+    "PREFECT_ML_RAY_ADDRESS",
+    "PREFECT_ML_STORAGE_URL",
+    "PREFECT_ML_MLFLOW_TRACKING_URI",
+)
+
+
+def digits_splits(seed: int = SEED) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Train and val of the digits' stratified 70/15/15 split, standardised on train (float32)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    rest, _test = train_test_split(np.arange(len(y)), test_size=0.15, stratify=y, random_state=seed)
+    train, val = train_test_split(rest, test_size=0.15 / 0.85, stratify=y[rest], random_state=seed)
+    mean, std = x[train].mean(axis=0), x[train].std(axis=0)
+    x = ((x - mean) / np.where(std == 0, 1.0, std)).astype(np.float32)
+    return {"train": (x[train], y[train]), "val": (x[val], y[val])}
+
+
+def suggest_mlp(trial: optuna.Trial) -> None:
+    """The quality search space, define-by-run (the form of Optuna and of ``OptunaSearch``)."""
+    trial.suggest_float("lr", 1e-4, 1e-1, log=True)
+    trial.suggest_int("hidden", 32, 256)
+    trial.suggest_float("dropout", 0.0, 0.5)
+    trial.suggest_categorical("optimizer", ["adam", "sgd"])
+
+
+def build_mlp(hidden: int, dropout: float, depth: int = 2) -> torch.nn.Module:
+    """``depth`` hidden layers of ``hidden`` units with ReLU and dropout; 64 in, 10 out."""
+    from torch import nn
+
+    layers: list[nn.Module] = []
+    for width in [64] + [hidden] * (depth - 1):
+        layers += [nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(dropout)]
+    return nn.Sequential(*layers, nn.Linear(hidden, 10))
+
+
+def train_epoch(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> None:
+    """One pass in shuffled batches of ``BATCH_SIZE`` (torch's global generator, seeded)."""
+    import torch
+    import torch.nn.functional as F
+
+    model.train()
+    order = torch.randperm(len(y))
+    for start in range(0, len(order), BATCH_SIZE):
+        index = order[start : start + BATCH_SIZE]
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x[index]), y[index]).backward()
+        optimizer.step()
+
+
+def mlp_val_accuracies(config: dict[str, Any], epochs: int = MAX_EPOCHS) -> Iterator[float]:
+    """Train one configuration here, on 1 thread; yield the validation accuracy of each epoch."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    splits = {k: tuple(map(torch.from_numpy, v)) for k, v in digits_splits().items()}
+    (train_x, train_y), (val_x, val_y) = splits["train"], splits["val"]
+    model = build_mlp(int(config["hidden"]), float(config["dropout"]))
+    if config["optimizer"] == "adam":
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    for _ in range(epochs):
+        train_epoch(model, optimizer, train_x, train_y)
+        model.eval()
+        with torch.no_grad():
+            yield float((model(val_x).argmax(dim=1) == val_y).float().mean())
+
+
+# Objectives and trainables live at module level: Tune's workers unpickle or import them.
+
+
+def sleep_space(trial: optuna.Trial) -> None:
+    trial.suggest_float("x", 0.0, 1.0)
+
+
+def sleep_objective(trial: optuna.Trial) -> float:
+    sleep_space(trial)
+    time.sleep(WORK_SECONDS)
+    return trial.params["x"]
+
+
+def sleep_trainable(config: dict[str, Any]) -> None:
+    import ray.tune
+
+    time.sleep(WORK_SECONDS)
+    ray.tune.report({"score": config["x"]})
+
+
+def mlp_trainable(config: dict[str, Any]) -> None:
+    import ray.tune
+
+    for epoch, val_accuracy in enumerate(mlp_val_accuracies(config), start=1):
+        ray.tune.report({"val_accuracy": val_accuracy, "epoch": epoch, "reported_at": time.time()})
+
+
+def _tuner(trainable: Fn, space: Fn, metric: str, run_dir: Path, **options: Any) -> Any:
+    """A ``Tuner`` maximising ``metric``: 1 CPU per trial, seeded ``OptunaSearch`` on ``space``,
+    2 trials at a time; ``options`` are ``TuneConfig``'s, plus ``RunConfig``'s ``stop``."""
+    from ray import tune
+    from ray.tune.search.optuna import OptunaSearch
+
+    stop = options.pop("stop", None)
+    options.setdefault("max_concurrent_trials", CONCURRENCY)
+    search = OptunaSearch(space=space, metric=metric, mode="max", seed=SEED)
+    return tune.Tuner(
+        tune.with_resources(trainable, {"cpu": 1}),
+        tune_config=tune.TuneConfig(search_alg=search, **options),
+        run_config=tune.RunConfig(
+            name=run_dir.name, storage_path=str(run_dir.parent), stop=stop, verbose=0
+        ),
+    )
+
+
+def optuna_overhead(work_dir: Path, trials: int, concurrency: int) -> float:
+    import optuna
+
+    started = time.perf_counter()
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=SEED))
+    study.optimize(sleep_objective, n_trials=trials, n_jobs=concurrency)
+    return time.perf_counter() - started
+
+
+def ray_tune_overhead(work_dir: Path, trials: int, concurrency: int) -> float:
+    run_dir = work_dir / "ray-results" / f"overhead-{time.time_ns()}"
+    options = {"num_samples": trials, "max_concurrent_trials": concurrency}
+    started = time.perf_counter()
+    results = _tuner(sleep_trainable, sleep_space, "score", run_dir, **options).fit()
+    wall = time.perf_counter() - started
+    if results.num_errors:
+        raise RuntimeError(f"{results.num_errors} Ray Tune trials failed: {results.errors[0]}")
+    return wall
+
+
+def ours_overhead(work_dir: Path, trials: int, concurrency: int) -> float:
+    """Our sweep of ``trials`` sleeps of ``WORK_SECONDS``, ``concurrency`` at a time: wall s."""
+    # TODO: run our sweep of sleep_objective's work (space: sleep_space); return its wall.
+    raise NotImplementedError
+
+
+def ray_tune_quality(work_dir: Path, target: float, budget_s: float) -> dict[str, Any]:
+    from ray.tune import Stopper
+    from ray.tune.schedulers import ASHAScheduler
+
+    class TargetStopper(Stopper):
+        """Ends the whole search once any trial reported ``val_accuracy >= target``."""
+
+        reached = False
+
+        def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
+            self.reached = self.reached or result.get("val_accuracy", 0.0) >= target
+            return False
+
+        def stop_all(self) -> bool:
+            return self.reached
+
+    run_dir = work_dir / "ray-results" / f"quality-{time.time_ns()}"
+    asha = ASHAScheduler(metric="val_accuracy", mode="max", grace_period=1, max_t=MAX_EPOCHS)
+    options = {"scheduler": asha, "stop": TargetStopper(), "time_budget_s": budget_s}
+    started_at, started = time.time(), time.perf_counter()
+    # num_samples is unbounded: the target or the budget ends the search.
+    tuner = _tuner(mlp_trainable, suggest_mlp, "val_accuracy", run_dir, num_samples=-1, **options)
+    results = tuner.fit()
+    wall = time.perf_counter() - started
+    # Trials that the budget cut before their first report have no metrics.
+    frames = [r.metrics_dataframe for r in results if r.metrics_dataframe is not None]
+    frames = [f for f in frames if "val_accuracy" in f]
+    if not frames:
+        raise RuntimeError(f"no Ray Tune trial reported ({results.num_errors} failed)")
+    hits = [f.loc[f["val_accuracy"] >= target, "reported_at"].min() for f in frames]
+    hits = [float(t) for t in hits if not np.isnan(t)]
+    return {
+        "wall_seconds": wall,
+        "seconds_to_target": min(hits) - started_at if hits else None,
+        "best_val_accuracy": max((float(f["val_accuracy"].max()) for f in frames), default=0.0),
+        "trials": len(results),
+        "epochs": sum(len(f) for f in frames),
+        "errors": results.num_errors,
+    }  # the keys ours_quality returns too
+
+
+def ours_quality(work_dir: Path, target: float, budget_s: float) -> dict[str, Any]:
+    """Our sweep of the digits MLP until ``target`` or ``budget_s``.
+
+    Returns what :func:`ray_tune_quality` does: ``wall_seconds``, ``seconds_to_target`` (None
+    if not reached), ``best_val_accuracy``, ``trials``; optionally ``epochs`` and ``errors``.
+    """
+    # TODO: run our sweep over suggest_mlp with mlp_val_accuracies, stopping at the target.
+    raise NotImplementedError
+
+
+OVERHEAD_ARMS = {"optuna": optuna_overhead, "ray-tune": ray_tune_overhead, "ours": ours_overhead}
+QUALITY_ARMS = {"ray-tune": ray_tune_quality, "ours": ours_quality}
+
+
+def run_part(arms: dict[str, Fn], *args: Any) -> dict[str, dict[str, Any]]:
+    """Each arm's numbers (a wall, or a dict), or that it is not implemented yet."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, fn in arms.items():
+        try:
+            value = fn(*args)
+        except NotImplementedError:
+            out[name] = {"error": "not implemented"}
+            continue
+        out[name] = value if isinstance(value, dict) else {"wall_seconds": value}
+        out[name]["loadavg_1m_after"] = os.getloadavg()[0]
+    return out
+
+
+def _ratio(ours: float | None, peer: float | None, digits: int = 2) -> str:
+    return "" if ours is None or peer is None else f"{ours / peer:.{digits}f}x"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """A table per part, with ours over each peer: lower is better, except accuracy."""
+    lines: list[str] = []
+    if part := report.get("overhead"):
+        ours = part["arms"]["ours"].get("wall_seconds")
+        lines += [
+            f"Overhead: {part['trials']} trials x {report['work_seconds']} s, concurrency "
+            f"{report['concurrency']}, ideal {part['ideal_seconds']:.1f} s",
+            "",
+            "| arm | wall s | wall / ideal | ours / arm (wall) |",
+            "|---|---|---|---|",
+        ]
+        for name, arm in part["arms"].items():
+            if "error" in arm:
+                lines.append(f"| {name} | {arm['error']} | | |")
+                continue
+            wall = arm["wall_seconds"]
+            ratio = f"{wall / part['ideal_seconds']:.2f}x | {_ratio(ours, wall)}"
+            lines.append(f"| {name} | {wall:.1f} | {ratio} |")
+        lines.append("")
+    if part := report.get("quality"):
+        ours = part["arms"]["ours"]
+        lines += [
+            f"Quality: digits MLP to val accuracy {part['target']} within "
+            f"{part['budget_seconds']:.0f} s (max {report['max_epochs']} epochs), concurrency "
+            f"{report['concurrency']}",
+            "",
+            "| arm | wall s | time to target s | best val acc | trials | epochs "
+            "| ours / arm (time to target) | ours / arm (best acc) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, arm in part["arms"].items():
+            if "error" in arm:
+                lines.append(f"| {name} | {arm['error']} | | | | | | |")
+                continue
+            to_target, best = arm["seconds_to_target"], arm["best_val_accuracy"]
+            lines.append(
+                f"| {name} | {arm['wall_seconds']:.1f} "
+                f"| {'not reached' if to_target is None else f'{to_target:.1f}'} "
+                f"| {best:.4f} | {arm['trials']} | {arm.get('epochs', '')} "
+                f"| {_ratio(ours.get('seconds_to_target'), to_target)} "
+                f"| {_ratio(ours.get('best_val_accuracy'), best, 3)} |"
+            )
+    return "\n".join(lines).strip()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: 12 trials, 30 s, 0.95")
+    parts = ("overhead", "quality")
+    parser.add_argument("--parts", nargs="+", choices=parts, default=parts, help="[both]")
+    parser.add_argument("--output", type=Path, help="JSON results [results/sweep.json]")
+    args = parser.parse_args(argv)
+    quick, full = (12, 0.95, 30.0, "sweep.quick.json"), (40, 0.97, 180.0, "sweep.json")
+    args.trials, args.target, args.budget, name = quick if args.quick else full
+    args.output = args.output or RESULTS_DIR / name
+    return args
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Every part in every arm under a temporary project home, Ray started once; the report."""
+    sys.path.insert(0, str(REPO_ROOT))  # Tune's workers get this path too
+    report: dict[str, Any] = {"benchmark": "sweep", "quick": args.quick, "seed": SEED}
+    report |= {"concurrency": CONCURRENCY, "work_seconds": WORK_SECONDS, "max_epochs": MAX_EPOCHS}
+    with tempfile.TemporaryDirectory(prefix="prefect-ml-bench-", ignore_cleanup_errors=True) as tmp:
+        for name in FOREIGN_ENV:
+            os.environ.pop(name, None)
+        os.environ["PREFECT_ML_HOME"] = str(Path(tmp) / "home")
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+        from integrations.settings import prepare_process_environment
+
+        prepare_process_environment()  # before anything imports prefect
+        import optuna
+        import ray
+        import torch
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        work, load_before = Path(tmp), os.getloadavg()
+        env_vars = {"PYTHONPATH": os.pathsep.join(sys.path)}
+        ray.init(num_cpus=CONCURRENCY, include_dashboard=False, runtime_env={"env_vars": env_vars})
+        try:
+            ray_tune_overhead(work, CONCURRENCY, CONCURRENCY)  # untimed: start Tune's workers
+            if "overhead" in args.parts:
+                ideal = args.trials * WORK_SECONDS / CONCURRENCY
+                arms = run_part(OVERHEAD_ARMS, work, args.trials, CONCURRENCY)
+                report["overhead"] = dict(trials=args.trials, ideal_seconds=ideal, arms=arms)
+            if "quality" in args.parts:
+                arms = run_part(QUALITY_ARMS, work, args.target, args.budget)
+                report["quality"] = dict(target=args.target, budget_seconds=args.budget, arms=arms)
+        finally:
+            ray.shutdown()
+    report["machine"] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {m.__name__: m.__version__ for m in (torch, ray, optuna)},
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+    }
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    report = run_benchmark(args)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=1))
+    print(markdown(report))
+    print(f"\nraw results: {args.output}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

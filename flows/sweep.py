@@ -1,0 +1,15 @@
+"""``hpo_campaign``: an Optuna campaign whose trials train in parallel on warm Ray workers."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.train import prepared_data
+from tasks.params import CampaignParams
+from tasks.sweep import CampaignResult, campaign
+
+
+@flow(name="hpo-campaign")
+def hpo_campaign(params: CampaignParams = CampaignParams()) -> CampaignResult:  # noqa: B008
+    """Search hyperparameters with Optuna, trials in parallel on Ray; resumable by campaign name."""
+    return campaign(params, prepared_data(params))

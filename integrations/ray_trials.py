@@ -1,0 +1,214 @@
+"""Campaign trials on warm Ray actors: one actor per parallel slot, reused trial after trial.
+
+An actor imports torch once and keeps each dataset split it has read, so a trial costs its own
+epochs and almost nothing else. The coordinator drives a trial one epoch at a time
+(``begin`` then ``advance``) and decides after every epoch whether it goes on, so pruning stops a
+trial at the epoch boundary where the pruner says so. A trial with several workers is a Ray Train
+run started from the actor; it is followed through its verified checkpoints and stopped with a
+stop marker next to them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from integrations import storage
+from integrations.checkpoints import CheckpointStore
+from integrations.errors import CheckpointError, PrefectMLError
+from integrations.ray_training import (
+    METRICS_FILE,
+    EpochCommitter,
+    EpochTrainer,
+    TrainLoopConfig,
+    fit,
+    load_shard,
+)
+
+STOP_FILE = "STOP"
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """One trial as plain data: the loop config (its checkpoints under the trial) and placement."""
+
+    number: int
+    loop: TrainLoopConfig
+    workers: int = 1
+    cpus_per_worker: float = 1.0
+    use_gpu: bool = False
+    ray_storage_path: str = ""
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """One epoch of a trial, as the coordinator sees it."""
+
+    number: int
+    epoch: int
+    metrics: dict[str, float]
+    final: bool  # the trial's last epoch: it is complete
+    worker_pid: int = 0  # the process that trained it (warm workers are reused)
+
+
+class TrialWorker:
+    """A warm process that trains trials; becomes a Ray actor through :func:`start_workers`."""
+
+    def __init__(self) -> None:
+        self._shards: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+        self._trainer: EpochTrainer | None = None
+        self._committer: EpochCommitter | None = None
+        self._spec: TrialSpec | None = None
+        self._epoch = 0
+        self._distributed: DistributedTrial | None = None
+
+    def ready(self, threads: int) -> int:
+        """Pay the imports once; use as many threads as the trial has CPUs."""
+        import torch
+
+        torch.set_num_threads(threads)
+        return os.getpid()
+
+    def _shard(self, splits_url: str, split: str) -> tuple[np.ndarray, np.ndarray]:
+        key = (splits_url, split)
+        if key not in self._shards:
+            self._shards[key] = load_shard(splits_url, split, 0, 1)
+        return self._shards[key]
+
+    def begin(self, spec: TrialSpec) -> list[EpochReport]:
+        """Start a trial (resuming its checkpoints): the epochs already committed, then one more."""
+        self.finish()
+        self._spec, self._epoch = spec, 0
+        if spec.workers > 1:
+            self._distributed = DistributedTrial(spec)
+            return self._distributed.next_reports()
+        shards = {split: self._shard(spec.loop.splits_url, split) for split in ("train", "val")}
+        self._trainer = EpochTrainer(spec.loop, shards=shards)
+        self._committer = EpochCommitter(self._trainer.store)
+        history = self._trainer.committed_metrics()
+        reports = [
+            EpochReport(spec.number, epoch, metrics, epoch == spec.loop.epochs, os.getpid())
+            for epoch, metrics in enumerate(history, start=1)
+        ]
+        self._epoch = self._trainer.first_epoch - 1
+        if self._epoch >= spec.loop.epochs:
+            return reports
+        return reports + self.advance()
+
+    def advance(self) -> list[EpochReport]:
+        """Train the next epoch and commit its checkpoint in the background."""
+        if self._distributed is not None:
+            return self._distributed.next_reports()
+        if self._trainer is None or self._committer is None or self._spec is None:
+            raise PrefectMLError("advance() called with no trial started on this worker")
+        self._epoch += 1
+        started = time.perf_counter()
+        metrics = self._trainer.train_epoch(self._epoch)
+        blocked_since = time.perf_counter()
+        self._committer.submit(
+            self._epoch,
+            self._trainer.snapshot(self._epoch),
+            metrics,
+            epoch_started=started,
+            blocked_since=blocked_since,
+        )
+        final = self._epoch >= self._spec.loop.epochs
+        if final:
+            self._committer.wait()  # a complete trial has its final checkpoint committed
+        return [EpochReport(self._spec.number, self._epoch, metrics, final, os.getpid())]
+
+    def finish(self) -> None:
+        """End the current trial (complete or pruned): flush its checkpoint, free its state."""
+        if self._committer is not None:
+            self._committer.close()
+        if self._distributed is not None:
+            self._distributed.stop()
+        self._trainer = self._committer = self._distributed = None
+
+
+class DistributedTrial:
+    """A trial trained by a Ray Train run in a background thread of the trial's actor."""
+
+    def __init__(self, spec: TrialSpec) -> None:
+        self._spec = spec
+        self._store = CheckpointStore(spec.loop.checkpoint_url)
+        self._next_epoch = 1
+        self._error: BaseException | None = None
+        # Finish imports here: two threads importing a module for the first time can deadlock
+        # or see it half initialised (seen with fsspec.compression).
+        import ray.train.torch  # noqa: F401
+
+        self._store.epochs()
+        self._thread = threading.Thread(target=self._fit, daemon=True)
+        self._thread.start()
+
+    def _fit(self) -> None:
+        try:
+            fit(
+                self._spec.loop,
+                workers=self._spec.workers,
+                use_gpu=self._spec.use_gpu,
+                cpus_per_worker=self._spec.cpus_per_worker,
+                max_failures=0,
+                ray_storage_path=Path(self._spec.ray_storage_path),
+                name=f"trial-{self._spec.number}-{int(time.time())}",
+            )
+        except BaseException as exc:  # re-raised in the actor's method call
+            self._error = exc
+
+    def _committed(self, epoch: int) -> dict[str, float] | None:
+        try:
+            metrics: dict[str, float] = json.loads(self._store.read_verified(epoch, METRICS_FILE))
+        except CheckpointError:
+            return None
+        return metrics
+
+    def next_reports(self) -> list[EpochReport]:
+        """Wait for the next committed epoch(s); the run's error if it failed first."""
+        last = self._spec.loop.epochs
+        while True:
+            reports = []
+            while self._next_epoch <= last and (found := self._committed(self._next_epoch)):
+                reports.append(
+                    EpochReport(
+                        self._spec.number, self._next_epoch, found, self._next_epoch == last
+                    )
+                )
+                self._next_epoch += 1
+            if reports:
+                return reports
+            if not self._thread.is_alive():
+                if self._error is not None:
+                    raise self._error
+                raise PrefectMLError(
+                    f"trial {self._spec.number}: the Ray Train run ended before epoch "
+                    f"{self._next_epoch} was committed"
+                )
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """Ask the run to stop after its current epoch and wait for it."""
+        if self._thread.is_alive():
+            storage.write_bytes(self._spec.loop.stop_url, b"pruned")
+            self._thread.join()
+
+
+def start_workers(count: int, *, cpus: float, gpus: float, driver_only: bool) -> list[Any]:
+    """``count`` warm trial actors; ``driver_only`` actors hold no CPU (Ray Train workers do)."""
+    import ray
+
+    actor_class = ray.remote(TrialWorker).options(
+        num_cpus=0 if driver_only else cpus,
+        num_gpus=0 if driver_only else gpus,
+        max_restarts=0,
+    )
+    workers: list[Any] = [actor_class.remote() for _ in range(count)]
+    ray.get([worker.ready.remote(max(1, int(cpus))) for worker in workers])
+    return workers

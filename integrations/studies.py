@@ -1,0 +1,302 @@
+"""Optuna: a campaign's durable state (the study), its sampler and pruner, recovery and plots.
+
+The study is the campaign: every trial's parameters, intermediate values and final state live in
+it, so a campaign killed at any moment is resumed by opening the study again. Only one process —
+the campaign's coordinator — writes to a study; :func:`claim` enforces that with an owner record
+in the study's user attributes, which also makes stale owners (dead processes) detectable.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import optuna
+
+from integrations.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+logger = logging.getLogger(__name__)
+
+OWNER_ATTR = "prefect_ml.coordinator"
+PARENT_RUN_ATTR = "prefect_ml.mlflow_parent_run_id"
+OBJECTIVES_ATTR = "prefect_ml.objectives"
+# Trial user attributes.
+INTERRUPTED_ATTR = "prefect_ml.interrupted"  # failed because its coordinator died; retried
+ROOT_ATTR = "prefect_ml.root_trial"  # the first attempt of a retried trial: its checkpoints
+ERROR_ATTR = "prefect_ml.error"
+OWNER_STALE_SECONDS = 60.0
+
+
+def storage_for(url: str) -> optuna.storages.BaseStorage:
+    """An SQLAlchemy URL gives an RDB storage; anything else is the path of a journal file."""
+
+    local_file = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else None
+    if "://" not in url:
+        local_file = os.path.expanduser(url)
+    if local_file:
+        Path(local_file).parent.mkdir(parents=True, exist_ok=True)
+    if "://" in url:
+        # SQLite serialises writers; waiting for the lock beats failing with "database is locked"
+        # when two campaigns share one file.
+        engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+    from optuna.storages.journal import JournalFileBackend
+
+    return optuna.storages.JournalStorage(JournalFileBackend(os.path.expanduser(url)))
+
+
+def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Optuna distributions from the validated, declarative search space."""
+    from optuna.distributions import (
+        CategoricalDistribution,
+        FloatDistribution,
+        IntDistribution,
+    )
+
+    made: dict[str, Any] = {}
+    for name, spec in search_space.items():
+        if spec["type"] == "categorical":
+            made[name] = CategoricalDistribution(spec["choices"])
+        elif spec["type"] == "int":
+            step = int(spec.get("step") or 1)
+            made[name] = IntDistribution(
+                int(spec["low"]), int(spec["high"]), log=spec["log"], step=step
+            )
+        else:
+            made[name] = FloatDistribution(
+                spec["low"], spec["high"], log=spec["log"], step=spec.get("step")
+            )
+    return made
+
+
+def make_sampler(
+    name: str, seed: int | None, grid: dict[str, list[Any]] | None = None
+) -> optuna.samplers.BaseSampler:
+
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "cmaes":
+        return optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False)
+    if name == "grid":
+        return AskTellGridSampler(grid or {}, seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
+class AskTellGridSampler(optuna.samplers.GridSampler):
+    """Optuna's grid sampler without its ``study.stop()`` once the grid is exhausted.
+
+    ``stop()`` only works inside ``study.optimize``; with ask/tell it raises. The campaign caps
+    its budget at the grid's size instead.
+    """
+
+    def after_trial(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def make_pruner(name: str, max_epochs: int) -> optuna.pruners.BasePruner:
+
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1)
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=max_epochs)
+    if name == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1)
+    return optuna.pruners.NopPruner()
+
+
+def open_study(
+    storage_url: str,
+    name: str,
+    objectives: dict[str, str],
+    sampler: optuna.samplers.BaseSampler,
+    pruner: optuna.pruners.BasePruner,
+) -> optuna.Study:
+    """Create the study ``name`` or load it; its objectives must match the stored ones."""
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.create_study(
+            storage=storage_for(storage_url),
+            study_name=name,
+            directions=[optuna.study.StudyDirection[d.upper()] for d in objectives.values()],
+            sampler=sampler,
+            pruner=pruner,
+            load_if_exists=True,
+        )
+    except Exception as exc:  # SQLAlchemy and journal errors differ; all mean the same here
+        raise ConfigurationError(
+            "optuna_storage", f"cannot open Optuna storage {storage_url}: {exc}"
+        ) from exc
+    stored = study.user_attrs.get(OBJECTIVES_ATTR)
+    if stored is None:
+        study.set_user_attr(OBJECTIVES_ATTR, objectives)
+    elif stored != objectives:
+        raise ConfigurationError(
+            "sweep.objectives",
+            f"campaign '{name}' was started with objectives {stored}, not {objectives}; "
+            "use the same objectives to continue it, or a new campaign name",
+        )
+    return study
+
+
+def check_search_space(study: optuna.Study, space: dict[str, Any]) -> None:
+    """Refuse a search space the study's existing trials contradict (changed choices, log...)."""
+    from optuna.distributions import check_distribution_compatibility
+
+    for trial in study.get_trials(deepcopy=False):
+        for name, distribution in trial.distributions.items():
+            if name not in space:
+                continue
+            try:
+                check_distribution_compatibility(distribution, space[name])
+            except ValueError as exc:
+                raise ConfigurationError(
+                    f"sweep.search_space.{name}",
+                    f"campaign '{study.study_name}' already has trials with {distribution}; "
+                    f"{exc}. Keep the dimension's type, choices, log and step to continue it, "
+                    "or use a new campaign name",
+                ) from None
+        if set(space) <= set(trial.distributions):
+            return  # a trial covering every dimension was checked; later ones match it
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The coordinator process that writes to a study."""
+
+    host: str
+    pid: int
+    heartbeat: float
+
+    @classmethod
+    def this_process(cls) -> Owner:
+        return cls(socket.gethostname(), os.getpid(), time.time())
+
+    def is_alive(self) -> bool:
+        if self.host == socket.gethostname():
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            return True
+        return time.time() - self.heartbeat < OWNER_STALE_SECONDS
+
+
+def claim(study: optuna.Study) -> Owner:
+    """Make this process the study's only writer; refuse if a live coordinator holds it."""
+    recorded = study.user_attrs.get(OWNER_ATTR)
+    me = Owner.this_process()
+    if recorded:
+        current = Owner(**recorded)
+        if (current.host, current.pid) != (me.host, me.pid) and current.is_alive():
+            raise ConfigurationError(
+                "sweep.campaign",
+                f"campaign '{study.study_name}' is being run by process {current.pid} on "
+                f"{current.host}; wait for it to finish or stop it before resuming",
+            )
+    heartbeat(study, me)
+    return me
+
+
+def heartbeat(study: optuna.Study, owner: Owner) -> None:
+    study.set_user_attr(
+        OWNER_ATTR, {"host": owner.host, "pid": owner.pid, "heartbeat": time.time()}
+    )
+
+
+def release(study: optuna.Study) -> None:
+    study.set_user_attr(OWNER_ATTR, None)
+
+
+def recover_interrupted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Fail the trials a dead coordinator left RUNNING and queue each again, same parameters.
+
+    The retry keeps the first attempt's number as its root, so it resumes from that attempt's
+    checkpoints. Interrupted trials do not count toward the budget; their retries do.
+    """
+    from optuna.trial import TrialState
+
+    interrupted = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    for trial in interrupted:
+        study._storage.set_trial_user_attr(trial._trial_id, INTERRUPTED_ATTR, True)
+        study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+        study.enqueue_trial(
+            trial.params, user_attrs={ROOT_ATTR: trial.user_attrs.get(ROOT_ATTR, trial.number)}
+        )
+        logger.warning("trial %d was interrupted; queued again from its checkpoints", trial.number)
+    return interrupted
+
+
+def counts_toward_budget(trial: optuna.trial.FrozenTrial) -> bool:
+    """Completed, pruned and failed-on-its-own trials are finished; interrupted ones are not."""
+    from optuna.trial import TrialState
+
+    if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
+        return True
+    return trial.state == TrialState.FAIL and not trial.user_attrs.get(INTERRUPTED_ATTR)
+
+
+def root_trial(trial: optuna.trial.FrozenTrial | optuna.trial.Trial) -> int:
+    return int(trial.user_attrs.get(ROOT_ATTR, trial.number))
+
+
+def grid_size(grid: dict[str, list[Any]]) -> int:
+    return math.prod(len(values) for values in grid.values())
+
+
+def best_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """The best trial (one objective) or the Pareto front (several); empty if none completed."""
+    from optuna.trial import TrialState
+
+    if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        return []
+    return list(study.best_trials) if len(study.directions) > 1 else [study.best_trial]
+
+
+def plots(study: optuna.Study, objective_names: list[str]) -> dict[str, Figure]:
+    """Optuna's standard plots as matplotlib figures; a plot that cannot be drawn yet is skipped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from optuna.visualization import matplotlib as optuna_plots
+
+    target: dict[str, Any] = {}
+    if len(objective_names) > 1:
+        target = {"target": lambda t: t.values[0], "target_name": objective_names[0]}
+    makers: dict[str, Any] = {
+        "optimization_history": lambda: optuna_plots.plot_optimization_history(study, **target),
+        "param_importances": lambda: optuna_plots.plot_param_importances(study, **target),
+        "parallel_coordinate": lambda: optuna_plots.plot_parallel_coordinate(study, **target),
+        "intermediate_values": lambda: optuna_plots.plot_intermediate_values(study),
+    }
+    if len(objective_names) > 1:
+        makers["pareto_front"] = lambda: optuna_plots.plot_pareto_front(
+            study, target_names=objective_names
+        )
+    figures: dict[str, Figure] = {}
+    for name, make in makers.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                warnings.simplefilter("ignore", UserWarning)  # "no artists", flat ranges
+                axes = make()
+        except (ValueError, RuntimeError, ZeroDivisionError) as exc:
+            logger.info("plot %s skipped: %s", name, exc)
+            continue
+        figure = axes.figure if hasattr(axes, "figure") else axes.flat[0].figure
+        figure.set_size_inches(9, 5)
+        figure.tight_layout()
+        figures[name] = figure
+    return figures

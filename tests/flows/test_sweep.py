@@ -1,0 +1,219 @@
+"""``hpo_campaign`` on a real local Ray, Optuna on SQLite and MLflow on SQLite."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optuna
+import pytest
+from optuna.distributions import FloatDistribution
+from optuna.trial import TrialState, create_trial
+from prefect.client.orchestration import get_client
+
+from flows.sweep import hpo_campaign
+from integrations import studies, tracking
+from integrations.settings import PrefectMLSettings
+from tasks.params import CampaignParams
+from tasks.sweep import WORKER_TAG, CampaignResult
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def _params(campaign: str, epochs: int = 3, **sweep: Any) -> CampaignParams:
+    return CampaignParams.model_validate(
+        {
+            "training": {"epochs": epochs, "batch_size": 64},
+            "sweep": {"campaign": campaign, "sampler": "random", "concurrency": 2, **sweep},
+        }
+    )
+
+
+def _study(home: PrefectMLSettings, campaign: str) -> optuna.Study:
+    return optuna.load_study(study_name=campaign, storage=home.resolved_optuna_storage)
+
+
+def _runs(home: PrefectMLSettings, result: CampaignResult) -> tuple[Any, dict[int, Any]]:
+    client = tracking.client_for(home.resolved_tracking_uri)
+    parent = client.get_run(result.parent_run_id)
+    return parent, tracking.trial_runs(client, result.experiment_id, result.parent_run_id)
+
+
+def _artifact_keys() -> set[str]:
+    with get_client(sync_client=True) as client:
+        return {artifact.key for artifact in client.read_artifacts() if artifact.key}
+
+
+def test_campaign_records_every_trial_and_continues_by_name(home: PrefectMLSettings) -> None:
+    result = hpo_campaign(_params("digits-a", n_trials=4))
+
+    assert (result.finished, result.complete, result.failed) == (4, 4, 0)
+    study = _study(home, "digits-a")
+    trials = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(trials) == 4 and all(sorted(t.intermediate_values) == [1, 2, 3] for t in trials)
+    assert result.best[0].number == study.best_trial.number
+    assert study.user_attrs[studies.PARENT_RUN_ATTR] == result.parent_run_id
+
+    client = tracking.client_for(home.resolved_tracking_uri)
+    parent, runs = _runs(home, result)
+    assert sorted(runs) == [t.number for t in trials]
+    for trial in trials:
+        run = runs[trial.number]
+        assert run.info.status == "FINISHED"
+        assert float(run.data.params["training.lr"]) == pytest.approx(trial.params["lr"])
+        assert run.data.metrics["objective.val_accuracy"] == pytest.approx(trial.value)
+        history = client.get_metric_history(run.info.run_id, "val_accuracy")
+        assert [m.step for m in history] == [1, 2, 3]
+    # Warm workers: two processes trained all four trials.
+    assert len({run.data.tags[WORKER_TAG] for run in runs.values()}) <= 2
+    assert parent.data.metrics["best.val_accuracy"] == pytest.approx(study.best_value)
+    assert parent.data.tags["best.optimizer"] == study.best_params["optimizer"]
+    plots = {a.path for a in client.list_artifacts(result.parent_run_id, "plots")}
+    assert {
+        "plots/optimization_history.png",
+        "plots/param_importances.png",
+        "plots/parallel_coordinate.png",
+        "plots/intermediate_values.png",
+    } <= plots
+    storage_dir = home.home_dir / "storage" / "campaigns" / "digits-a"
+    for trial in trials:
+        assert (storage_dir / f"trial-{trial.number:05d}/epoch-000003/MANIFEST.json").exists()
+    assert {"campaign-digits-a-leaderboard", "campaign-digits-a-summary"} <= _artifact_keys()
+
+    more = hpo_campaign(_params("digits-a", n_trials=6))
+
+    assert more.finished == 6 and more.parent_run_id == result.parent_run_id
+    assert len(_study(home, "digits-a").trials) == 6, "the first four trials were kept"
+    parents = client.search_runs(
+        [result.experiment_id], f"tags.`{tracking.CAMPAIGN_PARENT_TAG}` != ''"
+    )
+    assert len(parents) == 1
+    assert sorted(_runs(home, more)[1]) == list(range(6))
+
+
+def _prefill(home: PrefectMLSettings, campaign: str, good: int) -> None:
+    """Finished trials that reached 0.95 accuracy at every epoch: a high bar for the pruner."""
+    study = optuna.create_study(
+        study_name=campaign,
+        storage=studies.storage_for(home.resolved_optuna_storage),
+        direction="maximize",
+    )
+    for _ in range(good):
+        study.add_trial(
+            create_trial(
+                params={"lr": 0.01},
+                distributions={"lr": FloatDistribution(1e-7, 0.1, log=True)},
+                value=0.95,
+                intermediate_values={epoch: 0.95 for epoch in range(1, 5)},
+            )
+        )
+
+
+@pytest.mark.parametrize("trial_workers", [1, 2])
+def test_a_hopeless_trial_is_pruned_and_stops_training(
+    home: PrefectMLSettings, trial_workers: int
+) -> None:
+    campaign = f"prune-{trial_workers}"
+    _prefill(home, campaign, good=4)
+    params = _params(
+        campaign,
+        epochs=4,
+        n_trials=5,
+        concurrency=1,
+        trial_workers=trial_workers,
+        pruner="median",
+        search_space={
+            "lr": {"type": "float", "low": 1e-7, "high": 1e-6, "log": True},
+            "optimizer": {"type": "categorical", "choices": ["sgd"]},
+        },
+    )
+    # Epochs long enough to see: a distributed trial stops at the first epoch boundary after
+    # the pruner's decision, which comes a moment after the epoch's checkpoint is committed.
+    slow = {"model": "tests.fixtures.user_code:slow_model", "model_options": {"delay": 0.05}}
+    params = params.model_copy(update={"model": params.model.model_copy(update=slow)})
+
+    result = hpo_campaign(params)
+
+    assert (result.finished, result.pruned) == (5, 1)
+    pruned = _study(home, campaign).trials[-1]
+    assert pruned.state == TrialState.PRUNED
+    # It stopped at the epoch where the pruner said so, not after all four epochs.
+    trial_dir = home.home_dir / "storage" / "campaigns" / campaign / f"trial-{pruned.number:05d}"
+    committed = sorted(p.parent.name for p in trial_dir.glob("epoch-*/MANIFEST.json"))
+    assert committed and "epoch-000004" not in committed
+    _parent, runs = _runs(home, result)
+    assert runs[pruned.number].info.status == "KILLED"
+    assert runs[pruned.number].data.tags[tracking.TRIAL_STATE_TAG] == "PRUNED"
+    assert len(runs) == 5, "the pre-filled trials got their MLflow runs too"
+
+
+PICKY = "tests.fixtures.user_code:picky_model"
+
+
+def test_a_failing_trial_is_recorded_and_the_campaign_goes_on(home: PrefectMLSettings) -> None:
+    params = _params(
+        "picky",
+        epochs=2,
+        n_trials=2,
+        sampler="grid",
+        search_space={"hidden": {"type": "categorical", "choices": [16, 64]}},
+    ).model_copy(update={"model": CampaignParams().model.model_copy(update={"model": PICKY})})
+
+    result = hpo_campaign(params)
+
+    assert (result.complete, result.failed) == (1, 1)
+    failed = next(t for t in _study(home, "picky").trials if t.state == TrialState.FAIL)
+    assert failed.params == {"hidden": 64}
+    assert "picky_model refuses hidden=64" in failed.user_attrs[studies.ERROR_ATTR]
+    run = _runs(home, result)[1][failed.number]
+    assert run.info.status == "FAILED"
+    assert "picky_model refuses hidden=64" in run.data.tags[tracking.ERROR_TAG]
+
+
+def test_a_campaign_where_every_trial_fails_shows_the_first_failure(
+    home: PrefectMLSettings,
+) -> None:
+    params = _params(
+        "all-fail",
+        epochs=2,
+        n_trials=3,
+        search_space={"hidden": {"type": "int", "low": 40, "high": 100}},
+    ).model_copy(update={"model": CampaignParams().model.model_copy(update={"model": PICKY})})
+
+    state = hpo_campaign(params, return_state=True)
+
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    assert "no trial completed (3 failed" in message
+    assert "First failure: trial" in message and "picky_model refuses hidden=" in message
+
+
+def test_several_objectives_give_a_pareto_front(home: PrefectMLSettings) -> None:
+    result = hpo_campaign(
+        _params(
+            "pareto",
+            epochs=2,
+            n_trials=3,
+            pruner="none",
+            objectives={"val_accuracy": "maximize", "val_loss": "minimize"},
+        )
+    )
+
+    study = _study(home, "pareto")
+    assert {b.number for b in result.best} == {t.number for t in study.best_trials}
+    assert all(set(b.values) == {"val_accuracy", "val_loss"} for b in result.best)
+    client = tracking.client_for(home.resolved_tracking_uri)
+    plots = {a.path for a in client.list_artifacts(result.parent_run_id, "plots")}
+    assert "plots/pareto_front.png" in plots
+
+
+def test_a_changed_categorical_dimension_is_refused_before_any_trial(
+    home: PrefectMLSettings,
+) -> None:
+    _prefill(home, "changed", good=1)
+    space = {"lr": {"type": "categorical", "choices": [0.01, 0.001]}}
+
+    state = hpo_campaign(_params("changed", n_trials=3, search_space=space), return_state=True)
+
+    assert state.is_failed()
+    assert "sweep.search_space.lr" in str(state.result(raise_on_failure=False))
+    assert len(_study(home, "changed").trials) == 1

@@ -1,0 +1,87 @@
+"""Optuna studies: storage kinds, recovery of interrupted trials, single-writer claim."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from integrations import studies
+from integrations.errors import ConfigurationError
+
+SPACE = {
+    "lr": {"type": "float", "low": 1e-4, "high": 1e-1, "log": True, "step": None},
+    "hidden": {"type": "int", "low": 8, "high": 64, "log": False, "step": 8},
+    "optimizer": {"type": "categorical", "choices": ["adam", "sgd"]},
+}
+OBJECTIVES = {"val_accuracy": "maximize"}
+
+
+def _open(url: str, name: str = "c", objectives: dict[str, str] = OBJECTIVES) -> optuna.Study:
+    return studies.open_study(
+        url, name, objectives, studies.make_sampler("random", 0), studies.make_pruner("none", 3)
+    )
+
+
+def test_distributions_follow_the_declared_space() -> None:
+    made = studies.distributions(SPACE)
+    assert made["lr"].log and made["lr"].low == 1e-4
+    assert made["hidden"].step == 8 and made["hidden"].high == 64
+    assert made["optimizer"].choices == ("adam", "sgd")
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_a_study_persists_in_sqlite_or_a_journal_file(tmp_path: Path, kind: str) -> None:
+    url = f"sqlite:///{tmp_path}/o.db" if kind == "sqlite" else str(tmp_path / "o.journal")
+    study = _open(url)
+    trial = study.ask(studies.distributions(SPACE))
+    study.tell(trial, 0.5)
+    again = _open(url)
+    assert [t.value for t in again.trials] == [0.5]
+
+
+def test_changed_objectives_are_refused_naming_the_field(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/o.db"
+    _open(url)
+    with pytest.raises(ConfigurationError, match="sweep.objectives"):
+        _open(url, objectives={"val_loss": "minimize"})
+
+
+def test_interrupted_trials_fail_and_are_queued_again_with_their_parameters(
+    tmp_path: Path,
+) -> None:
+    study = _open(f"sqlite:///{tmp_path}/o.db")
+    space = studies.distributions(SPACE)
+    done, left_running = study.ask(space), study.ask(space)
+    study.tell(done, 0.9)
+
+    recovered = studies.recover_interrupted(study)
+
+    assert [t.number for t in recovered] == [left_running.number]
+    failed = study.trials[left_running.number]
+    assert failed.state == TrialState.FAIL and failed.user_attrs[studies.INTERRUPTED_ATTR]
+    assert not studies.counts_toward_budget(failed)
+    assert studies.counts_toward_budget(study.trials[done.number])
+    retry = study.ask(space)  # the queued retry comes first, with the same parameters
+    assert retry.params == left_running.params
+    assert studies.root_trial(retry) == left_running.number
+    study.tell(retry, 0.8)
+    assert studies.recover_interrupted(study) == []  # nothing is retried twice
+
+
+def test_a_live_coordinator_keeps_the_study_and_a_dead_one_does_not(tmp_path: Path) -> None:
+    study = _open(f"sqlite:///{tmp_path}/o.db")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        studies.heartbeat(study, studies.Owner(studies.Owner.this_process().host, other.pid, 0.0))
+        with pytest.raises(ConfigurationError, match=f"being run by process {other.pid}"):
+            studies.claim(study)
+    finally:
+        other.kill()
+        other.wait()
+    owner = studies.claim(study)  # the process is gone: its claim is stale
+    assert study.user_attrs[studies.OWNER_ATTR]["pid"] == owner.pid
