@@ -56,6 +56,7 @@ class EpochReport:
     metrics: dict[str, float]
     final: bool  # the trial's last epoch: it is complete
     worker_pid: int = 0  # the process that trained it (warm workers are reused)
+    from_checkpoint: bool = False  # trained by an earlier attempt, read back from its checkpoint
 
 
 class TrialWorker:
@@ -94,7 +95,7 @@ class TrialWorker:
         self._committer = EpochCommitter(self._trainer.store)
         history = self._trainer.committed_metrics()
         reports = [
-            EpochReport(spec.number, epoch, metrics, epoch == spec.loop.epochs, os.getpid())
+            EpochReport(spec.number, epoch, metrics, epoch == spec.loop.epochs, os.getpid(), True)
             for epoch, metrics in enumerate(history, start=1)
         ]
         self._epoch = self._trainer.first_epoch - 1

@@ -35,6 +35,7 @@ INTERRUPTED_ATTR = "prefect_ml.interrupted"  # failed because its coordinator di
 ROOT_ATTR = "prefect_ml.root_trial"  # the first attempt of a retried trial: its checkpoints
 ERROR_ATTR = "prefect_ml.error"
 OWNER_STALE_SECONDS = 60.0
+OPEN_ATTEMPTS = 4
 
 
 def storage_for(url: str) -> optuna.storages.BaseStorage:
@@ -121,22 +122,29 @@ def open_study(
     sampler: optuna.samplers.BaseSampler,
     pruner: optuna.pruners.BasePruner,
 ) -> optuna.Study:
-    """Create the study ``name`` or load it; its objectives must match the stored ones."""
+    """Create the study ``name`` or load it; its objectives must match the stored ones.
 
+    Two campaigns starting at once on a new database race to create its tables; the loser
+    retries a few times and then finds them.
+    """
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        study = optuna.create_study(
-            storage=storage_for(storage_url),
-            study_name=name,
-            directions=[optuna.study.StudyDirection[d.upper()] for d in objectives.values()],
-            sampler=sampler,
-            pruner=pruner,
-            load_if_exists=True,
-        )
-    except Exception as exc:  # SQLAlchemy and journal errors differ; all mean the same here
-        raise ConfigurationError(
-            "optuna_storage", f"cannot open Optuna storage {storage_url}: {exc}"
-        ) from exc
+    for attempt in range(1, OPEN_ATTEMPTS + 1):
+        try:
+            study = optuna.create_study(
+                storage=storage_for(storage_url),
+                study_name=name,
+                directions=[optuna.study.StudyDirection[d.upper()] for d in objectives.values()],
+                sampler=sampler,
+                pruner=pruner,
+                load_if_exists=True,
+            )
+            break
+        except Exception as exc:  # SQLAlchemy and journal errors differ; all mean the same here
+            if attempt == OPEN_ATTEMPTS:
+                raise ConfigurationError(
+                    "optuna_storage", f"cannot open Optuna storage {storage_url}: {exc}"
+                ) from exc
+            time.sleep(0.5 * attempt)
     stored = study.user_attrs.get(OBJECTIVES_ATTR)
     if stored is None:
         study.set_user_attr(OBJECTIVES_ATTR, objectives)

@@ -9,6 +9,7 @@ tracking URIs; global state would leak between them. The only exception is
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,19 +25,43 @@ FINGERPRINT_TAG = "prefect_ml.dataset_fingerprint"
 SOURCE_RUN_TAG = "prefect_ml.mlflow_run_id"
 
 
+_INITIALISED: set[str] = set()
+
+
 def client_for(tracking_uri: str) -> MlflowClient:
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    if not tracking_uri.startswith("sqlite:///") or tracking_uri in _INITIALISED:
+        return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    # MLflow creates a new SQLite database's tables when a client first opens it; two processes
+    # doing it at once collide ("table already exists"). A file lock makes one of them wait.
+    import fcntl
+
+    database = tracking_uri.removeprefix("sqlite:///")
+    os.makedirs(os.path.dirname(database) or ".", exist_ok=True)
+    with open(f"{database}.init-lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        client.search_registered_models(max_results=1)  # the registry store initialises too
+    _INITIALISED.add(tracking_uri)
+    return client
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
     """The id of experiment ``name``, created (with artifacts under ``artifact_root``) if new."""
+    from mlflow.exceptions import MlflowException
+
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return str(experiment.experiment_id)
     location = f"{artifact_root.rstrip('/')}/{name}" if artifact_root else None
-    return str(client.create_experiment(name, artifact_location=location))
+    try:
+        return str(client.create_experiment(name, artifact_location=location))
+    except MlflowException:  # another process created it a moment ago
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return str(experiment.experiment_id)
 
 
 def start_or_resume_run(
@@ -231,7 +256,6 @@ def tag_version(client: MlflowClient, model_name: str, version: str, tags: dict[
 
 def check_writable(tracking_uri: str, artifact_root: str | None) -> str:
     """Connect to the tracking store and check that its backing files can be written."""
-    import os
 
     from integrations import storage
 

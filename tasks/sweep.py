@@ -48,6 +48,7 @@ LEADERBOARD_SIZE = 10
 LEADERBOARD_INTERVAL_S = 3.0
 HEARTBEAT_INTERVAL_S = 10.0
 WORKER_TAG = "prefect_ml.worker_pid"
+RESUMED_TAG = "prefect_ml.resumed_from_epoch"
 
 
 class TrialSummary(BaseModel):
@@ -265,6 +266,7 @@ class RunningTrial:
     trial: optuna.trial.Trial
     worker: Any
     checkpoint_url: str
+    tagged: bool = False  # its worker (and resume point) are on its MLflow run
 
 
 class Coordinator:
@@ -450,8 +452,13 @@ class Coordinator:
         from optuna.trial import TrialState
 
         trial = running.trial
-        if reports:
-            writer.submit_tags(trial.number, {WORKER_TAG: str(reports[0].worker_pid)})
+        if reports and not running.tagged:
+            running.tagged = True
+            tags = {WORKER_TAG: str(reports[0].worker_pid)}
+            resumed = [r.epoch for r in reports if r.from_checkpoint]
+            if resumed:
+                tags[RESUMED_TAG] = str(max(resumed))
+            writer.submit_tags(trial.number, tags)
         for report in reports:
             checkpoint = CheckpointStore(running.checkpoint_url).url_for(report.epoch)
             writer.epoch(trial.number, report.epoch, report.metrics, checkpoint)

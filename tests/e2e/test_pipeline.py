@@ -144,3 +144,40 @@ def test_pipeline_registers_promotes_and_then_keeps_the_better_champion(
     assert client.get_model_version("digits-classifier", "2").tags["promotion.decision"] == (
         "not promoted"
     )
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_pipeline_with_a_sweep_trains_the_final_model_with_the_best_values(
+    home: PrefectMLSettings,
+) -> None:
+    params = PipelineParams.model_validate(
+        {
+            "training": {"epochs": 3, "batch_size": 64},
+            "sweep": {
+                "campaign": "pipeline-search",
+                "n_trials": 3,
+                "concurrency": 2,
+                "sampler": "random",
+                "search_space": {
+                    "lr": {"type": "float", "low": 1e-3, "high": 3e-2, "log": True},
+                    "hidden": {"type": "int", "low": 32, "high": 128},
+                },
+            },
+        }
+    )
+
+    state = ml_pipeline(params=params, return_state=True)
+
+    assert state.is_completed(), state.message
+    outcome = state.result()
+    client = tracking.client_for(home.resolved_tracking_uri)
+    parent = client.search_runs(["1"], f"tags.`{tracking.CAMPAIGN_PARENT_TAG}` != ''")[0]
+    best_trial = parent.data.tags["prefect_ml.best_trials"].split(",")[0]
+    best = tracking.trial_runs(client, "1", parent.info.run_id)[int(best_trial)]
+    final = client.get_run(outcome.trained.run_id)
+    for name in ("training.lr", "model.hidden"):
+        assert final.data.params[name] == best.data.params[name]
+    assert final.data.params["training.workers"] == "2", "the final model trains distributed"
+    assert outcome.registration.version == "1"
+    keys = _artifacts(str(state.state_details.flow_run_id))
+    assert "training-summary" in keys

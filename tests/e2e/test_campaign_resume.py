@@ -1,0 +1,163 @@
+"""Campaign processes killed and run side by side: the study stays exact, MLflow stays whole."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+from prefect.settings import PREFECT_API_URL
+
+from integrations import studies, tracking
+from integrations.settings import PrefectMLSettings
+from tasks.sweep import RESUMED_TAG
+from tests.conftest import REPO_ROOT
+from tests.e2e.test_resume_after_kill import _kill_tree
+from tests.helpers import wait_for
+
+N_TRIALS = 8
+SPACE = '{"lr": {"type": "float", "low": 0.001, "high": 0.1, "log": true}}'
+
+
+def _command(campaign: str, n_trials: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "sweep",
+        "--campaign",
+        campaign,
+        "--n-trials",
+        str(n_trials),
+        "--concurrency",
+        "2",
+        "--epochs",
+        "5",
+        "--batch-size",
+        "64",
+        "--model",
+        "tests.fixtures.user_code:slow_model",
+        "--model-options",
+        '{"delay": 0.02}',
+        "--pruner",
+        "none",
+        *extra,
+    ]
+
+
+def _env(home: PrefectMLSettings) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PREFECT_ML_HOME": str(home.home_dir),
+        "PREFECT_ML_LOCAL_RAY_CPUS": "2",
+        # Every command reports to the session's Prefect server instead of starting its own.
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+    }
+
+
+def _trials(home: PrefectMLSettings, campaign: str) -> list[optuna.trial.FrozenTrial]:
+    if not (home.home_dir / "optuna.db").exists():
+        return []
+    try:
+        study = optuna.load_study(study_name=campaign, storage=home.resolved_optuna_storage)
+    except KeyError:  # not created yet
+        return []
+    return study.get_trials()
+
+
+def _killable(home: PrefectMLSettings, campaign: str) -> bool:
+    """Some trials finished and one is mid-way with a committed checkpoint behind it."""
+    trials = _trials(home, campaign)
+    finished = [t for t in trials if studies.counts_toward_budget(t)]
+    mid_way = [
+        t for t in trials if t.state == TrialState.RUNNING and len(t.intermediate_values) >= 2
+    ]
+    return len(finished) >= 2 and bool(mid_way)
+
+
+def _trial_runs(home: PrefectMLSettings, campaign: str) -> tuple[list[Any], dict[int, Any]]:
+    client = tracking.client_for(home.resolved_tracking_uri)
+    parents = client.search_runs(
+        ["1"], f"tags.`{tracking.CAMPAIGN_PARENT_TAG}` LIKE '{campaign}@%'"
+    )
+    runs = tracking.trial_runs(client, "1", parents[0].info.run_id) if parents else {}
+    return parents, runs
+
+
+def test_killed_campaign_resumes_to_exactly_n_trials(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    command, env = _command("killed", N_TRIALS), _env(home)
+    log = (tmp_path / "first.log").open("wb")
+    first = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: _killable(home, "killed"), 400, "finished trials and one mid-way")
+    finally:
+        _kill_tree(first)
+    left_running = [t.number for t in _trials(home, "killed") if t.state == TrialState.RUNNING]
+    assert left_running, "the process must die with trials running"
+
+    second = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+
+    trials = _trials(home, "killed")
+    counted = [t for t in trials if studies.counts_toward_budget(t)]
+    assert len(counted) == N_TRIALS
+    assert all(t.state.is_finished() for t in trials), "nothing left RUNNING or WAITING"
+    roots = Counter(studies.root_trial(t) for t in counted)
+    assert max(roots.values()) == 1, "no trial finished twice"
+    by_number = {t.number: t for t in trials}
+    for number in left_running:
+        interrupted = by_number[number]
+        assert interrupted.state == TrialState.FAIL
+        assert interrupted.user_attrs[studies.INTERRUPTED_ATTR]
+        retry = next(t for t in counted if studies.root_trial(t) == number)
+        assert retry.params == interrupted.params, "re-run with the same parameters"
+
+    parents, runs = _trial_runs(home, "killed")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert sorted(runs) == sorted(by_number), "one MLflow run per trial"
+    assert all(run.info.status != "RUNNING" for run in runs.values())
+    resumed = [runs[t.number] for t in counted if studies.root_trial(t) in left_running]
+    assert any(int(run.data.tags.get(RESUMED_TAG, 0)) >= 1 for run in resumed), (
+        "a re-run trial continued from its checkpoints"
+    )
+
+
+def test_two_campaigns_share_a_storage_without_cross_talk(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    space_file = tmp_path / "space.yaml"
+    space_file.write_text("lr: {type: float, low: 0.001, high: 0.1, log: true}\n")
+    env = _env(home)
+    processes = {
+        name: subprocess.Popen(
+            _command(name, 3, "--search-space", space),
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=(tmp_path / f"{name}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        for name, space in (("twin-a", SPACE), ("twin-b", str(space_file)))
+    }
+    for name, process in processes.items():
+        assert process.wait(timeout=600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+
+    for name in processes:
+        trials = _trials(home, name)
+        assert len(trials) == 3 and all(t.state == TrialState.COMPLETE for t in trials)
+        parents, runs = _trial_runs(home, name)
+        assert len(parents) == 1
+        assert sorted(runs) == [0, 1, 2]
+        assert {run.data.tags[tracking.CAMPAIGN_TAG] for run in runs.values()} == {
+            parents[0].data.tags[tracking.CAMPAIGN_PARENT_TAG]
+        }
+        trial_dirs = sorted(p.name for p in (home.home_dir / "storage/campaigns" / name).iterdir())
+        assert trial_dirs == ["trial-00000", "trial-00001", "trial-00002"]
