@@ -26,6 +26,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/training.py
+	$(VENV)/bin/python benchmarks/sweep.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

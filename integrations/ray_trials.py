@@ -30,6 +30,8 @@ from integrations.ray_training import (
     TrainLoopConfig,
     fit,
     load_shard,
+    make_optimizer,
+    serialize_state,
 )
 
 STOP_FILE = "STOP"
@@ -71,10 +73,17 @@ class TrialWorker:
         self._distributed: DistributedTrial | None = None
 
     def ready(self, threads: int) -> int:
-        """Pay the imports once; use as many threads as the trial has CPUs."""
+        """Pay the imports and torch's lazy initialisation once, before any trial."""
         import torch
 
         torch.set_num_threads(threads)
+        model = torch.nn.Linear(2, 2)
+        for name in ("adam", "adamw", "sgd"):
+            optimizer = make_optimizer(name, model.parameters(), 1e-3, 0.0)
+            model(torch.zeros(1, 2)).sum().backward()
+            optimizer.step()
+        serialize_state({"model": model.state_dict()})
+        storage.exists(storage.join(Path.cwd().as_uri(), "warm-up"))
         return os.getpid()
 
     def _shard(self, splits_url: str, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -120,9 +129,8 @@ class TrialWorker:
             epoch_started=started,
             blocked_since=blocked_since,
         )
+        # The commit finishes in the background; the next begin() (or finish()) waits for it.
         final = self._epoch >= self._spec.loop.epochs
-        if final:
-            self._committer.wait()  # a complete trial has its final checkpoint committed
         return [EpochReport(self._spec.number, self._epoch, metrics, final, os.getpid())]
 
     def finish(self) -> None:

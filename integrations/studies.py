@@ -34,6 +34,7 @@ OBJECTIVES_ATTR = "prefect_ml.objectives"
 INTERRUPTED_ATTR = "prefect_ml.interrupted"  # failed because its coordinator died; retried
 ROOT_ATTR = "prefect_ml.root_trial"  # the first attempt of a retried trial: its checkpoints
 ERROR_ATTR = "prefect_ml.error"
+NOT_STARTED_ATTR = "prefect_ml.not_started"  # asked ahead, never run: the campaign ended first
 OWNER_STALE_SECONDS = 60.0
 OPEN_ATTEMPTS = 4
 
@@ -253,7 +254,9 @@ def counts_toward_budget(trial: optuna.trial.FrozenTrial) -> bool:
 
     if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
         return True
-    return trial.state == TrialState.FAIL and not trial.user_attrs.get(INTERRUPTED_ATTR)
+    if trial.state != TrialState.FAIL:
+        return False
+    return not (trial.user_attrs.get(INTERRUPTED_ATTR) or trial.user_attrs.get(NOT_STARTED_ATTR))
 
 
 def root_trial(trial: optuna.trial.FrozenTrial | optuna.trial.Trial) -> int:

@@ -141,7 +141,11 @@ def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
 
 
 def log_figure(client: MlflowClient, run_id: str, figure: Figure, artifact_file: str) -> None:
+    """Log ``figure`` as an image artifact, then release it (pyplot keeps figures alive)."""
+    import matplotlib.pyplot as plt
+
     client.log_figure(run_id, figure, artifact_file)
+    plt.close(figure)
 
 
 def finish_run(client: MlflowClient, run_id: str, status: str = "FINISHED") -> None:

@@ -313,6 +313,13 @@ class SweepParams(_Section):
         title="Failures in a row",
         description="Stop the campaign after this many trials in a row failed.",
     )
+    stop_at: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        title="Stop at value",
+        description="Start no more trials once an epoch reaches this value of the first "
+        "objective (e.g. 0.97 val_accuracy); running trials finish.",
+    )
 
     @model_validator(mode="after")
     def _check_sweep(self) -> SweepParams:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 LEADERBOARD_SIZE = 10
 LEADERBOARD_INTERVAL_S = 3.0
 HEARTBEAT_INTERVAL_S = 10.0
+VERDICT_STATES = {"complete": "COMPLETE", "prune": "PRUNED", "fail": "FAIL"}
 WORKER_TAG = "prefect_ml.worker_pid"
 RESUMED_TAG = "prefect_ml.resumed_from_epoch"
 
@@ -75,6 +76,9 @@ class CampaignResult(BaseModel):
     best: list[TrialSummary]  # one trial, or the Pareto front for several objectives
     leaderboard: list[TrialSummary]
     objectives: dict[str, str]
+    # Seconds spent: setup (study, MLflow, workers), trials, conclusion (plots, records).
+    timings: dict[str, float]
+    target_reached_at: float | None = None  # Unix time an epoch first reached stop_at
 
 
 def campaign_key(campaign: str, storage_url: str) -> str:
@@ -185,6 +189,7 @@ class Tally:
     first_error: str | None = None
     best: float | None = None
     started: float = field(default_factory=time.monotonic)
+    target_reached_at: float | None = None  # Unix time
 
     @property
     def finished(self) -> int:
@@ -224,7 +229,13 @@ class CampaignView:
         )
         self._progress.update(self._bar, completed=tally.finished, status=status)
 
-    def publish(self, rows: list[TrialSummary], links: dict[int, str], *, force: bool) -> None:
+    def publish(
+        self,
+        rows_of: Callable[[], list[TrialSummary]],
+        links_of: Callable[[], dict[int, str]],
+        *,
+        force: bool,
+    ) -> None:
         """Leaderboard and progress artifacts, at most every few seconds unless forced."""
         now = time.monotonic()
         if not force and now - self._last_leaderboard < LEADERBOARD_INTERVAL_S:
@@ -234,6 +245,7 @@ class CampaignView:
             update_progress_artifact(
                 self._artifact_id, min(100.0, 100.0 * self.tally.finished / self.total)
             )
+        rows, links = rows_of(), links_of()
         if rows:
             create_table_artifact(
                 [leaderboard_row(row, links.get(row.number, "")) for row in rows],
@@ -267,6 +279,7 @@ class RunningTrial:
     worker: Any
     checkpoint_url: str
     tagged: bool = False  # its worker (and resume point) are on its MLflow run
+    unreported: list[Any] = field(default_factory=list)  # epochs not yet reported to Optuna
 
 
 class Coordinator:
@@ -305,6 +318,9 @@ class Coordinator:
         self.logger = get_run_logger()
         self.tally = Tally()
         self.running: dict[Any, RunningTrial] = {}  # pending ObjectRef -> trial
+        self.spare: tuple[optuna.trial.Trial, ray_trials.TrialSpec] | None = None
+        self.workers: list[Any] = []  # every trial actor started, released at the end
+        self.live_workers: list[Any] = []
 
     # --- study and MLflow state -----------------------------------------------------------
     def attach(self) -> TrackingWriter:
@@ -354,6 +370,8 @@ class Coordinator:
             run = runs.get(trial.number)
             if run is not None:
                 writer.run_ids[trial.number] = run.info.run_id
+            if trial.user_attrs.get(studies.NOT_STARTED_ATTR):
+                continue  # never ran: nothing to record
             if not trial.state.is_finished() or (run and run.info.status != "RUNNING"):
                 continue
             if run is None:
@@ -373,13 +391,26 @@ class Coordinator:
         return {**flatten(with_trial_values(self.params, values)), "trial.tuned": sorted(values)}
 
     # --- the loop -------------------------------------------------------------------------
-    def _can_start(self, deadline: float | None) -> bool:
+    def _can_start(self, deadline: float | None, finishing: int = 0) -> bool:
+        """Whether another trial may start; ``finishing`` trials are about to be recorded."""
         tally = self.tally
-        if self.budget is not None and tally.finished + len(self.running) >= self.budget:
+        started = tally.finished + finishing + len(self.running)
+        if self.budget is not None and started >= self.budget:
             return False
         if deadline is not None and time.monotonic() >= deadline:
             return False
+        if tally.target_reached_at is not None:
+            return False
         return tally.failures_in_a_row < self.sweep.max_consecutive_failures
+
+    def _check_target(self, value: float) -> None:
+        target, tally = self.sweep.stop_at, self.tally
+        if target is None or tally.target_reached_at is not None:
+            return
+        maximize = self.objectives[self.names[0]] == "maximize"
+        if (value >= target) if maximize else (value <= target):
+            tally.target_reached_at = time.time()
+            self.logger.info("A trial reached %s = %g: no new trials", self.names[0], value)
 
     def _spec(self, trial: optuna.trial.Trial) -> ray_trials.TrialSpec:
         root = studies.root_trial(trial)
@@ -402,13 +433,28 @@ class Coordinator:
             ray_storage_path=str(self.settings.ray_storage_path),
         )
 
-    def _start(self, worker: Any, writer: TrackingWriter) -> None:
+    def _ask(self) -> tuple[optuna.trial.Trial, ray_trials.TrialSpec]:
         trial = self.study.ask(self.distributions)
-        writer.trial_started(trial.number, self.trial_params(trial.params))
-        spec = self._spec(trial)
+        return trial, self._spec(trial)
+
+    def _dispatch(self, worker: Any, writer: TrackingWriter) -> None:
+        """Start the next trial on ``worker``: the one asked ahead of time, if any."""
+        trial, spec = self.spare or self._ask()
+        self.spare = None
         self.running[worker.begin.remote(spec)] = RunningTrial(
             trial, worker, spec.loop.checkpoint_url
         )
+        writer.trial_started(trial.number, self.trial_params(trial.params))
+
+    def _discard_spare(self) -> None:
+        """A trial asked ahead but never started (timeout, target, failures): not counted."""
+        from optuna.trial import TrialState
+
+        if self.spare is not None:
+            trial, _spec = self.spare
+            trial.set_user_attr(studies.NOT_STARTED_ATTR, True)
+            self.study.tell(trial, state=TrialState.FAIL)
+            self.spare = None
 
     def _count(self, state: str, summary: TrialSummary) -> None:
         tally = self.tally
@@ -430,16 +476,19 @@ class Coordinator:
     def _finish(
         self,
         running: RunningTrial,
-        state: optuna.trial.TrialState,
+        state: str,
         values: dict[str, float],
         writer: TrackingWriter,
         error: str | None = None,
     ) -> None:
         trial = running.trial
+        self._report(running)
         if error:
             trial.set_user_attr(studies.ERROR_ATTR, error[:2000])
+        from optuna.trial import TrialState
+
         told = self.study.tell(
-            trial, [values[n] for n in self.names] if values else None, state=state
+            trial, [values[n] for n in self.names] if values else None, state=TrialState[state]
         )
         summary = trial_summary(told, self.names, {})
         writer.trial_ended(trial.number, told.state.name, summary.values, error)
@@ -447,10 +496,18 @@ class Coordinator:
         if told.state.name == "FAIL":
             self.logger.warning("Trial %d failed: %s", trial.number, error)
 
-    def _handle(self, running: RunningTrial, reports: list[Any], writer: TrackingWriter) -> bool:
-        """Report epochs; return True when the trial goes on to another epoch."""
-        from optuna.trial import TrialState
+    def _report(self, running: RunningTrial) -> None:
+        """Intermediate values to Optuna (what the pruner and the plots read)."""
+        if len(self.names) == 1:
+            for report in running.unreported:
+                running.trial.report(report.metrics[self.names[0]], report.epoch)
+        running.unreported.clear()
 
+    def _decide(
+        self, running: RunningTrial, reports: list[Any], writer: TrackingWriter
+    ) -> tuple[str, dict[str, float], str | None]:
+        """Report epochs to Optuna and MLflow; (verdict, values, error), where the verdict is
+        'continue', 'complete', 'prune' or 'fail'."""
         trial = running.trial
         if reports and not running.tagged:
             running.tagged = True
@@ -462,23 +519,20 @@ class Coordinator:
         for report in reports:
             checkpoint = CheckpointStore(running.checkpoint_url).url_for(report.epoch)
             writer.epoch(trial.number, report.epoch, report.metrics, checkpoint)
-            if len(self.names) == 1:
-                trial.report(report.metrics[self.names[0]], report.epoch)
-        if reports and reports[-1].final:
+            self._check_target(report.metrics[self.names[0]])
+        running.unreported.extend(reports)
+        if reports and reports[-1].final:  # recorded in _finish, after the next trial started
             values = {n: float(reports[-1].metrics[n]) for n in self.names}
             if not all(math.isfinite(v) for v in values.values()):
-                self._finish(
-                    running, TrialState.FAIL, {}, writer, f"objective is not finite: {values}"
-                )
-            else:
-                self._finish(running, TrialState.COMPLETE, values, writer)
-            return False
+                return "fail", {}, f"objective is not finite: {values}"
+            return "complete", values, None
+        self._report(running)
         if len(self.names) == 1 and trial.should_prune():
-            self._finish(running, TrialState.PRUNED, {}, writer)
-            return False
-        return True
+            return "prune", {}, None
+        return "continue", {}, None
 
     def run(self) -> CampaignResult:
+        self.timings: dict[str, float] = {}
         writer = self.attach()
         try:
             if self.budget is not None and self.tally.finished >= self.budget:
@@ -489,74 +543,96 @@ class Coordinator:
                 self._run_trials(writer)
         finally:
             # Trials still running (an exception above) are left RUNNING: the next run retries them.
-            writer.close()
+            writer.close()  # every MLflow record written: part of the trials' cost
+        if "setup_seconds" in self.timings:
+            self.timings["trials_seconds"] = time.monotonic() - self.trials_started
         return self._conclude(writer)
 
     def _run_trials(self, writer: TrackingWriter) -> None:
         import ray
-        from optuna.trial import TrialState
+
+        remaining = None if self.budget is None else self.budget - self.tally.finished
+        with ray_session(self.settings) as resources:
+            slots = self._slots(resources, remaining)
+            try:
+                self._drive(self._start_workers(slots), writer)
+            finally:
+                for worker in self.workers:  # their CPUs are free for whatever runs next
+                    ray.kill(worker)
+
+    def _drive(self, workers: list[Any], writer: TrackingWriter) -> None:
+        """The loop: keep every worker busy until the budget is spent, then flush them."""
+        import ray
 
         deadline = (
             time.monotonic() + self.sweep.timeout_seconds if self.sweep.timeout_seconds else None
         )
-        remaining = None if self.budget is None else self.budget - self.tally.finished
-        with ray_session(self.settings) as resources:
-            slots = self._slots(resources, remaining)
-            workers = ray_trials.start_workers(
-                slots,
-                cpus=self.sweep.trial_cpus,
-                gpus=self.sweep.trial_gpus,
-                driver_only=self.sweep.trial_workers > 1,
-            )
-            self.logger.info(
-                "Campaign %s: %d parallel trial workers, budget %s trials",
-                self.key,
-                slots,
-                self.budget or "unlimited",
-            )
-            view = CampaignView(self.sweep.campaign, self.budget, self.tally)
-            last_heartbeat = time.monotonic()
-            with view:
-                for worker in workers:
-                    if self._can_start(deadline):
-                        self._start(worker, writer)
-                while self.running:
-                    ready, _ = ray.wait(list(self.running), num_returns=1, timeout=1.0)
-                    for ref in ready:
-                        running = self.running.pop(ref)
-                        goes_on = False
-                        try:
-                            goes_on = self._handle(running, ray.get(ref), writer)
-                        except ray.exceptions.RayActorError as exc:
-                            self._finish(
-                                running, TrialState.FAIL, {}, writer, f"worker died: {exc}"
-                            )
-                            running.worker = ray_trials.start_workers(
-                                1,
-                                cpus=self.sweep.trial_cpus,
-                                gpus=self.sweep.trial_gpus,
-                                driver_only=self.sweep.trial_workers > 1,
-                            )[0]
-                        except ray.exceptions.RayTaskError as exc:
-                            cause = exc.cause if exc.cause is not None else exc
-                            self._finish(
-                                running,
-                                TrialState.FAIL,
-                                {},
-                                writer,
-                                f"{type(cause).__name__}: {cause}",
-                            )
-                        if goes_on:
-                            self.running[running.worker.advance.remote()] = running
-                        elif self._can_start(deadline):
-                            self._start(running.worker, writer)
-                    view.update()
-                    view.publish(self._leaderboard(writer), self._links(writer), force=False)
-                    if time.monotonic() - last_heartbeat > HEARTBEAT_INTERVAL_S:
-                        studies.heartbeat(self.study, self.owner)
-                        last_heartbeat = time.monotonic()
-                ray.get([worker.finish.remote() for worker in workers])
-                view.publish(self._leaderboard(writer), self._links(writer), force=True)
+        self.logger.info(
+            "Campaign %s: %d parallel trial workers, budget %s trials",
+            self.key,
+            len(workers),
+            self.budget or "unlimited",
+        )
+        view = CampaignView(self.sweep.campaign, self.budget, self.tally)
+        self.trials_started = last_heartbeat = time.monotonic()
+        self.timings["setup_seconds"] = self.trials_started - self.tally.started
+        with view:
+            for worker in workers:
+                if self._can_start(deadline):
+                    self._dispatch(worker, writer)
+            while self.running:
+                ready, _ = ray.wait(list(self.running), num_returns=1, timeout=1.0)
+                for ref in ready:
+                    self._on_result(ref, deadline, writer)
+                if self.spare is None and self._can_start(deadline):
+                    self.spare = self._ask()  # off the critical path: workers are busy
+                view.update()
+                view.publish(
+                    lambda: self._leaderboard(writer), lambda: self._links(writer), force=False
+                )
+                if time.monotonic() - last_heartbeat > HEARTBEAT_INTERVAL_S:
+                    studies.heartbeat(self.study, self.owner)
+                    last_heartbeat = time.monotonic()
+            self._discard_spare()
+            ray.get([worker.finish.remote() for worker in self.live_workers])
+            view.publish(lambda: self._leaderboard(writer), lambda: self._links(writer), force=True)
+
+    def _start_workers(self, count: int) -> list[Any]:
+        workers = ray_trials.start_workers(
+            count,
+            cpus=self.sweep.trial_cpus,
+            gpus=self.sweep.trial_gpus,
+            driver_only=self.sweep.trial_workers > 1,
+        )
+        self.workers.extend(workers)
+        self.live_workers.extend(workers)
+        return workers
+
+    def _on_result(self, ref: Any, deadline: float | None, writer: TrackingWriter) -> None:
+        """One epoch (or error) of a running trial: go on, or record it and start the next."""
+        import ray
+
+        running = self.running.pop(ref)
+        try:
+            verdict, values, error = self._decide(running, ray.get(ref), writer)
+        except ray.exceptions.RayActorError as exc:
+            verdict, values, error = "fail", {}, f"worker died: {exc}"
+            self.live_workers.remove(running.worker)
+            running.worker = self._start_workers(1)[0]
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            verdict, values, error = "fail", {}, f"{type(cause).__name__}: {cause}"
+        if verdict == "continue":
+            self.running[running.worker.advance.remote()] = running
+            return
+        # The worker is free: it gets the next trial before this one is recorded, unless a
+        # failure has to be counted first (failures in a row can stop the campaign).
+        early = verdict != "fail" and self._can_start(deadline, finishing=1)
+        if early:
+            self._dispatch(running.worker, writer)
+        self._finish(running, VERDICT_STATES[verdict], values, writer, error)
+        if not early and self._can_start(deadline):
+            self._dispatch(running.worker, writer)
 
     def _slots(self, resources: dict[str, float], remaining: int | None) -> int:
         """Parallel trials: what was asked, capped by what one trial needs and the cluster has."""
@@ -597,6 +673,7 @@ class Coordinator:
 
     def _conclude(self, writer: TrackingWriter) -> CampaignResult:
         """Best trial(s) and plots on the parent run; a clear error if nothing completed."""
+        concluding = time.monotonic()
         client, parent = writer.client, writer.parent_run_id
         best = [
             trial_summary(t, self.names, writer.run_ids) for t in studies.best_trials(self.study)
@@ -644,6 +721,8 @@ class Coordinator:
             best=best,
             leaderboard=rows[:LEADERBOARD_SIZE],
             objectives=self.objectives,
+            timings={**self.timings, "conclude_seconds": time.monotonic() - concluding},
+            target_reached_at=tally.target_reached_at,
         )
 
 
