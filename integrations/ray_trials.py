@@ -34,8 +34,6 @@ from integrations.ray_training import (
     serialize_state,
 )
 
-STOP_FILE = "STOP"
-
 
 @dataclass(frozen=True)
 class TrialSpec:

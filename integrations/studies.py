@@ -34,6 +34,8 @@ OBJECTIVES_ATTR = "prefect_ml.objectives"
 INTERRUPTED_ATTR = "prefect_ml.interrupted"  # failed because its coordinator died; retried
 ROOT_ATTR = "prefect_ml.root_trial"  # the first attempt of a retried trial: its checkpoints
 ERROR_ATTR = "prefect_ml.error"
+ATTEMPT_ATTR = "prefect_ml.attempt"  # 1 for a first attempt; retries count up
+MAX_ATTEMPTS = 3
 NOT_STARTED_ATTR = "prefect_ml.not_started"  # asked ahead, never run: the campaign ended first
 OWNER_STALE_SECONDS = 60.0
 OPEN_ATTEMPTS = 4
@@ -229,22 +231,37 @@ def release(study: optuna.Study) -> None:
     study.set_user_attr(OWNER_ATTR, None)
 
 
-def recover_interrupted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Fail the trials a dead coordinator left RUNNING and queue each again, same parameters.
+def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.trial.Trial) -> bool:
+    """Fail an interrupted attempt and queue the next one: same parameters, same root trial.
 
     The retry keeps the first attempt's number as its root, so it resumes from that attempt's
-    checkpoints. Interrupted trials do not count toward the budget; their retries do.
+    checkpoints. Interrupted attempts do not count toward the budget; their retries do. After
+    ``MAX_ATTEMPTS`` the trial is not queued again (returns False): the caller fails it for good.
     """
+    from optuna.trial import TrialState
+
+    attempt = int(trial.user_attrs.get(ATTEMPT_ATTR, 1))
+    if attempt >= MAX_ATTEMPTS:
+        return False
+    study._storage.set_trial_user_attr(trial._trial_id, INTERRUPTED_ATTR, True)
+    study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+    study.enqueue_trial(
+        trial.params, user_attrs={ROOT_ATTR: root_trial(trial), ATTEMPT_ATTR: attempt + 1}
+    )
+    return True
+
+
+def recover_interrupted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Requeue the trials a dead coordinator left RUNNING (see :func:`requeue`)."""
     from optuna.trial import TrialState
 
     interrupted = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     for trial in interrupted:
-        study._storage.set_trial_user_attr(trial._trial_id, INTERRUPTED_ATTR, True)
-        study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
-        study.enqueue_trial(
-            trial.params, user_attrs={ROOT_ATTR: trial.user_attrs.get(ROOT_ATTR, trial.number)}
-        )
-        logger.warning("trial %d was interrupted; queued again from its checkpoints", trial.number)
+        if not requeue(study, trial):
+            study._storage.set_trial_user_attr(
+                trial._trial_id, ERROR_ATTR, f"interrupted {MAX_ATTEMPTS} times"
+            )
+            study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
     return interrupted
 
 

@@ -55,7 +55,6 @@ def evaluate_model(
     params: TrainModelParams, data: PreparedData, trained: TrainResult
 ) -> Evaluation:
     """Score the final checkpoint on the test split and log metrics and the figure to MLflow."""
-    import matplotlib.pyplot as plt
     import torch
     from sklearn.metrics import confusion_matrix, f1_score
 
@@ -78,7 +77,6 @@ def evaluate_model(
     tracking.log_metrics(client, trained.run_id, {f"test_{k}": v for k, v in metrics.items()})
     figure = confusion_figure(matrix, data.class_names)
     tracking.log_figure(client, trained.run_id, figure, "evaluation/confusion_matrix.png")
-    plt.close(figure)
     return Evaluation(metrics=metrics, confusion_matrix=matrix.tolist())
 
 

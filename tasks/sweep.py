@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 LEADERBOARD_SIZE = 10
 LEADERBOARD_INTERVAL_S = 3.0
 HEARTBEAT_INTERVAL_S = 10.0
-VERDICT_STATES = {"complete": "COMPLETE", "prune": "PRUNED", "fail": "FAIL"}
+VERDICT_STATES = {"complete": "COMPLETE", "prune": "PRUNED", "fail": "FAIL", "retry": "FAIL"}
 WORKER_TAG = "prefect_ml.worker_pid"
 RESUMED_TAG = "prefect_ml.resumed_from_epoch"
 
@@ -280,6 +281,7 @@ class RunningTrial:
     checkpoint_url: str
     tagged: bool = False  # its worker (and resume point) are on its MLflow run
     unreported: list[Any] = field(default_factory=list)  # epochs not yet reported to Optuna
+    last_metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -318,7 +320,13 @@ class Coordinator:
         self.logger = get_run_logger()
         self.tally = Tally()
         self.running: dict[Any, RunningTrial] = {}  # pending ObjectRef -> trial
-        self.spare: tuple[optuna.trial.Trial, ray_trials.TrialSpec] | None = None
+        # Asking for the next trial and telling finished ones take tens of milliseconds each;
+        # one background thread does them in order (still this process's only study writer),
+        # so the loop hands a finished worker its next trial at once.
+        self.study_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optuna")
+        self.study_writes: list[Future[None]] = []
+        self.spare: Future[tuple[optuna.trial.Trial, ray_trials.TrialSpec, dict[str, Any]]] | None
+        self.spare = None  # the next trial, asked while the workers are busy
         self.workers: list[Any] = []  # every trial actor started, released at the end
         self.live_workers: list[Any] = []
 
@@ -433,25 +441,25 @@ class Coordinator:
             ray_storage_path=str(self.settings.ray_storage_path),
         )
 
-    def _ask(self) -> tuple[optuna.trial.Trial, ray_trials.TrialSpec]:
+    def _ask(self) -> tuple[optuna.trial.Trial, ray_trials.TrialSpec, dict[str, Any]]:
         trial = self.study.ask(self.distributions)
-        return trial, self._spec(trial)
+        return trial, self._spec(trial), self.trial_params(trial.params)
 
     def _dispatch(self, worker: Any, writer: TrackingWriter) -> None:
         """Start the next trial on ``worker``: the one asked ahead of time, if any."""
-        trial, spec = self.spare or self._ask()
+        trial, spec, mlflow_params = self.spare.result() if self.spare else self._ask()
         self.spare = None
         self.running[worker.begin.remote(spec)] = RunningTrial(
             trial, worker, spec.loop.checkpoint_url
         )
-        writer.trial_started(trial.number, self.trial_params(trial.params))
+        writer.trial_started(trial.number, mlflow_params)
 
     def _discard_spare(self) -> None:
         """A trial asked ahead but never started (timeout, target, failures): not counted."""
         from optuna.trial import TrialState
 
         if self.spare is not None:
-            trial, _spec = self.spare
+            trial, _spec, _params = self.spare.result()
             trial.set_user_attr(studies.NOT_STARTED_ATTR, True)
             self.study.tell(trial, state=TrialState.FAIL)
             self.spare = None
@@ -481,33 +489,45 @@ class Coordinator:
         writer: TrackingWriter,
         error: str | None = None,
     ) -> None:
-        trial = running.trial
-        self._report(running)
-        if error:
-            trial.set_user_attr(studies.ERROR_ATTR, error[:2000])
+        """Record a trial's end: counted here at once, told to the study in the background."""
         from optuna.trial import TrialState
 
-        told = self.study.tell(
-            trial, [values[n] for n in self.names] if values else None, state=TrialState[state]
+        trial, reports = running.trial, list(running.unreported)
+        running.unreported.clear()
+
+        def tell() -> None:
+            self._report_values(trial, reports)
+            if error:
+                trial.set_user_attr(studies.ERROR_ATTR, error[:2000])
+            told = [values[n] for n in self.names] if values else None
+            self.study.tell(trial, told, state=TrialState[state])
+
+        self.study_writes.append(self.study_thread.submit(tell))
+        if state == "PRUNED" and running.last_metrics:  # its value: the last one it reported
+            values = {self.names[0]: float(running.last_metrics[self.names[0]])}
+        summary = TrialSummary(
+            number=trial.number, state=state, values=values, params=trial.params, error=error
         )
-        summary = trial_summary(told, self.names, {})
-        writer.trial_ended(trial.number, told.state.name, summary.values, error)
-        self._count(told.state.name, summary)
-        if told.state.name == "FAIL":
+        writer.trial_ended(trial.number, state, summary.values, error)
+        self._count(state, summary)
+        if state == "FAIL":
             self.logger.warning("Trial %d failed: %s", trial.number, error)
 
-    def _report(self, running: RunningTrial) -> None:
-        """Intermediate values to Optuna (what the pruner and the plots read)."""
+    def _report_values(self, trial: optuna.trial.Trial, reports: list[Any]) -> None:
         if len(self.names) == 1:
-            for report in running.unreported:
-                running.trial.report(report.metrics[self.names[0]], report.epoch)
+            for report in reports:
+                trial.report(report.metrics[self.names[0]], report.epoch)
+
+    def _report(self, running: RunningTrial) -> None:
+        """Intermediate values to Optuna now (the pruner is about to read them)."""
+        self._report_values(running.trial, running.unreported)
         running.unreported.clear()
 
     def _decide(
         self, running: RunningTrial, reports: list[Any], writer: TrackingWriter
     ) -> tuple[str, dict[str, float], str | None]:
         """Report epochs to Optuna and MLflow; (verdict, values, error), where the verdict is
-        'continue', 'complete', 'prune' or 'fail'."""
+        'continue', 'complete', 'prune', 'fail' or (decided by the caller) 'retry'."""
         trial = running.trial
         if reports and not running.tagged:
             running.tagged = True
@@ -521,6 +541,8 @@ class Coordinator:
             writer.epoch(trial.number, report.epoch, report.metrics, checkpoint)
             self._check_target(report.metrics[self.names[0]])
         running.unreported.extend(reports)
+        if reports:
+            running.last_metrics = reports[-1].metrics
         if reports and reports[-1].final:  # recorded in _finish, after the next trial started
             values = {n: float(reports[-1].metrics[n]) for n in self.names}
             if not all(math.isfinite(v) for v in values.values()):
@@ -557,6 +579,9 @@ class Coordinator:
             try:
                 self._drive(self._start_workers(slots), writer)
             finally:
+                self.study_thread.shutdown(wait=True)
+                for write in self.study_writes:
+                    write.result()  # a failed write to the study surfaces here
                 for worker in self.workers:  # their CPUs are free for whatever runs next
                     ray.kill(worker)
 
@@ -585,7 +610,7 @@ class Coordinator:
                 for ref in ready:
                     self._on_result(ref, deadline, writer)
                 if self.spare is None and self._can_start(deadline):
-                    self.spare = self._ask()  # off the critical path: workers are busy
+                    self.spare = self.study_thread.submit(self._ask)
                 view.update()
                 view.publish(
                     lambda: self._leaderboard(writer), lambda: self._links(writer), force=False
@@ -616,7 +641,8 @@ class Coordinator:
         try:
             verdict, values, error = self._decide(running, ray.get(ref), writer)
         except ray.exceptions.RayActorError as exc:
-            verdict, values, error = "fail", {}, f"worker died: {exc}"
+            # Not the trial's fault as far as we know (OOM killer, lost node): run it again.
+            verdict, values, error = "retry", {}, f"its worker process died: {exc}"
             self.live_workers.remove(running.worker)
             running.worker = self._start_workers(1)[0]
         except ray.exceptions.RayTaskError as exc:
@@ -627,10 +653,14 @@ class Coordinator:
             return
         # The worker is free: it gets the next trial before this one is recorded, unless a
         # failure has to be counted first (failures in a row can stop the campaign).
-        early = verdict != "fail" and self._can_start(deadline, finishing=1)
+        early = verdict in ("complete", "prune") and self._can_start(deadline, finishing=1)
         if early:
             self._dispatch(running.worker, writer)
-        self._finish(running, VERDICT_STATES[verdict], values, writer, error)
+        if verdict == "retry" and studies.requeue(self.study, running.trial):
+            self.logger.warning("Trial %d: %s; it runs again", running.trial.number, error)
+            writer.trial_ended(running.trial.number, "FAIL", {}, f"interrupted: {error}")
+        else:
+            self._finish(running, VERDICT_STATES[verdict], values, writer, error)
         if not early and self._can_start(deadline):
             self._dispatch(running.worker, writer)
 

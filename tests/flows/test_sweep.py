@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from typing import Any
 
 import optuna
@@ -14,7 +17,8 @@ from flows.sweep import hpo_campaign
 from integrations import studies, tracking
 from integrations.settings import PrefectMLSettings
 from tasks.params import CampaignParams
-from tasks.sweep import WORKER_TAG, CampaignResult
+from tasks.sweep import RESUMED_TAG, WORKER_TAG, CampaignResult
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -217,3 +221,47 @@ def test_a_changed_categorical_dimension_is_refused_before_any_trial(
     assert state.is_failed()
     assert "sweep.search_space.lr" in str(state.result(raise_on_failure=False))
     assert len(_study(home, "changed").trials) == 1
+
+
+def test_a_trial_whose_worker_dies_runs_again_from_its_checkpoint(
+    home: PrefectMLSettings,
+) -> None:
+    params = _params(
+        "worker-dies",
+        epochs=4,
+        n_trials=2,
+        concurrency=1,
+        pruner="none",
+        search_space={"lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}},
+    )
+    slow = {"model": "tests.fixtures.user_code:slow_model", "model_options": {"delay": 0.05}}
+    params = params.model_copy(update={"model": params.model.model_copy(update=slow)})
+    outcome: list[CampaignResult] = []
+    campaign = threading.Thread(target=lambda: outcome.append(hpo_campaign(params)))
+    campaign.start()
+    client = tracking.client_for(home.resolved_tracking_uri)
+    first_epoch = home.home_dir / "storage/campaigns/worker-dies/trial-00000/epoch-000001"
+
+    def worker_of_trial_0() -> str | None:
+        runs = client.search_runs(["1"], f"tags.`{tracking.TRIAL_TAG}` = '0'")
+        return runs[0].data.tags.get(WORKER_TAG) if runs else None
+
+    wait_for(
+        lambda: (first_epoch / "MANIFEST.json").exists() and worker_of_trial_0() is not None,
+        300,
+        "trial 0's first committed epoch",
+    )
+    killed = int(worker_of_trial_0() or 0)
+    os.kill(killed, signal.SIGKILL)
+    campaign.join(timeout=300)
+
+    result = outcome[0]
+    assert (result.finished, result.complete, result.failed) == (2, 2, 0)
+    trials = _study(home, "worker-dies").trials
+    assert trials[0].state == TrialState.FAIL and trials[0].user_attrs[studies.INTERRUPTED_ATTR]
+    retry = next(t for t in trials if studies.root_trial(t) == 0 and t.number != 0)
+    assert retry.state == TrialState.COMPLETE and retry.params == trials[0].params
+    runs = _runs(home, result)[1]
+    assert int(runs[retry.number].data.tags[WORKER_TAG]) != killed
+    assert int(runs[retry.number].data.tags[RESUMED_TAG]) >= 1, "resumed from its checkpoint"
+    assert runs[0].info.status == "FAILED"
