@@ -394,6 +394,7 @@ class Coordinator:
         for trial in self.study.get_trials(deepcopy=False):
             if studies.counts_toward_budget(trial):
                 self._count(trial.state.name, trial_summary(trial, self.names, {}))
+        self.tally.failures_in_a_row = 0  # a streak counts within one run: the code may be fixed
 
     def trial_params(self, values: dict[str, Any]) -> dict[str, Any]:
         return {**flatten(with_trial_values(self.params, values)), "trial.tuned": sorted(values)}
