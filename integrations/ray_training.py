@@ -301,14 +301,14 @@ class EpochTrainer:
             }
         )
 
-    def committed_metrics(self) -> list[dict[str, float]]:
+    def committed_metrics(self) -> dict[int, dict[str, float]]:
         """Metrics of every verified epoch before ``first_epoch`` (a resumed trial's history)."""
-        history = []
+        history = {}
         for epoch in range(1, self.first_epoch):
             try:
-                history.append(json.loads(self.store.read_verified(epoch, METRICS_FILE)))
+                history[epoch] = json.loads(self.store.read_verified(epoch, METRICS_FILE))
             except CheckpointError:
-                continue
+                continue  # a broken checkpoint: that epoch's values are missing, not shifted
         return history
 
 

@@ -103,7 +103,7 @@ class TrialWorker:
         history = self._trainer.committed_metrics()
         reports = [
             EpochReport(spec.number, epoch, metrics, epoch == spec.loop.epochs, os.getpid(), True)
-            for epoch, metrics in enumerate(history, start=1)
+            for epoch, metrics in history.items()
         ]
         self._epoch = self._trainer.first_epoch - 1
         if self._epoch >= spec.loop.epochs:
