@@ -12,19 +12,18 @@
   ``OptunaSearch`` + ``ASHAScheduler`` (grace 1, max_t 12), a ``Stopper`` whose ``stop_all`` fires
   at the target and ``time_budget_s``; ``ours``: :func:`ours_quality`.
 
-Every arm gets the same seed and data. Ray is started once (2 CPUs), not counted, and an untimed
-Tune fit starts its workers; arms not implemented yet are reported so. Smoke run: ``.venv/bin/python
-benchmarks/sweep.py --quick``. All runs on embedded defaults in a temporary project home.
+Every arm gets the same seed and data. Ray is started once (2 CPUs), not counted; an untimed
+Tune fit and an untimed 2-trial campaign of ours come first (the latter starts Prefect's API).
+Smoke run: ``.venv/bin/python benchmarks/sweep.py --quick``. All runs on embedded defaults in a
+temporary project home.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,27 +31,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+# Run as a script, ``benchmarks/`` is on sys.path but the repository is not.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import RESULTS_DIR, embedded_home, save_report  # noqa: E402
+
 if TYPE_CHECKING:
     import optuna
     import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 CONCURRENCY = 2
 SEED = 0
 WORK_SECONDS = 0.5  # the overhead objective's fixed work
 MAX_EPOCHS = 12
 BATCH_SIZE = 32
 Fn = Callable[..., Any]
-# Variables that would point the run at someone's real services instead of embedded defaults.
-FOREIGN_ENV = (
-    "MLFLOW_TRACKING_URI",
-    "PREFECT_API_URL",
-    "PREFECT_HOME",
-    "PREFECT_ML_RAY_ADDRESS",
-    "PREFECT_ML_STORAGE_URL",
-    "PREFECT_ML_MLFLOW_TRACKING_URI",
-)
 
 
 def digits_splits(seed: int = SEED) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -360,14 +352,10 @@ QUALITY_ARMS = {"ray-tune": ray_tune_quality, "ours": ours_quality}
 
 
 def run_part(arms: dict[str, Fn], *args: Any) -> dict[str, dict[str, Any]]:
-    """Each arm's numbers (a wall, or a dict), or that it is not implemented yet."""
+    """Each arm's numbers (a wall, or a dict), with the load right after it."""
     out: dict[str, dict[str, Any]] = {}
     for name, fn in arms.items():
-        try:
-            value = fn(*args)
-        except NotImplementedError:
-            out[name] = {"error": "not implemented"}
-            continue
+        value = fn(*args)
         out[name] = value if isinstance(value, dict) else {"wall_seconds": value}
         out[name]["loadavg_1m_after"] = os.getloadavg()[0]
     return out
@@ -381,7 +369,7 @@ def markdown(report: dict[str, Any]) -> str:
     """A table per part, with ours over each peer: lower is better, except accuracy."""
     lines: list[str] = []
     if part := report.get("overhead"):
-        ours = part["arms"]["ours"].get("wall_seconds")
+        ours = part["arms"]["ours"]["wall_seconds"]
         lines += [
             f"Overhead: {part['trials']} trials x {report['work_seconds']} s, concurrency "
             f"{report['concurrency']}, ideal {part['ideal_seconds']:.1f} s",
@@ -390,21 +378,17 @@ def markdown(report: dict[str, Any]) -> str:
             "|---|---|---|---|",
         ]
         for name, arm in part["arms"].items():
-            if "error" in arm:
-                lines.append(f"| {name} | {arm['error']} | | |")
-                continue
             wall = arm["wall_seconds"]
             ratio = f"{wall / part['ideal_seconds']:.2f}x | {_ratio(ours, wall)}"
             lines.append(f"| {name} | {wall:.1f} | {ratio} |")
-        if "flow_seconds" in part["arms"]["ours"]:
-            arm = part["arms"]["ours"]
-            lines += [
-                "",
-                f"ours, once per campaign: setup {arm['setup_seconds']:.1f} s (study, MLflow "
-                f"parent run, warm workers), conclusion {arm['conclude_seconds']:.1f} s (plots); "
-                f"whole flow {arm['flow_seconds']:.1f} s = "
-                f"{arm['flow_seconds'] / part['ideal_seconds']:.2f}x ideal",
-            ]
+        arm = part["arms"]["ours"]
+        lines += [
+            "",
+            f"ours, once per campaign: setup {arm['setup_seconds']:.1f} s (study, MLflow "
+            f"parent run, warm workers), conclusion {arm['conclude_seconds']:.1f} s (plots); "
+            f"whole flow {arm['flow_seconds']:.1f} s = "
+            f"{arm['flow_seconds'] / part['ideal_seconds']:.2f}x ideal",
+        ]
         lines.append("")
     if part := report.get("quality"):
         ours = part["arms"]["ours"]
@@ -418,16 +402,13 @@ def markdown(report: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|",
         ]
         for name, arm in part["arms"].items():
-            if "error" in arm:
-                lines.append(f"| {name} | {arm['error']} | | | | | | |")
-                continue
             to_target, best = arm["seconds_to_target"], arm["best_val_accuracy"]
             lines.append(
                 f"| {name} | {arm['wall_seconds']:.1f} "
                 f"| {'not reached' if to_target is None else f'{to_target:.1f}'} "
                 f"| {best:.4f} | {arm['trials']} | {arm.get('epochs', '')} "
-                f"| {_ratio(ours.get('seconds_to_target'), to_target)} "
-                f"| {_ratio(ours.get('best_val_accuracy'), best, 3)} |"
+                f"| {_ratio(ours['seconds_to_target'], to_target)} "
+                f"| {_ratio(ours['best_val_accuracy'], best, 3)} |"
             )
     return "\n".join(lines).strip()
 
@@ -447,23 +428,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Every part in every arm under a temporary project home, Ray started once; the report."""
-    sys.path.insert(0, str(REPO_ROOT))  # Tune's workers get this path too
     report: dict[str, Any] = {"benchmark": "sweep", "quick": args.quick, "seed": SEED}
     report |= {"concurrency": CONCURRENCY, "work_seconds": WORK_SECONDS, "max_epochs": MAX_EPOCHS}
-    with tempfile.TemporaryDirectory(prefix="prefect-ml-bench-", ignore_cleanup_errors=True) as tmp:
-        for name in FOREIGN_ENV:
-            os.environ.pop(name, None)
-        os.environ["PREFECT_ML_HOME"] = str(Path(tmp) / "home")
+    with embedded_home() as (work, _settings):
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-        from integrations.settings import prepare_process_environment
-
-        prepare_process_environment()  # before anything imports prefect
         import optuna
         import ray
         import torch
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        work, load_before = Path(tmp), os.getloadavg()
+        load_before = os.getloadavg()
         env_vars = {"PYTHONPATH": os.pathsep.join(sys.path)}
         ray.init(num_cpus=CONCURRENCY, include_dashboard=False, runtime_env={"env_vars": env_vars})
         try:
@@ -492,10 +466,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     report = run_benchmark(args)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1))
-    print(markdown(report))
-    print(f"\nraw results: {args.output}")
+    save_report(report, args.output, markdown(report))
     return report
 
 

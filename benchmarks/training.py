@@ -27,13 +27,16 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+# Run as a script, ``benchmarks/`` is on sys.path but the repository is not.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import RESULTS_DIR, embedded_home, save_report  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -42,20 +45,9 @@ if TYPE_CHECKING:
     from tasks.params import TrainModelParams
     from tasks.train import TrainResult
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 WORKERS = 2
 THROUGHPUT_TARGET = 0.9  # steady-state samples/s of c over b
 CHECKPOINT_TARGET = 0.05  # seconds the loop is blocked by checkpoints over epoch seconds (c)
-# Variables that would point the run at someone's real services instead of embedded defaults.
-FOREIGN_ENV = (
-    "MLFLOW_TRACKING_URI",
-    "PREFECT_API_URL",
-    "PREFECT_HOME",
-    "PREFECT_ML_RAY_ADDRESS",
-    "PREFECT_ML_STORAGE_URL",
-    "PREFECT_ML_MLFLOW_TRACKING_URI",
-)
 
 Report = Literal["epoch", "final"] | None
 # The modes in the order they run; a and b are the plain loop, reporting to Ray like this.
@@ -412,14 +404,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Train every workload in every mode under a temporary project home; the JSON report."""
-    sys.path.insert(0, str(REPO_ROOT))  # `benchmarks.training:synthetic_dataset` must import
-    with tempfile.TemporaryDirectory(prefix="prefect-ml-bench-", ignore_cleanup_errors=True) as tmp:
-        for name in FOREIGN_ENV:
-            os.environ.pop(name, None)
-        os.environ["PREFECT_ML_HOME"] = str(Path(tmp) / "home")
-        from integrations.settings import prepare_process_environment
-
-        settings = prepare_process_environment()  # before anything imports prefect
+    with embedded_home() as (tmp, settings):
         import ray
         import torch
 
@@ -439,11 +424,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             first = next(iter(params_by_name))
             warm = params_by_name[first].model_copy(deep=True)
             warm.training.epochs = 2
-            run_plain(warm, prepared[first], "warm-up", "final", Path(tmp))
+            run_plain(warm, prepared[first], "warm-up", "final", tmp)
             results: dict[str, dict[str, Any]] = {}
             for name, params in params_by_name.items():
                 data = prepared[name]
-                modes = {mode: measure(mode, params, data, Path(tmp)) for mode in MODES}
+                modes = {mode: measure(mode, params, data, tmp) for mode in MODES}
                 results[name] = {
                     "params": params.model_dump(mode="json"),
                     "rows": data.rows,
@@ -480,10 +465,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     for name, modes in measured.items():
         report["workloads"][name].update(summarize(modes))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1))
-    print(markdown(measured))
-    print(f"\nraw results: {args.output}")
+    save_report(report, args.output, markdown(measured))
     return report
 
 

@@ -7,7 +7,7 @@ from pydantic import BaseModel
 
 from tasks.data import PreparedData, inspect_data, preprocess, splits_present
 from tasks.evaluate import Evaluation, evaluate
-from tasks.params import CampaignParams, TrainModelParams
+from tasks.params import TrainingSections, TrainModelParams
 from tasks.register import Registration, register
 from tasks.report import publish_summary
 from tasks.train import TrainResult, train
@@ -22,7 +22,7 @@ class TrainingOutcome(BaseModel):
     registration: Registration
 
 
-def prepared_data(params: TrainModelParams | CampaignParams) -> PreparedData:
+def prepared_data(params: TrainingSections) -> PreparedData:
     """Inspect the data, then prepare the splits (cached on the content fingerprint)."""
     summary = inspect_data(params)
     data = preprocess(params.data, summary.fingerprint)

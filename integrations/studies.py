@@ -43,20 +43,18 @@ OPEN_ATTEMPTS = 4
 
 def storage_for(url: str) -> optuna.storages.BaseStorage:
     """An SQLAlchemy URL gives an RDB storage; anything else is the path of a journal file."""
-
-    local_file = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else None
     if "://" not in url:
-        local_file = os.path.expanduser(url)
-    if local_file:
-        Path(local_file).parent.mkdir(parents=True, exist_ok=True)
-    if "://" in url:
+        from optuna.storages.journal import JournalFileBackend
+
+        journal = Path(url).expanduser()
+        journal.parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(str(journal)))
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         # SQLite serialises writers; waiting for the lock beats failing with "database is locked"
         # when two campaigns share one file.
-        engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
-    from optuna.storages.journal import JournalFileBackend
-
-    return optuna.storages.JournalStorage(JournalFileBackend(os.path.expanduser(url)))
+        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+    return optuna.storages.RDBStorage(url)
 
 
 def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, Any]:

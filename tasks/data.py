@@ -14,7 +14,7 @@ from integrations import storage
 from integrations.catalog import DatasetArrays, load_dataset
 from integrations.errors import ConfigurationError
 from integrations.settings import get_settings
-from tasks.params import CampaignParams, DataParams, TrainModelParams
+from tasks.params import CampaignParams, DataParams, TrainingSections
 
 FORMAT_VERSION = "1"
 
@@ -85,7 +85,7 @@ def train_rows(total_rows: int, data: DataParams) -> int:
     return rest - int(np.ceil(rest * data.val_fraction / (1 - data.test_fraction)))
 
 
-def inspect_dataset(params: TrainModelParams | CampaignParams) -> DataSummary:
+def inspect_dataset(params: TrainingSections) -> DataSummary:
     """Load the data and check what parameters alone cannot; writes nothing anywhere."""
     arrays = load_dataset(params.data.dataset, params.data.loader_options())
     n_train = train_rows(len(arrays.labels), params.data)
@@ -149,7 +149,7 @@ def splits_present(prepared: PreparedData) -> bool:
 
 
 @task(name="inspect-data", cache_policy=NO_CACHE)
-def inspect_data(params: TrainModelParams | CampaignParams) -> DataSummary:
+def inspect_data(params: TrainingSections) -> DataSummary:
     return inspect_dataset(params)
 
 

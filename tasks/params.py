@@ -167,8 +167,8 @@ class RegistryParams(_Section):
     )
 
 
-class TrainModelParams(_Section):
-    """Parameters of ``train_model``: data, model, training and registry sections."""
+class TrainingSections(_Section):
+    """What every training flow takes: the experiment and the data, model and training sections."""
 
     experiment: str = Field(
         "prefect-ml", min_length=1, title="Experiment", description="MLflow experiment name."
@@ -176,6 +176,11 @@ class TrainModelParams(_Section):
     data: DataParams = Field(default_factory=DataParams, title="Data")
     model: ModelParams = Field(default_factory=ModelParams, title="Model")
     training: TrainingParams = Field(default_factory=TrainingParams, title="Training")
+
+
+class TrainModelParams(TrainingSections):
+    """Parameters of ``train_model``: data, model, training and registry sections."""
+
     registry: RegistryParams = Field(default_factory=RegistryParams, title="Registry")
 
     def run_key(self, fingerprint: str) -> str:
@@ -370,15 +375,9 @@ def _check_searchable(name: str, dimension: SearchDimension) -> None:
             ) from None
 
 
-class CampaignParams(_Section):
+class CampaignParams(TrainingSections):
     """Parameters of ``hpo_campaign``: data, model and fixed training values, and the search."""
 
-    experiment: str = Field(
-        "prefect-ml", min_length=1, title="Experiment", description="MLflow experiment name."
-    )
-    data: DataParams = Field(default_factory=DataParams, title="Data")
-    model: ModelParams = Field(default_factory=ModelParams, title="Model")
-    training: TrainingParams = Field(default_factory=TrainingParams, title="Training")
     sweep: SweepParams = Field(default_factory=SweepParams, title="Sweep")
 
 
@@ -403,7 +402,7 @@ class PipelineParams(TrainModelParams):
         )
 
 
-Tunable = TypeVar("Tunable", bound=BaseModel)
+Tunable = TypeVar("Tunable", bound=TrainingSections)
 
 
 def with_trial_values(params: Tunable, values: dict[str, Any]) -> Tunable:

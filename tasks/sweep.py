@@ -327,8 +327,7 @@ class Coordinator:
         self.study_writes: list[Future[None]] = []
         self.spare: Future[tuple[optuna.trial.Trial, ray_trials.TrialSpec, dict[str, Any]]] | None
         self.spare = None  # the next trial, asked while the workers are busy
-        self.workers: list[Any] = []  # every trial actor started, released at the end
-        self.live_workers: list[Any] = []
+        self.workers: list[Any] = []  # the trial actors, released at the end
 
     # --- study and MLflow state -----------------------------------------------------------
     def attach(self) -> TrackingWriter:
@@ -372,9 +371,13 @@ class Coordinator:
         return writer
 
     def _reconcile(self, writer: TrackingWriter) -> None:
-        """Give every finished trial a terminated nested run, whatever a dead process left."""
+        """Count the finished trials and give each a terminated nested run, whatever a dead
+        process left."""
         runs = tracking.trial_runs(writer.client, self.experiment_id, writer.parent_run_id)
         for trial in self.study.get_trials(deepcopy=False):
+            summary = trial_summary(trial, self.names, {})
+            if studies.counts_toward_budget(trial):
+                self._count(trial.state.name, summary)
             run = runs.get(trial.number)
             if run is not None:
                 writer.run_ids[trial.number] = run.info.run_id
@@ -383,21 +386,20 @@ class Coordinator:
             if not trial.state.is_finished() or (run and run.info.status != "RUNNING"):
                 continue
             if run is None:
-                writer.trial_started(trial.number, self.trial_params(trial.params))
-            summary = trial_summary(trial, self.names, {})
+                tuned = with_trial_values(self.params, trial.params)
+                writer.trial_started(trial.number, self.trial_params(tuned, trial.params))
             error = summary.error or (
                 "interrupted: its coordinator process died; the trial runs again"
                 if trial.user_attrs.get(studies.INTERRUPTED_ATTR)
                 else None
             )
             writer.trial_ended(trial.number, trial.state.name, summary.values, error)
-        for trial in self.study.get_trials(deepcopy=False):
-            if studies.counts_toward_budget(trial):
-                self._count(trial.state.name, trial_summary(trial, self.names, {}))
         self.tally.failures_in_a_row = 0  # a streak counts within one run: the code may be fixed
 
-    def trial_params(self, values: dict[str, Any]) -> dict[str, Any]:
-        return {**flatten(with_trial_values(self.params, values)), "trial.tuned": sorted(values)}
+    @staticmethod
+    def trial_params(tuned: CampaignParams, values: dict[str, Any]) -> dict[str, Any]:
+        """A trial's MLflow params: every value it trained with, and which ones were tuned."""
+        return {**flatten(tuned), "trial.tuned": sorted(values)}
 
     # --- the loop -------------------------------------------------------------------------
     def _can_start(self, deadline: float | None, finishing: int = 0) -> bool:
@@ -421,11 +423,11 @@ class Coordinator:
             tally.target_reached_at = time.time()
             self.logger.info("A trial reached %s = %g: no new trials", self.names[0], value)
 
-    def _spec(self, trial: optuna.trial.Trial) -> ray_trials.TrialSpec:
+    def _spec(self, trial: optuna.trial.Trial, tuned: CampaignParams) -> ray_trials.TrialSpec:
         root = studies.root_trial(trial)
         checkpoint_url = storage.join(self.campaign_url, f"trial-{root:05d}")
         config = loop_config(
-            with_trial_values(self.params, trial.params),
+            tuned,
             self.data,
             checkpoint_url=checkpoint_url,
             tracking_uri=self.settings.resolved_tracking_uri,
@@ -444,7 +446,8 @@ class Coordinator:
 
     def _ask(self) -> tuple[optuna.trial.Trial, ray_trials.TrialSpec, dict[str, Any]]:
         trial = self.study.ask(self.distributions)
-        return trial, self._spec(trial), self.trial_params(trial.params)
+        tuned = with_trial_values(self.params, trial.params)
+        return trial, self._spec(trial, tuned), self.trial_params(tuned, trial.params)
 
     def _dispatch(self, worker: Any, writer: TrackingWriter) -> None:
         """Start the next trial on ``worker``: the one asked ahead of time, if any."""
@@ -620,7 +623,7 @@ class Coordinator:
                     studies.heartbeat(self.study, self.owner)
                     last_heartbeat = time.monotonic()
             self._discard_spare()
-            ray.get([worker.finish.remote() for worker in self.live_workers])
+            ray.get([worker.finish.remote() for worker in self.workers])
             view.publish(lambda: self._leaderboard(writer), lambda: self._links(writer), force=True)
 
     def _start_workers(self, count: int) -> list[Any]:
@@ -631,7 +634,6 @@ class Coordinator:
             driver_only=self.sweep.trial_workers > 1,
         )
         self.workers.extend(workers)
-        self.live_workers.extend(workers)
         return workers
 
     def _on_result(self, ref: Any, deadline: float | None, writer: TrackingWriter) -> None:
@@ -644,7 +646,7 @@ class Coordinator:
         except ray.exceptions.RayActorError as exc:
             # Not the trial's fault as far as we know (OOM killer, lost node): run it again.
             verdict, values, error = "retry", {}, f"its worker process died: {exc}"
-            self.live_workers.remove(running.worker)
+            self.workers.remove(running.worker)
             running.worker = self._start_workers(1)[0]
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if exc.cause is not None else exc

@@ -20,7 +20,7 @@ from integrations.errors import CheckpointError, PrefectMLError
 from integrations.ray_cluster import ray_session
 from integrations.settings import get_settings
 from tasks.data import PreparedData
-from tasks.params import CampaignParams, TrainModelParams
+from tasks.params import TrainingSections, TrainModelParams
 
 if TYPE_CHECKING:
     import torch
@@ -121,7 +121,7 @@ class EpochRecorder:
 
 
 def loop_config(
-    params: TrainModelParams | CampaignParams,
+    params: TrainingSections,
     data: PreparedData,
     *,
     checkpoint_url: str,

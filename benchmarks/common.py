@@ -1,0 +1,53 @@
+"""What every benchmark shares: an isolated project home on embedded defaults, and its report."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from integrations.settings import PrefectMLSettings
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+# Variables that would point the run at someone's real services instead of embedded defaults.
+FOREIGN_ENV = (
+    "MLFLOW_TRACKING_URI",
+    "PREFECT_API_URL",
+    "PREFECT_HOME",
+    "PREFECT_ML_RAY_ADDRESS",
+    "PREFECT_ML_STORAGE_URL",
+    "PREFECT_ML_MLFLOW_TRACKING_URI",
+)
+
+
+@contextlib.contextmanager
+def embedded_home() -> Iterator[tuple[Path, PrefectMLSettings]]:
+    """A temporary work directory whose ``home`` holds all state, deleted afterwards.
+
+    Service variables are dropped and Prefect is pointed at the home before it is imported.
+    The repository goes on ``sys.path`` first: Ray workers (which inherit it) import the
+    benchmarks' own datasets and models by path.
+    """
+    sys.path.insert(0, str(REPO_ROOT))
+    with tempfile.TemporaryDirectory(prefix="prefect-ml-bench-", ignore_cleanup_errors=True) as tmp:
+        for name in FOREIGN_ENV:
+            os.environ.pop(name, None)
+        os.environ["PREFECT_ML_HOME"] = str(Path(tmp) / "home")
+        from integrations.settings import prepare_process_environment
+
+        yield Path(tmp), prepare_process_environment()
+
+
+def save_report(report: dict[str, Any], output: Path, table: str) -> None:
+    """Write the raw JSON results and print the markdown table."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=1))
+    print(table)
+    print(f"\nraw results: {output}")
