@@ -8,22 +8,26 @@ points it at the project home, because Prefect reads its settings at import time
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 import types
 import typing
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from integrations.settings import get_settings, prepare_process_environment
-from tasks.params import CampaignParams, PipelineParams, TrainModelParams
+from tasks.params import CampaignParams, PipelineParams, ServeModelParams, TrainModelParams
 
 console = Console(stderr=True)
+Parameters = TypeVar("Parameters", bound=BaseModel)
 
 
 def _section_model(annotation: Any) -> type[BaseModel] | None:
@@ -108,13 +112,17 @@ def print_validation_error(error: ValidationError) -> None:
     console.print(table)
 
 
-def parse_parameters(model: type[BaseModel], flags: dict[str, Any]) -> BaseModel:
-    """Validate flags into the flow's parameter model, or exit 2 naming each bad field."""
+def _validated(model: type[Parameters], nested: dict[str, Any]) -> Parameters:
     try:
-        return model.model_validate(_nested_parameters(model, flags))
+        return model.model_validate(nested)
     except ValidationError as exc:
         print_validation_error(exc)
         raise SystemExit(2) from exc
+
+
+def parse_parameters(model: type[Parameters], flags: dict[str, Any]) -> Parameters:
+    """Validate flags into the flow's parameter model, or exit 2 naming each bad field."""
+    return _validated(model, _nested_parameters(model, flags))
 
 
 def _with_parameter_flags(model: type[BaseModel]) -> Callable[[Callable[..., Any]], Any]:
@@ -157,9 +165,26 @@ def print_outcome(outcome: Any) -> None:
         console.print(f"  MLflow UI:  {tracking_uri}")
     console.print(f"  Prefect UI: PREFECT_HOME={settings.prefect_home} prefect server start")
     console.print(
-        f"  Serve it:   MLFLOW_TRACKING_URI={tracking_uri} mlflow models serve "
-        f"-m models:/{registration.model_name}@{registration.alias} --env-manager local"
+        f"  Serve it:   prefect-ml serve --model-name {registration.model_name} "
+        f"--alias {registration.alias}"
     )
+    if getattr(outcome, "serving", None) is not None:
+        print_serving(outcome.serving)
+
+
+def print_serving(result: Any) -> None:
+    """Where the model answers, which version, and the smoke request's result."""
+    table = Table(title=f"serving {result.model_name} v{result.version}", title_style="bold green")
+    table.add_column("item")
+    table.add_column("value")
+    table.add_row("predict", f"POST {result.url}/predict")
+    table.add_row("docs", f"{result.url}/docs")
+    table.add_row("model", f"{result.model_uri} (run {result.run_id})")
+    table.add_row("bearer token", "required" if result.authenticated else "not required")
+    if result.smoke is not None:
+        predictions = result.smoke.response["predictions"]
+        table.add_row("smoke request", f"{predictions} in {result.smoke.latency_ms:.1f} ms")
+    console.print(table)
 
 
 def print_campaign(result: Any) -> None:
@@ -192,12 +217,14 @@ def _run_flow(flow_name: str, params: BaseModel) -> Any:
         from flows.pipeline import ml_pipeline as flow_fn
     elif flow_name == "hpo_campaign":
         from flows.sweep import hpo_campaign as flow_fn  # type: ignore[assignment]
+    elif flow_name == "serve_model":
+        from flows.serve import serve_model as flow_fn  # type: ignore[assignment]
     else:
-        from flows.train import train_model as flow_fn
+        from flows.train import train_model as flow_fn  # type: ignore[assignment]
     state = flow_fn(params=params, return_state=True)
     if not state.is_completed():
         error = state.result(raise_on_failure=False)
-        console.print(f"[bold red]{flow_name} failed:[/bold red] {error}")
+        console.print(f"[bold red]{flow_name} failed:[/bold red] {escape(str(error))}")
         raise SystemExit(1)
     return state.result()
 
@@ -210,12 +237,100 @@ def app() -> None:
     prepare_process_environment()
 
 
+def _stop_on_sigterm() -> None:
+    """A process manager's SIGTERM stops the foreground server the way Ctrl-C does."""
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _serve_in_foreground(
+    app_name: str, follow: Callable[[], Any] | None, watch_seconds: float
+) -> None:
+    """Keep the application up until Ctrl-C; every ``watch_seconds`` call ``follow`` (which rolls
+    the application when the alias moved). The application is deleted on the way out."""
+    from ray import serve
+
+    _stop_on_sigterm()
+    console.print("[bold]Serving until Ctrl-C[/bold]")
+    try:
+        while True:
+            time.sleep(watch_seconds if follow else 3600)
+            if follow:
+                follow()
+    except KeyboardInterrupt:
+        console.print("Stopping the application")
+    finally:
+        serve.delete(app_name)
+
+
+def _alias_follower(params: ServeModelParams, served_version: str) -> Callable[[], None]:
+    """A check that redeploys (rolls) when the alias points at another version than served."""
+    from integrations import tracking
+
+    state = {"version": served_version}
+
+    def follow() -> None:
+        client = tracking.client_for(get_settings().resolved_tracking_uri)
+        holder = tracking.champion(client, params.model_name, params.alias)
+        if holder is not None and holder[0] != state["version"]:
+            console.print(f"@{params.alias} moved to v{holder[0]}: rolling the application")
+            result = _run_flow("serve_model", params)
+            state["version"] = result.version
+            print_serving(result)
+
+    return follow
+
+
 @app.command()
 @_with_parameter_flags(PipelineParams)
-def run(**flags: Any) -> None:
+@click.option(
+    "--serve",
+    "serve_after",
+    is_flag=True,
+    help="End by serving the alias's version on Ray Serve, in the foreground until Ctrl-C.",
+)
+def run(serve_after: bool, **flags: Any) -> None:
     """Run the whole pipeline (ml_pipeline); any sweep flag (--campaign, --n-trials, ...) adds
-    a campaign whose best values train the final model."""
-    print_outcome(_run_flow("ml_pipeline", parse_parameters(PipelineParams, flags)))
+    a campaign whose best values train the final model; --serve (or any serving flag) serves it."""
+    nested = _nested_parameters(PipelineParams, flags)
+    if serve_after:
+        nested.setdefault("serving", {})
+    params = _validated(PipelineParams, nested)
+    if params.serving is None:
+        print_outcome(_run_flow("ml_pipeline", params))
+        return
+    from integrations.ray_cluster import ray_session
+
+    with ray_session(get_settings()):  # the flow's steps share it; it outlives the flow
+        print_outcome(_run_flow("ml_pipeline", params))
+        _serve_in_foreground(params.serving.app_name, None, 0)
+
+
+@app.command()
+@_with_parameter_flags(ServeModelParams)
+@click.option(
+    "--watch",
+    "watch_seconds",
+    type=float,
+    default=0.0,
+    help="Check the alias every N seconds and roll to the version it points at (0: off).",
+)
+def serve(watch_seconds: float, **flags: Any) -> None:
+    """Serve a registered model on Ray Serve (serve_model) in the foreground until Ctrl-C."""
+    params = parse_parameters(ServeModelParams, flags)
+    if watch_seconds < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--watch")
+    from integrations.ray_cluster import ray_session
+
+    with ray_session(get_settings()):  # the application lives as long as this block
+        result = _run_flow("serve_model", params)
+        print_serving(result)
+        watching = watch_seconds > 0 and params.model_version is None
+        follow = _alias_follower(params, result.version) if watching else None
+        _serve_in_foreground(params.serving.app_name, follow, watch_seconds)
 
 
 @app.command()

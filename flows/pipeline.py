@@ -1,4 +1,5 @@
-"""``ml_pipeline``: the whole job; an optional campaign first, then the training chain."""
+"""``ml_pipeline``: the whole job; an optional campaign first, then the training chain, then
+optionally serving the alias's version."""
 
 from __future__ import annotations
 
@@ -7,11 +8,19 @@ from prefect import flow, get_run_logger
 from flows.sweep import hpo_campaign
 from flows.train import TrainingOutcome, training_chain
 from tasks.params import PipelineParams, with_trial_values
+from tasks.serve import ServingResult, serve
+
+
+class PipelineOutcome(TrainingOutcome):
+    """The training chain's outcome and, when the pipeline serves, where the model answers."""
+
+    serving: ServingResult | None = None
 
 
 @flow(name="ml-pipeline")
-def ml_pipeline(params: PipelineParams = PipelineParams()) -> TrainingOutcome:  # noqa: B008
-    """Prepare data, (search hyperparameters,) train on Ray, evaluate, register and promote."""
+def ml_pipeline(params: PipelineParams = PipelineParams()) -> PipelineOutcome:  # noqa: B008
+    """Prepare data, (search hyperparameters,) train on Ray, evaluate, register, promote and
+    (serve)."""
     if params.sweep is not None:
         result = hpo_campaign(params.campaign())
         best = result.best[0]  # with several objectives: the Pareto trial best on the first
@@ -19,4 +28,9 @@ def ml_pipeline(params: PipelineParams = PipelineParams()) -> TrainingOutcome:  
             "Training the final model with trial %d's values: %s", best.number, best.params
         )
         params = with_trial_values(params, best.params)
-    return training_chain(params)
+    outcome = training_chain(params)
+    served = None
+    if params.serving is not None:
+        registry = params.registry
+        served = serve(registry.model_name, registry.alias, None, params.serving)
+    return PipelineOutcome(**dict(outcome), serving=served)

@@ -31,11 +31,15 @@ TABULAR_SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 
 @dataclass(frozen=True)
 class DatasetArrays:
-    """A whole dataset in memory: float32 features, int64 class ids and their names."""
+    """A whole dataset in memory: float32 features, int64 class ids and their names.
+
+    ``feature_names`` names the columns of a tabular dataset; serving accepts rows by name.
+    """
 
     features: np.ndarray
     labels: np.ndarray
     class_names: list[str]
+    feature_names: list[str] | None = None
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
@@ -102,6 +106,7 @@ def load_tabular_dataset(url: str, label_column: str) -> DatasetArrays:
         feature_frame.to_numpy(dtype=np.float32),
         labels.astype(np.int64),
         [str(c) for c in classes],
+        [str(c) for c in feature_frame.columns],
     )
 
 

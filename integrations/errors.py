@@ -30,3 +30,7 @@ class CheckpointError(PrefectMLError):
 
 class EnvironmentCheckError(PrefectMLError):
     """A service prefect-ml needs (Ray, MLflow, storage) is unreachable or not writable."""
+
+
+class DeploymentError(PrefectMLError):
+    """A serving application did not come up (a replica failed to load or start)."""

@@ -18,11 +18,17 @@ if TYPE_CHECKING:
     import torch
     from matplotlib.figure import Figure
     from mlflow import MlflowClient
+    from mlflow.entities.model_registry import ModelVersion
+
+from integrations.errors import ConfigurationError
 
 RUN_KEY_TAG = "prefect_ml.run_key"
 FLOW_RUN_TAG = "prefect.flow_run_id"
 FINGERPRINT_TAG = "prefect_ml.dataset_fingerprint"
 SOURCE_RUN_TAG = "prefect_ml.mlflow_run_id"
+SAMPLE_SHAPE_TAG = "prefect_ml.sample_shape"  # JSON, on model versions: what serving validates
+CLASS_NAMES_TAG = "prefect_ml.class_names"
+FEATURE_NAMES_TAG = "prefect_ml.feature_names"
 
 
 _INITIALISED: set[str] = set()
@@ -203,6 +209,41 @@ def champion(client: MlflowClient, model_name: str, alias: str) -> tuple[str, st
     except MlflowException:
         return None
     return str(version.version), str(version.run_id)
+
+
+def registered_version(
+    client: MlflowClient, model_name: str, *, alias: str, version: str | None
+) -> ModelVersion:
+    """The version numbered ``version``, else the one holding ``alias``; a clear error if none."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        registered = client.get_registered_model(model_name)
+    except MlflowException:
+        known = sorted(m.name for m in client.search_registered_models(max_results=50))
+        raise ConfigurationError(
+            "model_name",
+            f"no registered model {model_name!r} in {client.tracking_uri}; registered: {known}. "
+            "Train one (prefect-ml train) or check MLFLOW_TRACKING_URI / PREFECT_ML_HOME",
+        ) from None
+    if version is not None:
+        try:
+            return client.get_model_version(model_name, version)
+        except MlflowException:
+            versions = sorted(
+                int(v.version) for v in client.search_model_versions(f"name='{model_name}'")
+            )
+            raise ConfigurationError(
+                "model_version", f"{model_name} has no version {version}; its versions: {versions}"
+            ) from None
+    try:
+        return client.get_model_version_by_alias(model_name, alias)
+    except MlflowException:
+        raise ConfigurationError(
+            "alias",
+            f"{model_name} has no alias @{alias}; its aliases: {dict(registered.aliases)}. "
+            "Promote a version to it, or pass --model-version",
+        ) from None
 
 
 def log_and_register_model(

@@ -38,6 +38,7 @@ class PreparedData(BaseModel):
     num_classes: int
     class_names: list[str]
     rows: dict[str, int]
+    feature_names: list[str] | None = None
 
 
 def fingerprint_dataset(arrays: DatasetArrays, data: DataParams) -> str:
@@ -138,6 +139,7 @@ def preprocess_dataset(data: DataParams, fingerprint: str, storage_url: str) -> 
         num_classes=len(arrays.class_names),
         class_names=arrays.class_names,
         rows={name: len(index) for name, index in splits.items()},
+        feature_names=arrays.feature_names,
     )
     storage.write_bytes(storage.join(splits_url, "meta.json"), prepared.model_dump_json().encode())
     return prepared

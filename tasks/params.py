@@ -381,6 +381,122 @@ class CampaignParams(TrainingSections):
     sweep: SweepParams = Field(default_factory=SweepParams, title="Sweep")
 
 
+class ServingParams(_Section):
+    """How the model is served: address, batching, replicas and their resources, request limits."""
+
+    host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        title="Host",
+        description="Interface the HTTP proxy binds; 0.0.0.0 exposes it (set a token first).",
+    )
+    port: int = Field(8000, ge=1, le=65535, title="Port", description="HTTP port.")
+    app_name: str = Field(
+        "prefect-ml",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        title="Application name",
+        description="Ray Serve application; deploying the same name again rolls it.",
+    )
+    route_prefix: str = Field(
+        "/", pattern=r"^/", title="Route prefix", description="URL path the application serves."
+    )
+    batching: bool = Field(
+        True, title="Dynamic batching", description="Run concurrent requests as one model call."
+    )
+    max_batch_size: int = Field(
+        32, ge=1, title="Max batch size", description="Requests merged into one model call."
+    )
+    batch_wait_timeout_s: float = Field(
+        0.002,
+        ge=0,
+        le=1,
+        title="Batch wait (s)",
+        description="How long a batch waits for more requests before it runs.",
+    )
+    min_replicas: int = Field(1, ge=1, title="Min replicas", description="Replicas always up.")
+    max_replicas: int = Field(
+        1, ge=1, title="Max replicas", description="Upper bound for autoscaling (> min enables it)."
+    )
+    target_ongoing_requests: float = Field(
+        8,
+        gt=0,
+        title="Target ongoing requests",
+        description="Autoscaling target: in-flight requests per replica.",
+    )
+    max_ongoing_requests: int = Field(
+        64, ge=1, title="Max ongoing requests", description="In-flight requests per replica."
+    )
+    replica_cpus: float = Field(1.0, gt=0, title="CPUs per replica", description="CPUs reserved.")
+    replica_gpus: float = Field(
+        0.0, ge=0, title="GPUs per replica", description="GPUs reserved; fractions share a GPU."
+    )
+    max_rows: int = Field(
+        1024, ge=1, title="Max rows per request", description="Larger batches get a 413."
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        title="Max body (bytes)",
+        description="Larger request bodies get a 413.",
+    )
+    auth_token_env: str = Field(
+        "PREFECT_ML_SERVE_TOKEN",
+        min_length=1,
+        title="Token variable",
+        description="Environment variable holding a bearer token; when set, requests need it.",
+    )
+    auth_token_secret: str | None = Field(
+        None,
+        title="Token Secret block",
+        description="Name of a Prefect Secret block holding the bearer token (wins over the "
+        "variable).",
+    )
+    smoke_test: bool = Field(
+        True, title="Smoke request", description="Send one example request after deploying."
+    )
+
+    @model_validator(mode="after")
+    def _check_serving(self) -> ServingParams:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"max_replicas ({self.max_replicas}) is below min_replicas ({self.min_replicas}); "
+                "raise --max-replicas"
+            )
+        if self.batching and self.max_ongoing_requests < self.max_batch_size:
+            raise ValueError(
+                f"max_ongoing_requests ({self.max_ongoing_requests}) is below max_batch_size "
+                f"({self.max_batch_size}), so batches could never fill; raise "
+                "--max-ongoing-requests or lower --max-batch-size"
+            )
+        return self
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}{self.route_prefix.rstrip('/')}"
+
+
+class ServeModelParams(_Section):
+    """Parameters of ``serve_model``: which registered version, and how to serve it."""
+
+    model_name: str = Field(
+        "digits-classifier",
+        min_length=1,
+        title="Registered model name",
+        description="Name of the model in the MLflow registry.",
+    )
+    alias: str = Field(
+        "champion", min_length=1, title="Alias", description="Serve the version holding this alias."
+    )
+    model_version: str | None = Field(
+        None,
+        pattern=r"^[0-9]+$",
+        title="Version",
+        description="Serve this version number instead of the alias.",
+    )
+    serving: ServingParams = Field(default_factory=ServingParams, title="Serving")
+
+
 class PipelineParams(TrainModelParams):
     """Parameters of ``ml_pipeline``: a training run, optionally preceded by a campaign."""
 
@@ -388,6 +504,11 @@ class PipelineParams(TrainModelParams):
         None,
         title="Sweep",
         description="When set, a campaign runs first; the model trains with its best values.",
+    )
+    serving: ServingParams | None = Field(
+        None,
+        title="Serving",
+        description="When set, the pipeline ends by serving the alias's version on Ray Serve.",
     )
 
     def campaign(self) -> CampaignParams:

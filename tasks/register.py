@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
@@ -71,6 +73,13 @@ def register_model(
         model_name=registry.model_name,
         tags={
             tracking.FINGERPRINT_TAG: data.fingerprint,
+            tracking.SAMPLE_SHAPE_TAG: json.dumps(data.sample_shape),
+            tracking.CLASS_NAMES_TAG: json.dumps(data.class_names),
+            **(
+                {tracking.FEATURE_NAMES_TAG: json.dumps(data.feature_names)}
+                if data.feature_names
+                else {}
+            ),
             tracking.SOURCE_RUN_TAG: trained.run_id,
             tracking.FLOW_RUN_TAG: current_flow_run_id(),
             f"test_{registry.metric}": f"{new_value:.6f}",

@@ -1,10 +1,16 @@
-"""Small waits and probes shared by the tests that act on running training."""
+"""Small waits, probes and fixtures-in-code shared by the tests."""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
+
+from integrations.settings import PrefectMLSettings
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -22,3 +28,59 @@ def committed_epochs(storage_dir: Path) -> list[int]:
         int(manifest.parent.name.removeprefix("epoch-"))
         for manifest in storage_dir.glob("checkpoints/*/*/epoch-*/MANIFEST.json")
     )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def register_classifier(
+    settings: PrefectMLSettings,
+    model_name: str,
+    features: np.ndarray,
+    labels: np.ndarray,
+    *,
+    seed: int,
+    feature_names: list[str] | None = None,
+    alias: str | None = "champion",
+) -> str:
+    """Fit a small MLP in-process (a second of full-batch Adam) and register it as our registry
+    step does: standardiser inside, schema tags on the version. Returns the version number."""
+    import torch
+
+    from integrations import catalog, tracking
+
+    torch.manual_seed(seed)
+    mean, std = features.mean(axis=0), features.std(axis=0) + 1e-6
+    model = catalog.build_model("mlp", [features.shape[1]], int(labels.max()) + 1, {"hidden": 32})
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    inputs = torch.from_numpy(((features - mean) / std).astype(np.float32))
+    targets = torch.from_numpy(labels.astype(np.int64))
+    for _ in range(60):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    client = tracking.client_for(settings.resolved_tracking_uri)
+    experiment = tracking.ensure_experiment(client, "serving-tests", settings.mlflow_artifact_root)
+    run_id = client.create_run(experiment).info.run_id
+    classes = [str(c) for c in range(int(labels.max()) + 1)]
+    version = tracking.log_and_register_model(
+        client,
+        settings.resolved_tracking_uri,
+        run_id,
+        catalog.with_standardizer(model, mean, std, [features.shape[1]]),
+        features[:3].astype(np.float32),
+        model_name=model_name,
+        tags={
+            tracking.FINGERPRINT_TAG: f"fingerprint-{seed}",
+            tracking.SAMPLE_SHAPE_TAG: json.dumps([features.shape[1]]),
+            tracking.CLASS_NAMES_TAG: json.dumps(classes),
+            **({tracking.FEATURE_NAMES_TAG: json.dumps(feature_names)} if feature_names else {}),
+        },
+    )
+    client.set_terminated(run_id)
+    if alias:
+        tracking.set_alias(client, model_name, alias, version)
+    return version

@@ -13,6 +13,7 @@ import mlflow.pyfunc
 import numpy as np
 import pytest
 from prefect.client.orchestration import get_client
+from ray import serve
 from sklearn.datasets import load_digits
 
 from flows.pipeline import ml_pipeline
@@ -163,10 +164,14 @@ def test_pipeline_with_a_sweep_trains_the_final_model_with_the_best_values(
                     "hidden": {"type": "int", "low": 32, "high": 128},
                 },
             },
+            "serving": {"port": _free_port(), "replica_cpus": 0.25},
         }
     )
 
-    state = ml_pipeline(params=params, return_state=True)
+    try:
+        state = ml_pipeline(params=params, return_state=True)
+    finally:
+        serve.shutdown()  # the session's Ray serves nothing after this test
 
     assert state.is_completed(), state.message
     outcome = state.result()
@@ -179,5 +184,16 @@ def test_pipeline_with_a_sweep_trains_the_final_model_with_the_best_values(
         assert final.data.params[name] == best.data.params[name]
     assert final.data.params["training.workers"] == "2", "the final model trains distributed"
     assert outcome.registration.version == "1"
-    keys = _artifacts(str(state.state_details.flow_run_id))
-    assert "training-summary" in keys
+    published = _artifacts(str(state.state_details.flow_run_id))
+    assert "training-summary" in published
+
+    # The pipeline ended by serving @champion (the final model, v1) and smoke-testing it.
+    assert outcome.serving.version == "1" and outcome.serving.alias == "champion"
+    smoke = outcome.serving.smoke
+    assert smoke.response["model"]["run_id"] == outcome.trained.run_id
+    mlflow.set_tracking_uri(home.resolved_tracking_uri)
+    local = mlflow.pyfunc.load_model("models:/digits-classifier/1")
+    rows = np.asarray(smoke.request["inputs"], dtype=np.float32).reshape(-1, 1, 8, 8)
+    expected = np.asarray(local.predict(rows)).argmax(axis=1)
+    assert smoke.response["predictions"] == [str(d) for d in expected]
+    assert "Smoke request" in published["serving"]

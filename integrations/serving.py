@@ -1,0 +1,404 @@
+"""The Ray Serve application that answers predictions for one registered model version.
+
+The driver resolves ``models:/<name>@<alias>`` to a version (:class:`ServedModel`) and deploys
+:class:`ModelServer` with it. A new version is new constructor arguments, so Ray Serve replaces
+the replicas; with a surge allowance the new replicas load the model and pass their health check
+before the old ones drain, so requests never meet an empty deployment.
+
+Every request is validated before it reaches the model: content type, body size, JSON, shape,
+dtype, finiteness and batch size each get a 4xx with a message, never a 5xx.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the route signatures at runtime, and
+# Serve's ingress wrapper hides this module's names from string annotations.
+import hashlib
+import hmac
+import json
+import socket
+from typing import Annotated, Any, cast
+
+import numpy as np
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
+from ray import serve
+from ray.serve import Deployment
+
+from integrations.errors import ConfigurationError, DeploymentError
+
+DEPLOYMENT_NAME = "ModelServer"
+
+FiniteNumber = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Row = Annotated[
+    Annotated[list[FiniteNumber], Tag("values")]
+    | Annotated[dict[str, FiniteNumber], Tag("columns")],
+    Discriminator(lambda row: "columns" if isinstance(row, dict) else "values"),
+]
+
+
+class PredictRequest(BaseModel):
+    """Rows to score: each a feature vector, or an object of named columns (tabular models)."""
+
+    inputs: list[Row] = Field(
+        min_length=1,
+        description='Rows of raw features, e.g. [[0.0, 3.0, ...]] or [{"age": 41.0, ...}].',
+    )
+
+
+class ModelIdentity(BaseModel):
+    name: str
+    version: str
+    run_id: str
+
+
+class PredictResponse(BaseModel):
+    predictions: list[str]
+    probabilities: list[list[float]]
+    model: ModelIdentity
+
+
+class ServedModel(BaseModel):
+    """One registered model version and what a replica needs to load and check inputs for it."""
+
+    name: str
+    version: str
+    run_id: str
+    tracking_uri: str
+    sample_shape: list[int]
+    feature_names: list[str] | None = None
+    class_names: list[str] | None = None
+    dataset_fingerprint: str | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"models:/{self.name}/{self.version}"
+
+    @property
+    def width(self) -> int:
+        return int(np.prod(self.sample_shape))
+
+
+class ReplicaOptions(BaseModel):
+    """Per-replica behaviour: request limits, authentication and batching."""
+
+    max_rows: int
+    max_body_bytes: int
+    token_sha256: str | None = None
+    batching: bool = True
+    max_batch_size: int = 32
+    batch_wait_timeout_s: float = 0.005
+    torch_threads: int = 1
+
+
+def token_digest(token: str) -> str:
+    """Replicas hold the token's digest, never the token: Ray's state shows constructor args."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _problem(status: int, message: str, errors: list[dict[str, Any]] | None = None) -> None:
+    raise HTTPException(status, detail={"message": message, "errors": errors or []})
+
+
+def _validation_problems(error: ValidationError) -> list[dict[str, Any]]:
+    problems = []
+    for item in error.errors(include_url=False, include_context=False, include_input=False):
+        location = [str(p) for p in item["loc"] if p not in ("values", "columns")]
+        problems.append({"field": ".".join(location), "message": item["msg"]})
+    return problems
+
+
+def _rows_to_array(request: PredictRequest, served: ServedModel) -> np.ndarray:
+    """The rows as a float32 matrix in the model's feature order, or a 422 naming the bad row."""
+    width, names = served.width, served.feature_names
+    matrix = np.empty((len(request.inputs), width), dtype=np.float32)
+    for index, row in enumerate(request.inputs):
+        if isinstance(row, dict):
+            if names is None:
+                _problem(
+                    422,
+                    f"inputs.{index}: this model takes feature vectors of {width} numbers, "
+                    "not named columns",
+                )
+            assert names is not None
+            missing = [n for n in names if n not in row]
+            extra = [n for n in row if n not in set(names)]
+            if missing or extra:
+                _problem(
+                    422,
+                    f"inputs.{index}: columns do not match the model's; "
+                    f"missing {missing}, unexpected {extra}",
+                )
+            values = [row[name] for name in names]
+        else:
+            values = row
+        if len(values) != width:
+            _problem(422, f"inputs.{index}: expected {width} features, got {len(values)}")
+        matrix[index] = values
+    return matrix
+
+
+def _checked_body_size(request: Request, limit: int) -> None:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        _problem(413, f"request body over the {limit}-byte limit; send fewer rows per request")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    _checked_body_size(request, limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            _problem(413, f"request body over the {limit}-byte limit; send fewer rows per request")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+api = FastAPI(
+    title="prefect-ml model server",
+    description="Predictions from a model version of the MLflow registry, served by Ray Serve.",
+)
+
+
+@serve.deployment(name=DEPLOYMENT_NAME, max_surge_percent=100)
+@serve.ingress(api)
+class ModelServer:
+    """One replica: the model version in memory, a request validator and a batcher."""
+
+    def __init__(self, served: dict[str, Any], options: dict[str, Any]) -> None:
+        import mlflow
+        import mlflow.pytorch
+        import torch
+        from mlflow.models import Model
+
+        self.served = ServedModel.model_validate(served)
+        self.limits = ReplicaOptions.model_validate(options)
+        torch.set_num_threads(self.limits.torch_threads)
+        mlflow.set_tracking_uri(self.served.tracking_uri)
+        mlflow.set_registry_uri(self.served.tracking_uri)
+        local = mlflow.artifacts.download_artifacts(self.served.uri)
+        loaded = mlflow.pytorch.load_model(local)
+        if isinstance(loaded, torch.export.ExportedProgram):
+            loaded = loaded.module()
+        try:
+            loaded.eval()
+        except NotImplementedError:
+            pass  # MLflow 3's default pt2 format: an exported module, fixed in eval mode already
+        self.model = loaded
+        example = Model.load(local).load_input_example(local)
+        self.input_example = np.asarray(example).reshape(-1, self.served.width)[:2].tolist()
+        self.identity = ModelIdentity(
+            name=self.served.name, version=self.served.version, run_id=self.served.run_id
+        ).model_dump()
+        self.forward_batch.set_max_batch_size(self.limits.max_batch_size)  # type: ignore[attr-defined]
+        self.forward_batch.set_batch_wait_timeout_s(  # type: ignore[attr-defined]
+            self.limits.batch_wait_timeout_s
+        )
+
+    def _authorize(self, request: Request) -> None:
+        expected = self.limits.token_sha256
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token_digest(token), expected):
+            raise HTTPException(
+                401,
+                detail={"message": "missing or wrong bearer token", "errors": []},
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    def _forward(self, matrix: np.ndarray) -> np.ndarray:
+        import torch
+
+        samples = torch.from_numpy(matrix).reshape(-1, *self.served.sample_shape)
+        with torch.inference_mode():
+            logits = self.model(samples)
+            return torch.softmax(logits.float(), dim=1).numpy()
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    async def forward_batch(self, matrices: list[np.ndarray]) -> list[np.ndarray]:
+        """Requests that arrive together go through the model as one matrix."""
+        probabilities = self._forward(np.concatenate(matrices))
+        return np.split(probabilities, np.cumsum([len(m) for m in matrices])[:-1])
+
+    @api.get("/healthz", summary="Liveness: the replica is up and its model is loaded")
+    async def healthz(self) -> dict[str, Any]:
+        return {"status": "ok", "model": self.identity}
+
+    @api.get("/metadata", summary="The served model version, its input schema and an example")
+    async def metadata(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        served = self.served
+        return {
+            "model": self.identity,
+            "model_uri": served.uri,
+            "dataset_fingerprint": served.dataset_fingerprint,
+            "input_schema": {
+                "type": "float32",
+                "features": served.width,
+                "sample_shape": served.sample_shape,
+                "feature_names": served.feature_names,
+            },
+            "classes": served.class_names,
+            "limits": {
+                "max_rows": self.limits.max_rows,
+                "max_body_bytes": self.limits.max_body_bytes,
+            },
+            "batching": {
+                "enabled": self.limits.batching,
+                "max_batch_size": self.limits.max_batch_size,
+                "batch_wait_timeout_s": self.limits.batch_wait_timeout_s,
+            },
+            "input_example": {"inputs": self.input_example},
+        }
+
+    @api.post(
+        "/predict",
+        summary="Class predictions and probabilities for a batch of rows",
+        response_model=PredictResponse,
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": PredictRequest.model_json_schema()}},
+            }
+        },
+    )
+    async def predict(self, request: Request) -> Response:
+        self._authorize(request)
+        content_type = request.headers.get("content-type", "")
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            _problem(415, f"content type must be application/json, got {content_type!r}")
+        body = await _read_body(request, self.limits.max_body_bytes)
+        try:
+            parsed = PredictRequest.model_validate_json(body)
+        except ValidationError as exc:
+            problems = _validation_problems(exc)
+            if problems and problems[0]["message"].startswith("Invalid JSON"):
+                _problem(400, "the body is not valid JSON", problems)
+            _problem(422, "the body does not match {'inputs': [[number, ...], ...]}", problems)
+        if len(parsed.inputs) > self.limits.max_rows:
+            _problem(
+                413,
+                f"{len(parsed.inputs)} rows in one request; the limit is {self.limits.max_rows}",
+            )
+        matrix = _rows_to_array(parsed, self.served)
+        if self.limits.batching:
+            probabilities = await self.forward_batch(matrix)
+        else:
+            probabilities = self._forward(matrix)
+        labels = self.served.class_names
+        indices = probabilities.argmax(axis=1).tolist()
+        predictions = [labels[i] if labels else str(i) for i in indices]
+        content = {
+            "predictions": predictions,
+            "probabilities": probabilities.astype(np.float64).round(6).tolist(),
+            "model": self.identity,
+        }
+        return Response(json.dumps(content), media_type="application/json")
+
+
+class Placement(BaseModel):
+    """Where the application listens and how many replicas it runs, with what resources."""
+
+    app_name: str
+    route_prefix: str
+    host: str
+    port: int
+    min_replicas: int
+    max_replicas: int
+    target_ongoing_requests: float
+    max_ongoing_requests: int
+    replica_cpus: float
+    replica_gpus: float
+
+    def deployment_options(self, allow_surge: bool) -> dict[str, Any]:
+        scaling: dict[str, Any] = (
+            {"num_replicas": self.min_replicas}
+            if self.max_replicas == self.min_replicas
+            else {
+                "autoscaling_config": {
+                    "min_replicas": self.min_replicas,
+                    "max_replicas": self.max_replicas,
+                    "target_ongoing_requests": self.target_ongoing_requests,
+                }
+            }
+        )
+        return {
+            **scaling,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": self.replica_cpus, "num_gpus": self.replica_gpus},
+            "max_surge_percent": 100 if allow_surge else 0,
+        }
+
+
+def running_http_address() -> tuple[str, int] | None:
+    """(host, port) of the running Serve proxy, or None when Serve is not running."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return None
+    config = client.get_serve_details().get("http_options", {})
+    return str(config.get("host")), int(config.get("port", 0))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigurationError(
+                "serving.port", f"{host}:{port} is not free ({exc}); choose another --port"
+            ) from exc
+
+
+def start_http(host: str, port: int) -> None:
+    """Start Serve's HTTP proxy on host:port, or check that the running one listens there."""
+    running = running_http_address()
+    if running is None:
+        _check_port_free(host, port)
+        serve.start(http_options={"host": host, "port": port})
+    elif running != (host, port):
+        raise ConfigurationError(
+            "serving.port",
+            f"Ray Serve already listens on {running[0]}:{running[1]} in this cluster; "
+            f"use --host {running[0]} --port {running[1]}, or `serve shutdown` first",
+        )
+
+
+def deploy(served: ServedModel, options: ReplicaOptions, placement: Placement) -> None:
+    """Deploy (or roll) the application; returns once every replica serves ``served``.
+
+    A roll starts the new replicas next to the old ones when the cluster has room for one more;
+    otherwise (a full cluster) old replicas stop first and requests queue meanwhile.
+    """
+    import ray
+
+    start_http(placement.host, placement.port)
+    room = ray.available_resources()
+    allow_surge = (
+        room.get("CPU", 0.0) >= placement.replica_cpus
+        and room.get("GPU", 0.0) >= placement.replica_gpus
+    )
+    server = cast(Deployment, ModelServer)  # the decorator made the class a Deployment
+    deployment = server.options(**placement.deployment_options(allow_surge))
+    try:
+        serve.run(
+            deployment.bind(served.model_dump(), options.model_dump()),
+            name=placement.app_name,
+            route_prefix=placement.route_prefix,
+        )
+    except RuntimeError as exc:
+        raise DeploymentError(
+            f"{served.uri} did not deploy as {placement.app_name!r}: {_replica_failure(placement)}"
+        ) from exc
+
+
+def _replica_failure(placement: Placement) -> str:
+    """The last line of the replica's error, which Serve keeps in the deployment status."""
+    app = serve.status().applications.get(placement.app_name)
+    deployment = app.deployments.get(DEPLOYMENT_NAME) if app else None
+    message = deployment.message if deployment else ""
+    lines = [line for line in message.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "see the Ray Serve controller log"

@@ -1,0 +1,236 @@
+"""The serving steps: resolve the registered version (fail fast), deploy or roll, smoke-test."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+import httpx
+from prefect import get_run_logger, task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel
+
+from integrations import serving, tracking
+from integrations.errors import ConfigurationError
+from integrations.ray_cluster import ray_session
+from integrations.settings import get_settings
+from tasks.params import ServingParams
+
+if TYPE_CHECKING:
+    from mlflow.entities.model_registry import ModelVersion
+
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+class SmokeResult(BaseModel):
+    """The example request sent after deploying and what came back."""
+
+    request: dict[str, Any]
+    response: dict[str, Any]
+    latency_ms: float
+
+
+class ServingResult(BaseModel):
+    """Where the model is served, which version, and the smoke request's outcome."""
+
+    url: str
+    app_name: str
+    model_name: str
+    version: str
+    run_id: str
+    model_uri: str
+    alias: str | None
+    authenticated: bool
+    smoke: SmokeResult | None
+
+
+def _sample_shape(version: ModelVersion) -> list[int]:
+    """The model's input shape per sample: our tag, or the logged signature of any MLflow model."""
+    if tracking.SAMPLE_SHAPE_TAG in version.tags:
+        return [int(d) for d in json.loads(version.tags[tracking.SAMPLE_SHAPE_TAG])]
+    from mlflow.models import get_model_info
+
+    signature = get_model_info(f"models:/{version.name}/{version.version}").signature
+    if signature is None or not signature.inputs.inputs:
+        raise ConfigurationError(
+            "model_name",
+            f"{version.name} v{version.version} was logged without an input signature; "
+            "log it with one (mlflow.pytorch.log_model(..., signature=...))",
+        )
+    shape = signature.inputs.inputs[0].shape
+    return [int(d) for d in (shape or ())[1:]]
+
+
+def _json_tag(version: ModelVersion, key: str) -> list[str] | None:
+    value = version.tags.get(key)
+    return [str(v) for v in json.loads(value)] if value else None
+
+
+def resolve_served_model(
+    model_name: str, alias: str, model_version: str | None
+) -> serving.ServedModel:
+    """The version to serve and its input schema, or a ConfigurationError before any deploy."""
+    tracking_uri = get_settings().resolved_tracking_uri
+    client = tracking.client_for(tracking_uri)
+    version = tracking.registered_version(client, model_name, alias=alias, version=model_version)
+    return serving.ServedModel(
+        name=model_name,
+        version=str(version.version),
+        run_id=str(version.run_id),
+        tracking_uri=tracking_uri,
+        sample_shape=_sample_shape(version),
+        feature_names=_json_tag(version, tracking.FEATURE_NAMES_TAG),
+        class_names=_json_tag(version, tracking.CLASS_NAMES_TAG),
+        dataset_fingerprint=version.tags.get(tracking.FINGERPRINT_TAG),
+    )
+
+
+def bearer_token(params: ServingParams) -> str | None:
+    """The token from the Prefect Secret block if one is named, else from the variable, or None."""
+    if params.auth_token_secret:
+        from prefect.blocks.system import Secret
+
+        try:
+            secret = cast(Secret, Secret.load(params.auth_token_secret))
+        except ValueError as exc:
+            raise ConfigurationError(
+                "serving.auth_token_secret",
+                f"no Prefect Secret block {params.auth_token_secret!r} ({exc}); create it in the "
+                "UI (Blocks > Secret) or with Secret(value=...).save(name)",
+            ) from None
+        return str(secret.get())
+    return os.environ.get(params.auth_token_env) or None
+
+
+def replica_options(params: ServingParams, token: str | None) -> serving.ReplicaOptions:
+    return serving.ReplicaOptions(
+        max_rows=params.max_rows,
+        max_body_bytes=params.max_body_bytes,
+        token_sha256=serving.token_digest(token) if token else None,
+        batching=params.batching,
+        max_batch_size=params.max_batch_size,
+        batch_wait_timeout_s=params.batch_wait_timeout_s,
+        torch_threads=max(1, int(params.replica_cpus)),
+    )
+
+
+def placement(params: ServingParams) -> serving.Placement:
+    return serving.Placement(
+        **params.model_dump(
+            include={
+                "app_name",
+                "route_prefix",
+                "host",
+                "port",
+                "min_replicas",
+                "max_replicas",
+                "target_ongoing_requests",
+                "max_ongoing_requests",
+                "replica_cpus",
+                "replica_gpus",
+            }
+        )
+    )
+
+
+def check_fits(params: ServingParams, resources: dict[str, float]) -> None:
+    """Refuse replicas the cluster can never place, instead of waiting for them forever."""
+    for resource, per_replica, flag in (
+        ("CPU", params.replica_cpus, "--replica-cpus"),
+        ("GPU", params.replica_gpus, "--replica-gpus"),
+    ):
+        needed = per_replica * params.min_replicas
+        have = resources.get(resource, 0.0)
+        if needed > have:
+            raise ConfigurationError(
+                f"serving.replica_{resource.lower()}s",
+                f"{params.min_replicas} replica(s) x {per_replica:g} {resource} need {needed:g} "
+                f"{resource}, the Ray cluster has {have:g}; lower {flag} or --min-replicas",
+            )
+
+
+def smoke_request(url: str, token: str | None) -> SmokeResult:
+    """Ask /metadata for the model's input example and send it to /predict; raise on any error."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(timeout=30, headers=headers) as client:
+        metadata = client.get(f"{url}/metadata")
+        metadata.raise_for_status()
+        example = metadata.json()["input_example"]
+        started = time.perf_counter()
+        response = client.post(f"{url}/predict", json=example)
+        latency_ms = (time.perf_counter() - started) * 1000
+        response.raise_for_status()
+    return SmokeResult(request=example, response=response.json(), latency_ms=latency_ms)
+
+
+def serving_markdown(result: ServingResult) -> str:
+    smoke = result.smoke
+    smoke_text = (
+        f"""## Smoke request ({smoke.latency_ms:.1f} ms)
+
+```json
+{json.dumps(smoke.request)}
+```
+
+→ predictions `{smoke.response["predictions"]}` from v{smoke.response["model"]["version"]}
+"""
+        if smoke
+        else "No smoke request (--no-smoke-test)."
+    )
+    held = f" (@{result.alias})" if result.alias else ""
+    url = result.url
+    token = "required" if result.authenticated else "not required"
+    return f"""# Serving `{result.model_name}` v{result.version}{held}
+
+- **Endpoint**: `POST {url}/predict` with `{{"inputs": [[...], ...]}}`
+- **Docs**: {url}/docs · metadata: `GET {url}/metadata` · health: `GET {url}/healthz`
+- **Ray Serve application**: `{result.app_name}`; bearer token {token}
+- **Model**: `{result.model_uri}` from MLflow run `{result.run_id}`
+
+{smoke_text}"""
+
+
+def serve_registered_model(
+    model_name: str, alias: str, model_version: str | None, params: ServingParams
+) -> ServingResult:
+    """Resolve, check, deploy (or roll) and smoke-test; on a Ray this process started, the
+    application lives until the process's Ray shuts down."""
+    logger = get_run_logger()
+    served = resolve_served_model(model_name, alias, model_version)
+    token = bearer_token(params)
+    if token is None and params.host not in LOOPBACK_HOSTS:
+        logger.warning(
+            "Serving on %s without a bearer token: anyone who reaches this port can call the "
+            "model. Set %s or --auth-token-secret.",
+            params.host,
+            params.auth_token_env,
+        )
+    with ray_session(get_settings()) as resources:
+        check_fits(params, resources)
+        logger.info("Deploying %s v%s to %s", served.name, served.version, params.url)
+        serving.deploy(served, replica_options(params, token), placement(params))
+        smoke = smoke_request(params.url, token) if params.smoke_test else None
+    result = ServingResult(
+        url=params.url,
+        app_name=params.app_name,
+        model_name=served.name,
+        version=served.version,
+        run_id=served.run_id,
+        model_uri=served.uri,
+        alias=None if model_version else alias,
+        authenticated=token is not None,
+        smoke=smoke,
+    )
+    create_markdown_artifact(serving_markdown(result), key="serving", description="Serving")
+    create_link_artifact(f"{params.url}/docs", link_text="OpenAPI docs", key="serving-docs")
+    return result
+
+
+@task(name="serve", cache_policy=NO_CACHE)
+def serve(
+    model_name: str, alias: str, model_version: str | None, params: ServingParams
+) -> ServingResult:
+    return serve_registered_model(model_name, alias, model_version, params)

@@ -1,0 +1,367 @@
+"""``serve_model`` on a real Ray Serve, MLflow registry and Prefect API: predictions, validation,
+authentication, fail-fast resolution and a zero-error roll when the alias moves."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import mlflow.pytorch
+import numpy as np
+import pytest
+import torch
+from prefect.blocks.system import Secret
+from prefect.settings import PREFECT_API_URL
+from ray import serve
+from ray.serve.context import _get_global_client
+from sklearn.datasets import load_digits
+
+from flows.serve import serve_model
+from integrations import tracking
+from integrations.settings import PrefectMLSettings
+from tasks.params import ServeModelParams
+from tests.e2e.test_pipeline import _artifacts
+from tests.e2e.test_resume_after_kill import _kill_tree
+from tests.helpers import free_port, register_classifier, wait_for
+
+MAX_ROWS = 50
+MAX_BODY = 200_000
+DIGITS = load_digits()
+FEATURES = DIGITS.data.astype(np.float32)
+
+
+@dataclass
+class Served:
+    settings: PrefectMLSettings
+    port: int
+    url: str
+
+    def params(self, **serving: object) -> ServeModelParams:
+        base = {"port": self.port, "replica_cpus": 0.25, "max_rows": MAX_ROWS}
+        return ServeModelParams(serving={**base, "max_body_bytes": MAX_BODY, **serving})
+
+
+def _local_probabilities(settings: PrefectMLSettings, version: str, rows: np.ndarray) -> np.ndarray:
+    mlflow.set_tracking_uri(settings.resolved_tracking_uri)
+    model = mlflow.pytorch.load_model(f"models:/digits-classifier/{version}")
+    module = model.module() if isinstance(model, torch.export.ExportedProgram) else model
+    with torch.inference_mode():
+        return torch.softmax(module(torch.from_numpy(rows)), dim=1).numpy()
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """digits-classifier v1 (@champion) and v2 registered; v1 served on a free loopback port."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREFECT_ML_HOME", str(tmp_path_factory.mktemp("serving") / "home"))
+        for variable in ("MLFLOW_TRACKING_URI", "PREFECT_ML_MLFLOW_TRACKING_URI"):
+            patch.delenv(variable, raising=False)
+        settings = PrefectMLSettings()
+        register_classifier(settings, "digits-classifier", FEATURES, DIGITS.target, seed=0)
+        register_classifier(
+            settings, "digits-classifier", FEATURES, DIGITS.target, seed=1, alias=None
+        )
+        port = free_port()
+        state = Served(settings, port, f"http://127.0.0.1:{port}")
+        flow_state = serve_model(state.params(), return_state=True)
+        assert flow_state.is_completed(), flow_state.message
+        state.result = flow_state.result()  # type: ignore[attr-defined]
+        state.flow_run_id = str(flow_state.state_details.flow_run_id)  # type: ignore[attr-defined]
+        yield state
+        for app_name in serve.status().applications:
+            serve.delete(app_name)  # frees the replicas' CPUs for the tests that train
+        serve.shutdown()
+
+
+def test_predictions_match_the_registered_model_and_the_run_is_documented(served: Served) -> None:
+    rows = FEATURES[:40]
+    response = httpx.post(f"{served.url}/predict", json={"inputs": rows.tolist()})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    expected = _local_probabilities(served.settings, "1", rows)
+    np.testing.assert_allclose(body["probabilities"], expected, atol=1e-5)
+    assert body["predictions"] == [str(i) for i in expected.argmax(axis=1)]
+    assert np.mean(np.array(body["predictions"], dtype=int) == DIGITS.target[:40]) > 0.9
+    assert body["model"]["name"] == "digits-classifier" and body["model"]["version"] == "1"
+
+    assert httpx.get(f"{served.url}/healthz").json()["status"] == "ok"
+    metadata = httpx.get(f"{served.url}/metadata").json()
+    assert metadata["dataset_fingerprint"] == "fingerprint-0"
+    assert metadata["input_schema"]["features"] == 64
+    assert metadata["classes"] == [str(c) for c in range(10)]
+    openapi = httpx.get(f"{served.url}/openapi.json").json()
+    request_schema = openapi["paths"]["/predict"]["post"]["requestBody"]["content"]
+    assert "inputs" in request_schema["application/json"]["schema"]["properties"]
+    assert httpx.get(f"{served.url}/docs").status_code == 200
+
+    result = served.result  # type: ignore[attr-defined]
+    assert result.smoke.response["model"]["version"] == "1"
+    assert result.smoke.response["predictions"] == body["predictions"][:2]
+    artifacts = _artifacts(served.flow_run_id)  # type: ignore[attr-defined]
+    assert "Smoke request" in artifacts["serving"] and "v1" in artifacts["serving"]
+
+
+def _malformed_requests() -> list[tuple[str, dict[str, str], str | bytes, int, str]]:
+    """(case, headers, body, expected status, words the message must hold)."""
+    good_row = json.dumps(FEATURES[0].tolist())
+    as_json = {"content-type": "application/json"}
+    return [
+        ("short row", as_json, '{"inputs": [[1.0, 2.0]]}', 422, "expected 64 features"),
+        ("long row", as_json, json.dumps({"inputs": [[0.0] * 65]}), 422, "expected 64"),
+        ("string value", as_json, '{"inputs": [["a"' + ", 0" * 63 + "]]}", 422, "valid number"),
+        ("boolean value", as_json, '{"inputs": [[true' + ", 0" * 63 + "]]}", 422, "valid number"),
+        ("nested too deep", as_json, '{"inputs": [[[1.0]]]}', 422, "valid number"),
+        ("NaN", as_json, '{"inputs": [[NaN' + ", 0" * 63 + "]]}", 422, "finite"),
+        ("infinity", as_json, '{"inputs": [[Infinity' + ", 0" * 63 + "]]}", 422, "finite"),
+        ("overflow", as_json, '{"inputs": [[1e999' + ", 0" * 63 + "]]}", 422, "finite"),
+        ("empty batch", as_json, '{"inputs": []}', 422, "at least 1"),
+        ("no inputs", as_json, '{"rows": [[1.0]]}', 422, "inputs"),
+        ("inputs not a list", as_json, '{"inputs": 3}', 422, "valid array"),
+        ("named columns", as_json, '{"inputs": [{"a": 1.0}]}', 422, "not named columns"),
+        (
+            "too many rows",
+            as_json,
+            '{"inputs": [' + ",".join([good_row] * (MAX_ROWS + 1)) + "]}",
+            413,
+            f"limit is {MAX_ROWS}",
+        ),
+        ("body too large", as_json, b" " * (MAX_BODY + 1), 413, "byte limit"),
+        ("not JSON", as_json, "inputs=1", 400, "not valid JSON"),
+        (
+            "text content type",
+            {"content-type": "text/plain"},
+            '{"inputs": [' + good_row + "]}",
+            415,
+            "application/json",
+        ),
+        ("no content type", {}, '{"inputs": [' + good_row + "]}", 415, "application/json"),
+    ]
+
+
+def test_every_malformed_request_gets_a_4xx_with_a_message_and_the_replica_survives(
+    served: Served,
+) -> None:
+    with httpx.Client(base_url=served.url) as client:
+        for case, headers, body, status, words in _malformed_requests():
+            response = client.post("/predict", content=body, headers=headers)
+            assert response.status_code == status, (case, response.status_code, response.text)
+            assert words in response.text, (case, response.text)
+        assert client.get("/predict").status_code == 405
+        good = client.post("/predict", json={"inputs": [FEATURES[0].tolist()]})
+        assert good.status_code == 200 and good.json()["model"]["version"] == "1"
+
+
+def test_mixed_traffic_with_5_percent_malformed_answers_every_good_request_correctly(
+    served: Served,
+) -> None:
+    expected = _local_probabilities(served.settings, "1", FEATURES[:400]).argmax(axis=1)
+    malformed = _malformed_requests()
+    rng = random.Random(0)
+    plan = [(i, rng.random() < 0.05) for i in range(400)]
+
+    def send(client: httpx.Client, item: tuple[int, bool]) -> tuple[int, bool, int, str]:
+        index, bad = item
+        if bad:
+            _case, headers, body, _status, _words = malformed[index % len(malformed)]
+            response = client.post("/predict", content=body, headers=headers)
+        else:
+            response = client.post("/predict", json={"inputs": [FEATURES[index].tolist()]})
+        return index, bad, response.status_code, response.text
+
+    with httpx.Client(base_url=served.url, timeout=30) as client, ThreadPoolExecutor(16) as pool:
+        outcomes = list(pool.map(lambda item: send(client, item), plan))
+    bad = [o for o in outcomes if o[1]]
+    good = [o for o in outcomes if not o[1]]
+    assert bad and all(400 <= status < 500 for _i, _b, status, _t in bad)
+    assert all(status == 200 for _i, _b, status, _t in good), [o for o in good if o[2] != 200]
+    for index, _bad, _status, text in good:
+        assert json.loads(text)["predictions"] == [str(expected[index])]
+
+
+def test_a_bearer_token_from_a_prefect_secret_guards_predict_and_named_columns_are_accepted(
+    served: Served,
+) -> None:
+    """A tabular model (named columns) behind a token, deployed with autoscaling bounds."""
+    columns = [f"pixel_{i}" for i in range(64)]
+    register_classifier(
+        served.settings, "pixels", FEATURES, DIGITS.target, seed=2, feature_names=columns
+    )
+    Secret(value="s3cret-token").save("serving-token", overwrite=True)
+    params = served.params(
+        app_name="secured",
+        route_prefix="/secured",
+        auth_token_secret="serving-token",
+        min_replicas=1,
+        max_replicas=2,
+        target_ongoing_requests=3,
+    )
+    params = params.model_copy(update={"model_name": "pixels"})
+    result = serve_model(params)
+    assert result.authenticated and result.smoke.response["model"]["name"] == "pixels"
+
+    url = f"{served.url}/secured"
+    row = dict(zip(columns, FEATURES[5].tolist(), strict=True))
+    assert httpx.post(f"{url}/predict", json={"inputs": [row]}).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert httpx.post(f"{url}/predict", json={"inputs": [row]}, headers=wrong).status_code == 401
+    assert httpx.get(f"{url}/metadata").status_code == 401
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    auth = {"Authorization": "Bearer s3cret-token"}
+    answer = httpx.post(f"{url}/predict", json={"inputs": [row]}, headers=auth)
+    assert answer.status_code == 200 and answer.json()["model"]["name"] == "pixels"
+    metadata = httpx.get(f"{url}/metadata", headers=auth).json()
+    assert metadata["input_schema"]["feature_names"] == columns
+    missing = {k: v for k, v in row.items() if k != "pixel_3"}
+    refused = httpx.post(f"{url}/predict", json={"inputs": [missing]}, headers=auth)
+    assert refused.status_code == 422 and "pixel_3" in refused.text
+
+    details = _get_global_client().get_serve_details()["applications"]["secured"]
+    config = details["deployments"]["ModelServer"]["deployment_config"]
+    assert config["autoscaling_config"]["min_replicas"] == 1
+    assert config["autoscaling_config"]["max_replicas"] == 2
+    assert config["autoscaling_config"]["target_ongoing_requests"] == 3
+    assert config["ray_actor_options"]["num_cpus"] == 0.25
+    serve.delete("secured")
+
+
+@pytest.mark.parametrize(
+    ("update", "words"),
+    [
+        ({"model_name": "no-such-model"}, "no registered model 'no-such-model'"),
+        ({"alias": "staging"}, "no alias @staging"),
+        ({"model_version": "99"}, "no version 99; its versions: [1, 2]"),
+        ({"serving": {"replica_cpus": 64}}, "the Ray cluster has 2;"),
+    ],
+)
+def test_a_missing_model_alias_version_or_impossible_replica_fails_before_deploying(
+    served: Served, update: dict[str, object], words: str
+) -> None:
+    params = served.params(app_name="never")
+    merged = params.model_dump()
+    for key, value in update.items():
+        merged[key] = {**merged[key], **value} if isinstance(value, dict) else value
+    state = serve_model(ServeModelParams.model_validate(merged), return_state=True)
+    assert state.is_failed()
+    assert words in str(state.result(raise_on_failure=False))
+    assert "never" not in serve.status().applications
+
+
+def test_moving_the_alias_and_redeploying_rolls_with_zero_failed_requests(served: Served) -> None:
+    """Four clients send requests without pause while v2 takes @champion and the flow rolls."""
+    stop = threading.Event()
+    seen: list[tuple[float, str]] = []
+    errors: list[str] = []
+
+    def client_loop() -> None:
+        with httpx.Client(base_url=served.url, timeout=30) as client:
+            while not stop.is_set():
+                try:
+                    response = client.post("/predict", json={"inputs": [FEATURES[7].tolist()]})
+                except httpx.HTTPError as exc:
+                    errors.append(repr(exc))
+                    continue
+                if response.status_code != 200:
+                    errors.append(f"{response.status_code} {response.text}")
+                else:
+                    seen.append((time.monotonic(), response.json()["model"]["version"]))
+
+    clients = [threading.Thread(target=client_loop) for _ in range(4)]
+    for thread in clients:
+        thread.start()
+    time.sleep(1.0)
+    client = tracking.client_for(served.settings.resolved_tracking_uri)
+    tracking.set_alias(client, "digits-classifier", "champion", "2")
+    result = serve_model(served.params())
+    rolled_at = time.monotonic()
+    time.sleep(2.0)
+    stop.set()
+    for thread in clients:
+        thread.join()
+
+    assert result.version == "2"
+    assert errors == []
+    assert seen[0][1] == "1"
+    assert {v for t, v in seen if t > rolled_at + 1.0} == {"2"}
+    assert len([v for _t, v in seen if v == "2"]) > 10
+
+
+def test_serving_parameters_name_the_field_to_fix() -> None:
+    from pydantic import ValidationError
+
+    cases = [
+        ({"min_replicas": 3, "max_replicas": 2}, "raise --max-replicas"),
+        ({"max_ongoing_requests": 4, "max_batch_size": 16}, "--max-ongoing-requests"),
+        ({"route_prefix": "predict"}, "route_prefix"),
+        ({"port": 70000}, "port"),
+        ({"replica_gpus": -1}, "replica_gpus"),
+    ]
+    for serving, words in cases:
+        with pytest.raises(ValidationError, match=words):
+            ServeModelParams(serving=serving)
+
+
+def _served_version(url: str) -> str | None:
+    try:
+        response = httpx.post(f"{url}/predict", json={"inputs": [FEATURES[0].tolist()]}, timeout=5)
+    except httpx.HTTPError:
+        return None
+    return str(response.json()["model"]["version"]) if response.status_code == 200 else None
+
+
+def test_the_cli_serves_in_the_foreground_follows_the_alias_and_stops_on_ctrl_c(
+    served: Served, tmp_path: Path
+) -> None:
+    """``prefect-ml serve --watch 1`` in its own process (its own local Ray): it serves the
+    champion, rolls when the alias moves, and deletes the application on SIGINT."""
+    client = tracking.client_for(served.settings.resolved_tracking_uri)
+    tracking.set_alias(client, "digits-classifier", "champion", "2")
+    port = free_port()
+    env = {
+        **os.environ,
+        "PREFECT_ML_HOME": str(served.settings.home_dir),
+        "PREFECT_ML_LOCAL_RAY_CPUS": "2",
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        # A second Ray on this host: keep its Serve ports apart from the session Ray's.
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "32000",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "33000",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "42000",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "43000",
+    }
+    command = [sys.executable, "-m", "flows.cli", "serve", "--port", str(port)]
+    log = tmp_path / "serve.log"
+    with log.open("wb") as sink:
+        server = subprocess.Popen(
+            [*command, "--replica-cpus", "0.5", "--watch", "1"], env=env, stdout=sink, stderr=sink
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _served_version(url) == "2", 240, "the CLI to serve v2")
+        tracking.set_alias(client, "digits-classifier", "champion", "1")
+        wait_for(lambda: _served_version(url) == "1", 120, "the watch to roll to v1")
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=90)
+    except BaseException:
+        print(log.read_text(errors="replace")[-5000:])
+        raise
+    finally:
+        if server.poll() is None:
+            _kill_tree(server)
+    text = log.read_text(errors="replace")
+    assert server.returncode == 0, text[-3000:]
+    assert "@champion moved to v1" in text and "Stopping the application" in text
+    assert _served_version(url) is None
