@@ -27,6 +27,9 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/training.py
 	$(VENV)/bin/python benchmarks/sweep.py
+	# The serving benchmark's load generator is wrk (Debian package).
+	command -v wrk >/dev/null || apt-get install -y wrk
+	$(VENV)/bin/python benchmarks/serving.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

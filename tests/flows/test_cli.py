@@ -36,6 +36,33 @@ def test_invalid_flags_exit_2_naming_each_field(home: PrefectMLSettings) -> None
     assert not home.home_dir.joinpath("mlflow.db").exists()
 
 
+def test_serve_flags_mirror_the_serving_parameters_and_bad_ones_exit_2(
+    home: PrefectMLSettings,
+) -> None:
+    usage = CliRunner().invoke(app, ["serve", "--help"])
+    for flag in (
+        "--model-version",
+        "--alias",
+        "--host",
+        "--max-batch-size",
+        "--watch",
+        "--auth-token-secret",
+        "--replica-gpus",
+        "--no-batching",
+    ):
+        assert flag in usage.output
+    assert "--serve" in CliRunner().invoke(app, ["run", "--help"]).output
+    for flags, texts in (
+        (["--min-replicas", "3", "--max-replicas", "2"], ["raise --max-replicas"]),
+        (["--port", "0", "--replica-gpus", "-1"], ["serving.port", "serving.replica_gpus"]),
+    ):
+        result = CliRunner().invoke(app, ["serve", *flags])
+        assert result.exit_code == 2
+        for text in texts:
+            assert text in result.output
+    assert not home.home_dir.joinpath("mlflow.db").exists()
+
+
 def test_bad_json_option_is_a_usage_error() -> None:
     result = CliRunner().invoke(app, ["train", "--model-options", "{width: 3"])
     assert result.exit_code == 2 and "not valid JSON" in result.output
@@ -45,7 +72,7 @@ def test_bad_json_option_is_a_usage_error() -> None:
 def test_doctor_reports_every_system(home: PrefectMLSettings) -> None:
     result = CliRunner().invoke(app, ["doctor"])
     assert result.exit_code == 0, result.output
-    for check in ("versions", "devices", "ray", "mlflow", "storage"):
+    for check in ("versions", "devices", "ray", "mlflow", "storage", "HAProxy ingress"):
         assert check in result.output
     assert "FAIL" not in result.output
 

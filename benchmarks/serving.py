@@ -1,0 +1,251 @@
+"""Serving: a bare FastAPI app vs ``mlflow models serve`` vs ours (Ray Serve) without and with
+dynamic batching, on the same registered model, in one run.
+
+The model is trained and registered by our own ``train_model`` flow (digits MLP, 3 epochs). Every
+arm runs one server process or replica and answers one digit per request; the load comes from
+``wrk`` (one thread, C connections, a fixed duration after a warm-up) in another process:
+
+* ``bare-fastapi``: uvicorn (1 worker) running a FastAPI app whose ``POST /predict`` validates
+  ``{"inputs": [[...]]}`` with pydantic and calls the model MLflow loads (``--bare-server``);
+* ``mlflow-serve``: ``mlflow models serve -m models:/<name>/<version> --env-manager local`` with
+  its defaults (1 worker), ``POST /invocations`` with the same row shaped as the signature wants;
+* ``ours``: ``serve_model`` with one replica (1 CPU), batching off;
+* ``ours+batching``: the same with ``@serve.batch`` (max 32 requests, 2 ms wait).
+
+Throughput (requests/s), p50 and p99 latency (wrk's own percentiles), and errors (non-2xx and
+socket errors) per arm and concurrency 1, 8, 32. Needs ``wrk`` (``apt-get install -y wrk``).
+Smoke run: ``.venv/bin/python benchmarks/serving.py --quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from pydantic import BaseModel
+
+# Run as a script, ``benchmarks/`` is on sys.path but the repository is not.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import RESULTS_DIR, embedded_home, save_report  # noqa: E402
+
+CONCURRENCY = (1, 8, 32)
+MODEL_NAME = "digits-classifier"
+WRK_TIMEOUT = "10s"
+
+
+class BareRequest(BaseModel):
+    inputs: list[list[float]]
+
+
+def bare_server(port: int, model_uri: str) -> None:
+    """Arm (a): the smallest honest FastAPI server around the same MLflow model."""
+    import mlflow.pytorch
+    import torch
+    import uvicorn
+    from fastapi import FastAPI
+
+    torch.set_num_threads(1)
+    loaded = mlflow.pytorch.load_model(model_uri)
+    model = loaded.module() if isinstance(loaded, torch.export.ExportedProgram) else loaded
+    shape = json.loads(os.environ["BENCH_SAMPLE_SHAPE"])
+
+    app = FastAPI()
+
+    @app.post("/predict")
+    def predict(request: BareRequest) -> dict[str, Any]:
+        samples = torch.tensor(request.inputs, dtype=torch.float32).reshape(-1, *shape)
+        with torch.inference_mode():
+            probabilities = torch.softmax(model(samples), dim=1).numpy()
+        return {
+            "predictions": [str(i) for i in probabilities.argmax(axis=1)],
+            "probabilities": probabilities.astype(np.float64).round(6).tolist(),
+        }
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_ready(url: str, body: dict[str, Any], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.post(url, json=body, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f}s")
+
+
+def _wrk(url: str, body: dict[str, Any], connections: int, seconds: float) -> dict[str, float]:
+    """One wrk run: requests/s, p50/p99 latency in ms, errors."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(
+            'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+            f"wrk.body = {json.dumps(json.dumps(body))}\n"
+        )
+    command = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency"]
+    output = subprocess.run(
+        [*command, "--timeout", WRK_TIMEOUT, "-s", script.name, url],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    os.unlink(script.name)
+
+    def latency_ms(percentile: str) -> float:
+        match = re.search(rf"^\s+{percentile}%\s+([\d.]+)(us|ms|s)\s*$", output, re.M)
+        assert match, output
+        value, unit = float(match.group(1)), match.group(2)
+        return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+
+    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
+    socket_errors = re.search(
+        r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", output
+    )
+    errors = int(non_2xx.group(1)) if non_2xx else 0
+    errors += sum(int(n) for n in socket_errors.groups()) if socket_errors else 0
+    throughput = re.search(r"Requests/sec:\s+([\d.]+)", output)
+    assert throughput, output
+    return {
+        "rps": float(throughput.group(1)),
+        "p50_ms": latency_ms("50"),
+        "p99_ms": latency_ms("99"),
+        "errors": errors,
+    }
+
+
+def load_curve(url: str, body: dict[str, Any], seconds: float) -> dict[int, dict[str, float]]:
+    """Each concurrency after a warm-up at that concurrency."""
+    _wait_ready(url, body)
+    curve = {}
+    for connections in CONCURRENCY:
+        _wrk(url, body, connections, 2)
+        curve[connections] = _wrk(url, body, connections, seconds)
+        print(f"  c={connections}: {curve[connections]}", flush=True)
+    return curve
+
+
+@contextmanager
+def running(command: list[str], env: dict[str, str]) -> Iterator[None]:
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def measure(seconds: float) -> dict[str, Any]:
+    from flows.serve import serve_model
+    from flows.train import train_model
+    from integrations.ray_cluster import ray_session
+    from integrations.settings import get_settings
+    from tasks.params import ServeModelParams, TrainModelParams
+
+    outcome = train_model(TrainModelParams(training={"epochs": 3, "workers": 1}))
+    version = outcome.registration.version
+    shape = outcome.data.sample_shape
+    settings = get_settings()
+    model_uri = f"models:/{MODEL_NAME}/{version}"
+    from sklearn.datasets import load_digits
+
+    row = load_digits().data[0].astype(float).tolist()
+    flat_body = {"inputs": [row]}
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": settings.resolved_tracking_uri,
+        "BENCH_SAMPLE_SHAPE": json.dumps(shape),
+    }
+    arms: dict[str, dict[int, dict[str, float]]] = {}
+
+    port = _free_port()
+    print("bare-fastapi", flush=True)
+    with running([sys.executable, __file__, "--bare-server", str(port), model_uri], env):
+        arms["bare-fastapi"] = load_curve(f"http://127.0.0.1:{port}/predict", flat_body, seconds)
+
+    port = _free_port()
+    print("mlflow-serve", flush=True)
+    mlflow_body = {"inputs": np.asarray(row).reshape(1, *shape).tolist()}
+    mlflow_command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri]
+    local_only = ["--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)]
+    with running([*mlflow_command, *local_only], env):
+        arms["mlflow-serve"] = load_curve(
+            f"http://127.0.0.1:{port}/invocations", mlflow_body, seconds
+        )
+
+    port = _free_port()
+    with ray_session(settings):
+        for arm, batching in (("ours", False), ("ours+batching", True)):
+            print(arm, flush=True)
+            serving = {"port": port, "batching": batching, "replica_cpus": 1.0}
+            serve_model(ServeModelParams(model_version=version, serving=serving))
+            arms[arm] = load_curve(f"http://127.0.0.1:{port}/predict", flat_body, seconds)
+    return {"model_uri": model_uri, "arms": arms}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    arms = report["arms"]
+    lines = [
+        "| arm | concurrency | requests/s | p50 ms | p99 ms | errors |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, curve in arms.items():
+        for connections, row in curve.items():
+            lines.append(
+                f"| {arm} | {connections} | {row['rps']:.0f} | {row['p50_ms']:.2f} | "
+                f"{row['p99_ms']:.2f} | {row['errors']} |"
+            )
+    lines += ["", "| ratio | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
+    ratios = {
+        "ours+batching / mlflow-serve, throughput": ("ours+batching", "mlflow-serve", "rps"),
+        "ours / mlflow-serve, throughput": ("ours", "mlflow-serve", "rps"),
+        "ours+batching / bare-fastapi, p99": ("ours+batching", "bare-fastapi", "p99_ms"),
+        "ours / bare-fastapi, p99": ("ours", "bare-fastapi", "p99_ms"),
+    }
+    for label, (mine, peer, key) in ratios.items():
+        cells = [f"{arms[mine][c][key] / arms[peer][c][key]:.2f}x" for c in arms[mine]]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 s per point instead of 10 s")
+    parser.add_argument("--bare-server", nargs=2, metavar=("PORT", "MODEL_URI"), help="internal")
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "serving.json")
+    args = parser.parse_args()
+    if args.bare_server:
+        bare_server(int(args.bare_server[0]), args.bare_server[1])
+        return
+    with embedded_home():
+        report = measure(3 if args.quick else 10)
+    report["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}"
+    save_report(report, args.output, markdown(report))
+
+
+if __name__ == "__main__":
+    main()
