@@ -270,16 +270,22 @@ def _alias_follower(params: ServeModelParams, served_version: str) -> Callable[[
     """A check that redeploys (rolls) when the alias points at another version than served."""
     from integrations import tracking
 
-    state = {"version": served_version}
+    state = {"version": served_version, "refused": ""}
 
     def follow() -> None:
         client = tracking.client_for(get_settings().resolved_tracking_uri)
         holder = tracking.champion(client, params.model_name, params.alias)
-        if holder is not None and holder[0] != state["version"]:
-            console.print(f"@{params.alias} moved to v{holder[0]}: rolling the application")
+        if holder is None or holder[0] in (state["version"], state["refused"]):
+            return
+        console.print(f"@{params.alias} moved to v{holder[0]}: rolling the application")
+        try:
             result = _run_flow("serve_model", params)
-            state["version"] = result.version
-            print_serving(result)
+        except SystemExit:  # the new version did not come up; the old replicas still serve
+            state["refused"] = holder[0]
+            console.print(f"v{holder[0]} did not deploy; still serving v{state['version']}")
+            return
+        state["version"] = result.version
+        print_serving(result)
 
     return follow
 

@@ -328,6 +328,9 @@ class Placement(BaseModel):
             "max_ongoing_requests": self.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": self.replica_cpus, "num_gpus": self.replica_gpus},
             "max_surge_percent": 100 if allow_surge else 0,
+            # A model that does not load will not load on the 20th try (Ray's default) either;
+            # three covers a flaky artifact store and fails a bad version within seconds.
+            "max_constructor_retry_count": 3,
         }
 
 

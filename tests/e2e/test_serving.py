@@ -311,6 +311,25 @@ def test_serving_parameters_name_the_field_to_fix() -> None:
             ServeModelParams(serving=serving)
 
 
+def test_a_version_that_cannot_load_fails_the_flow_and_the_old_one_keeps_serving(
+    served: Served,
+) -> None:
+    version = register_classifier(
+        served.settings, "digits-classifier", FEATURES, DIGITS.target, seed=3, alias=None
+    )
+    client = tracking.client_for(served.settings.resolved_tracking_uri)
+    source = client.get_model_version_download_uri("digits-classifier", version)
+    (Path(source.removeprefix("file://")) / "MLmodel").unlink()  # a model that cannot load
+
+    serving_before = _served_version(served.url)
+    broken = served.params().model_copy(update={"model_version": version})
+    state = serve_model(broken, return_state=True)
+
+    assert state.is_failed()
+    assert f"models:/digits-classifier/{version} did not deploy" in state.message
+    assert serving_before is not None and _served_version(served.url) == serving_before
+
+
 def _served_version(url: str) -> str | None:
     try:
         response = httpx.post(f"{url}/predict", json={"inputs": [FEATURES[0].tolist()]}, timeout=5)
