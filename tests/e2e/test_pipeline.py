@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ from flows.pipeline import ml_pipeline
 from integrations import tracking
 from integrations.settings import PrefectMLSettings
 from tasks.params import PipelineParams
-from tests.helpers import wait_for
+from tests.helpers import free_port, wait_for
 
 
 def _artifacts(flow_run_id: str) -> dict[str, str]:
@@ -33,15 +32,9 @@ def _artifacts(flow_run_id: str) -> dict[str, str]:
     return {artifact.key: str(artifact.data) for artifact in found}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _predict_with_mlflow_models_serve(home: PrefectMLSettings, images: np.ndarray) -> np.ndarray:
     """``mlflow models serve -m models:/digits-classifier@champion``, as the README says."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [
             sys.executable,
@@ -164,7 +157,7 @@ def test_pipeline_with_a_sweep_trains_the_final_model_with_the_best_values(
                     "hidden": {"type": "int", "low": 32, "high": 128},
                 },
             },
-            "serving": {"port": _free_port(), "replica_cpus": 0.25},
+            "serving": {"port": free_port(), "replica_cpus": 0.25},
         }
     )
 
