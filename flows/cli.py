@@ -7,6 +7,7 @@ points it at the project home, because Prefect reads its settings at import time
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -14,6 +15,7 @@ import time
 import types
 import typing
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -23,6 +25,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from integrations.errors import ConfigurationError, PrefectMLError
+from integrations.prefect_server import DEFAULT_PREFECT_FILE, RAY_TAG
 from integrations.settings import get_settings, prepare_process_environment
 from tasks.params import CampaignParams, PipelineParams, ServeModelParams, TrainModelParams
 
@@ -351,6 +355,92 @@ def train(**flags: Any) -> None:
 def sweep(**flags: Any) -> None:
     """Run or continue a hyperparameter campaign (hpo_campaign); same name = same study."""
     print_campaign(_run_flow("hpo_campaign", parse_parameters(CampaignParams, flags)))
+
+
+@app.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind.")
+@click.option("--port", type=click.IntRange(1, 65535), default=4200, show_default=True)
+def ui(host: str, port: int) -> None:
+    """Start a local Prefect server (UI and API) for this project home until Ctrl-C.
+
+    While it runs, the other prefect-ml commands on this home send their runs to it.
+    """
+    from integrations import prefect_server
+    from integrations.settings import running_local_server
+
+    settings = get_settings()
+    running = running_local_server(settings)
+    if running:
+        console.print(f"A Prefect server already runs for this home: {running}")
+        raise SystemExit(1)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        console.print(f"[yellow]The Prefect API on {host} has no authentication.[/yellow]")
+    _stop_on_sigterm()
+    with _clear_errors(), prefect_server.local_server(settings, host, port) as api_url:
+        console.print(f"[bold green]Prefect UI:[/bold green] {prefect_server.ui_url(api_url)}")
+        console.print(f"  API: {api_url}  (database and logs under {settings.prefect_home})")
+        console.print("  Next, in another terminal: prefect-ml deploy")
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            console.print("Stopping the Prefect server")
+
+
+@app.command()
+@click.option(
+    "--prefect-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=str(DEFAULT_PREFECT_FILE),
+    show_default=True,
+    help="The deployments to serve; entrypoints are relative to the working directory.",
+)
+@click.option(
+    "--ray-slots",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Training and campaign tasks that may run on the Ray cluster at once, across all "
+    f"flow runs (the concurrency limit on the tag '{RAY_TAG}').",
+)
+@click.option("--only", multiple=True, help="Serve only these deployments (repeatable).")
+def deploy(prefect_file: Path, ray_slots: int, only: tuple[str, ...]) -> None:
+    """Register the deployments of prefect.yaml (schedules, parameter forms) on the Prefect
+    server and run their flow runs from this process until Ctrl-C; no work pool needed."""
+    from integrations import prefect_server
+
+    with _clear_errors():
+        api_url = prefect_server.require_server(os.environ.get("PREFECT_API_URL"))
+        specs = prefect_server.read_deployment_specs(prefect_file)
+        unknown = sorted(set(only) - {spec.name for spec in specs})
+        if unknown:
+            names = [spec.name for spec in specs]
+            raise ConfigurationError("--only", f"no {unknown} in {prefect_file}; it has {names}")
+        specs = [spec for spec in specs if not only or spec.name in only]
+        deployments = prefect_server.runner_deployments(specs)
+        prefect_server.set_ray_quota(ray_slots)
+    table = Table(title=f"prefect-ml deployments on {prefect_server.ui_url(api_url)}")
+    for column in ("deployment", "entrypoint", "schedule"):
+        table.add_column(column)
+    for spec in specs:
+        schedule = ", ".join(str(s.get("cron") or s.get("interval")) for s in spec.schedules)
+        table.add_row(spec.name, spec.entrypoint, schedule or "from the UI")
+    console.print(table)
+    console.print(f"Ray quota: {ray_slots} training/campaign task(s) at once (tag '{RAY_TAG}')")
+    console.print(f"Open {prefect_server.ui_url(api_url)}/deployments and press Run. Ctrl-C stops.")
+    from prefect import serve as serve_deployments
+
+    serve_deployments(*deployments, print_starting_message=False)
+
+
+@contextlib.contextmanager
+def _clear_errors() -> Iterator[None]:
+    """prefect-ml's own errors end the command with their message and exit status 1."""
+    try:
+        yield
+    except PrefectMLError as exc:
+        console.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
+        raise SystemExit(1) from exc
 
 
 @app.command()

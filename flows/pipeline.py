@@ -20,7 +20,12 @@ class PipelineOutcome(TrainingOutcome):
 @flow(name="ml-pipeline")
 def ml_pipeline(params: PipelineParams = PipelineParams()) -> PipelineOutcome:  # noqa: B008
     """Prepare data, (search hyperparameters,) train on Ray, evaluate, register, promote and
-    (serve)."""
+    (serve).
+
+    Args:
+        params: The data, model, training and registry sections; add a sweep section to search
+            hyperparameters first, and a serving section to serve the result.
+    """
     if params.sweep is not None:
         result = hpo_campaign(params.campaign())
         best = result.best[0]  # with several objectives: the Pareto trial best on the first

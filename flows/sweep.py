@@ -11,5 +11,10 @@ from tasks.sweep import CampaignResult, campaign
 
 @flow(name="hpo-campaign")
 def hpo_campaign(params: CampaignParams = CampaignParams()) -> CampaignResult:  # noqa: B008
-    """Search hyperparameters with Optuna, trials in parallel on Ray; resumable by campaign name."""
+    """Search hyperparameters with Optuna, trials in parallel on Ray; resumable by campaign name.
+
+    Args:
+        params: The data and model, the fixed training values, and the sweep: search space,
+            objectives, sampler, pruner and budget.
+    """
     return campaign(params, prepared_data(params))

@@ -45,5 +45,9 @@ def training_chain(params: TrainModelParams) -> TrainingOutcome:
 
 @flow(name="train-model")
 def train_model(params: TrainModelParams = TrainModelParams()) -> TrainingOutcome:  # noqa: B008
-    """Train a model on Ray, evaluate it, register it and promote it if it beats the champion."""
+    """Train a model on Ray, evaluate it, register it and promote it if it beats the champion.
+
+    Args:
+        params: The data, model, training and registry sections.
+    """
     return training_chain(params)

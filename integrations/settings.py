@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from functools import cached_property
 from pathlib import Path
@@ -85,6 +86,11 @@ class PrefectMLSettings(BaseSettings):
         return self.home_dir / "prefect"
 
     @property
+    def local_server_file(self) -> Path:
+        """Where ``prefect-ml ui`` records the server it runs, for other commands to find."""
+        return self.prefect_home / "server.json"
+
+    @property
     def ray_storage_path(self) -> Path:
         """Where Ray Train keeps its own run state (not our checkpoints)."""
         return self.home_dir / "ray_results"
@@ -95,6 +101,16 @@ def get_settings() -> PrefectMLSettings:
     return PrefectMLSettings()
 
 
+def running_local_server(settings: PrefectMLSettings) -> str | None:
+    """The API URL of the server ``prefect-ml ui`` runs for this home, if it is still alive."""
+    try:
+        record = json.loads(settings.local_server_file.read_text())
+        os.kill(int(record["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return str(record["api_url"])
+
+
 def prepare_process_environment(settings: PrefectMLSettings | None = None) -> PrefectMLSettings:
     """Point Prefect's own state at the project home and silence telemetry.
 
@@ -103,6 +119,9 @@ def prepare_process_environment(settings: PrefectMLSettings | None = None) -> Pr
     """
     settings = settings or get_settings()
     settings.prefect_home.mkdir(parents=True, exist_ok=True)
+    local_server = running_local_server(settings)
+    if local_server:  # `prefect-ml ui` runs a server for this home: runs go there, not ephemeral
+        os.environ.setdefault("PREFECT_API_URL", local_server)
     os.environ.setdefault("PREFECT_HOME", str(settings.prefect_home))
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("DO_NOT_TRACK", "1")

@@ -12,6 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 if TYPE_CHECKING:
     import numpy as np
@@ -162,10 +163,21 @@ def run_metrics(client: MlflowClient, run_id: str) -> dict[str, float]:
     return dict(client.get_run(run_id).data.metrics)
 
 
+def _ui_base(tracking_uri: str) -> str:
+    """The MLflow UI: the tracking server itself, or a local ``mlflow ui`` on its default port."""
+    return (tracking_uri if tracking_uri.startswith("http") else "http://127.0.0.1:5000").rstrip(
+        "/"
+    )
+
+
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """Where a person opens the run: the tracking server, or a local ``mlflow ui``."""
-    base = tracking_uri if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    """Where a person opens the run."""
+    return f"{_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def model_version_url(tracking_uri: str, model_name: str, version: str) -> str:
+    """Where a person opens a registered model version."""
+    return f"{_ui_base(tracking_uri)}/#/models/{quote(model_name)}/versions/{version}"
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,24 @@ import json
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import to_jsonable_python
 
 from integrations.catalog import resolve_dataset, resolve_model
 
 
+def _factory_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Write ``default_factory`` values into the JSON schema, so UI forms start from them."""
+    properties = schema.get("properties", {})
+    for name, field in model.model_fields.items():
+        if field.default_factory is not None and name in properties:
+            default = field.default_factory()  # type: ignore[call-arg]
+            properties[name]["default"] = to_jsonable_python(default)
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, json_schema_extra=_factory_defaults
+    )
 
 
 class DataParams(_Section):
@@ -173,15 +185,29 @@ class TrainingSections(_Section):
     experiment: str = Field(
         "prefect-ml", min_length=1, title="Experiment", description="MLflow experiment name."
     )
-    data: DataParams = Field(default_factory=DataParams, title="Data")
-    model: ModelParams = Field(default_factory=ModelParams, title="Model")
-    training: TrainingParams = Field(default_factory=TrainingParams, title="Training")
+    data: DataParams = Field(
+        default_factory=DataParams,
+        title="Data",
+        description="Which dataset, and how it is split and normalised.",
+    )
+    model: ModelParams = Field(
+        default_factory=ModelParams, title="Model", description="The network and its shape."
+    )
+    training: TrainingParams = Field(
+        default_factory=TrainingParams,
+        title="Training",
+        description="Workers, epochs, optimiser and fault tolerance.",
+    )
 
 
 class TrainModelParams(TrainingSections):
     """Parameters of ``train_model``: data, model, training and registry sections."""
 
-    registry: RegistryParams = Field(default_factory=RegistryParams, title="Registry")
+    registry: RegistryParams = Field(
+        default_factory=RegistryParams,
+        title="Registry",
+        description="Where the model is registered and when it takes the alias.",
+    )
 
     def run_key(self, fingerprint: str) -> str:
         """Identity of a training run: the same command on the same data resumes the same run."""
@@ -378,7 +404,11 @@ def _check_searchable(name: str, dimension: SearchDimension) -> None:
 class CampaignParams(TrainingSections):
     """Parameters of ``hpo_campaign``: data, model and fixed training values, and the search."""
 
-    sweep: SweepParams = Field(default_factory=SweepParams, title="Sweep")
+    sweep: SweepParams = Field(
+        default_factory=SweepParams,
+        title="Sweep",
+        description="What to search, how to choose, the budget and the parallelism.",
+    )
 
 
 class ServingParams(_Section):
@@ -494,7 +524,11 @@ class ServeModelParams(_Section):
         title="Version",
         description="Serve this version number instead of the alias.",
     )
-    serving: ServingParams = Field(default_factory=ServingParams, title="Serving")
+    serving: ServingParams = Field(
+        default_factory=ServingParams,
+        title="Serving",
+        description="Address, batching, replicas and their resources, request limits.",
+    )
 
 
 class PipelineParams(TrainModelParams):

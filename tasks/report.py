@@ -20,6 +20,7 @@ def summary_markdown(
     evaluation: Evaluation,
     registration: Registration,
     run_link: str,
+    version_link: str,
 ) -> str:
     metric_rows = (
         "\n".join(f"| test {name} | {value:.4f} |" for name, value in evaluation.metrics.items())
@@ -43,7 +44,7 @@ def summary_markdown(
 - **Data**: fingerprint `{data.fingerprint}`, rows {data.rows}, splits at `{data.splits_url}`
 - **Training**: {trained.final_epoch} epochs ({resumed}), checkpoints at `{trained.checkpoint_url}`
 - **MLflow run**: [{trained.run_id}]({run_link})
-- **Model**: `{registration.model_uri}`
+- **Model**: [`{registration.model_uri}`]({version_link})
 - **Alias `{registration.alias}`**: {verdict} — {registration.reason}
 """
 
@@ -53,11 +54,11 @@ def publish_summary_artifacts(
 ) -> None:
     """Markdown summary, a metrics table and a link to the MLflow run on the current flow run."""
     settings = get_settings()
-    run_link = tracking.run_url(
-        settings.resolved_tracking_uri, trained.experiment_id, trained.run_id
-    )
+    uri = settings.resolved_tracking_uri
+    run_link = tracking.run_url(uri, trained.experiment_id, trained.run_id)
+    version_link = tracking.model_version_url(uri, registration.model_name, registration.version)
     create_markdown_artifact(
-        summary_markdown(data, trained, evaluation, registration, run_link),
+        summary_markdown(data, trained, evaluation, registration, run_link, version_link),
         key="training-summary",
         description=f"{registration.model_name} v{registration.version}",
     )
@@ -74,6 +75,11 @@ def publish_summary_artifacts(
         description="Held-out test metrics and the registry decision",
     )
     create_link_artifact(run_link, link_text=f"MLflow run {trained.run_id}", key="mlflow-run")
+    create_link_artifact(
+        version_link,
+        link_text=f"{registration.model_name} v{registration.version} in the MLflow registry",
+        key="registered-model",
+    )
 
 
 @task(name="publish-summary", cache_policy=NO_CACHE)

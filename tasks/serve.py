@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 import httpx
+import prefect.runtime
 from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
@@ -16,7 +17,7 @@ from pydantic import BaseModel
 from integrations import serving, tracking
 from integrations.errors import ConfigurationError
 from integrations.ray_cluster import ray_session
-from integrations.settings import get_settings
+from integrations.settings import PrefectMLSettings, get_settings
 from tasks.params import ServingParams
 
 if TYPE_CHECKING:
@@ -199,6 +200,8 @@ def serve_registered_model(
     """Resolve, check, deploy (or roll) and smoke-test; on a Ray this process started, the
     application lives until the process's Ray shuts down."""
     logger = get_run_logger()
+    settings = get_settings()
+    _require_lasting_ray(settings)
     served = resolve_served_model(model_name, alias, model_version)
     token = bearer_token(params)
     if token is None and params.host not in LOOPBACK_HOSTS:
@@ -208,7 +211,7 @@ def serve_registered_model(
             params.host,
             params.auth_token_env,
         )
-    with ray_session(get_settings()) as resources:
+    with ray_session(settings) as resources:
         check_fits(params, resources)
         logger.info("Deploying %s v%s to %s", served.name, served.version, params.url)
         serving.deploy(served, replica_options(params, token), placement(params))
@@ -226,7 +229,28 @@ def serve_registered_model(
     )
     create_markdown_artifact(serving_markdown(result), key="serving", description="Serving")
     create_link_artifact(f"{params.url}/docs", link_text="OpenAPI docs", key="serving-docs")
+    create_link_artifact(
+        tracking.model_version_url(settings.resolved_tracking_uri, served.name, served.version),
+        link_text=f"{served.name} v{served.version} in the MLflow registry",
+        key="served-model",
+    )
     return result
+
+
+def _require_lasting_ray(settings: PrefectMLSettings) -> None:
+    """A deployment's flow run ends when the model is deployed; a Ray it started would go down
+    with it, taking the application along. Such runs need a cluster that outlives them."""
+    import ray
+
+    from_deployment = prefect.runtime.deployment.id is not None
+    if from_deployment and not ray.is_initialized() and not settings.ray_address:
+        raise ConfigurationError(
+            "PREFECT_ML_RAY_ADDRESS",
+            "a model served from a deployment run must outlive the run, so it needs a Ray "
+            "cluster of its own: start one (`ray start --head`) and set "
+            "PREFECT_ML_RAY_ADDRESS=auto where the deployments run, or serve from a terminal "
+            "with `prefect-ml serve`",
+        )
 
 
 @task(name="serve", cache_policy=NO_CACHE)

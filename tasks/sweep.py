@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import (
+    create_link_artifact,
     create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
@@ -33,6 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from integrations import ray_trials, storage, studies, tracking
 from integrations.checkpoints import CheckpointStore
 from integrations.errors import ConfigurationError, PrefectMLError
+from integrations.prefect_server import RAY_TAG
 from integrations.ray_cluster import ray_session
 from integrations.settings import PrefectMLSettings, get_settings
 from tasks.data import PreparedData
@@ -788,7 +790,7 @@ artifacts of the campaign's MLflow run `{result.parent_run_id}`.
 """
 
 
-@task(name="hpo-campaign", cache_policy=NO_CACHE)
+@task(name="hpo-campaign", cache_policy=NO_CACHE, tags=[RAY_TAG, "campaign"])
 def campaign(params: CampaignParams, data: PreparedData) -> CampaignResult:
     result = run_campaign(params, data)
     uri = get_settings().resolved_tracking_uri
@@ -801,5 +803,10 @@ def campaign(params: CampaignParams, data: PreparedData) -> CampaignResult:
         campaign_markdown(result, links),
         key=f"campaign-{slug(result.campaign)}-summary",
         description=f"campaign {result.campaign}",
+    )
+    create_link_artifact(
+        tracking.run_url(uri, result.experiment_id, result.parent_run_id),
+        link_text=f"MLflow parent run of campaign {result.campaign} (plots, every trial)",
+        key=f"campaign-{slug(result.campaign)}-mlflow",
     )
     return result

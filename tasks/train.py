@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from integrations import ray_training, storage, tracking
 from integrations.checkpoints import CheckpointStore
 from integrations.errors import CheckpointError, PrefectMLError
+from integrations.prefect_server import RAY_TAG
 from integrations.ray_cluster import ray_session
 from integrations.settings import get_settings
 from tasks.data import PreparedData
@@ -235,6 +236,6 @@ def trained_model(
     return model
 
 
-@task(name="train", cache_policy=NO_CACHE)
+@task(name="train", cache_policy=NO_CACHE, tags=[RAY_TAG, "training"])
 def train(params: TrainModelParams, data: PreparedData) -> TrainResult:
     return train_distributed(params, data)

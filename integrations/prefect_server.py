@@ -1,0 +1,212 @@
+"""A Prefect server for prefect-ml: start one on loopback, find it, set the Ray quota, and build
+the deployments that ``deployments/prefect.yaml`` describes so one process can serve them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import httpx
+import yaml
+
+from integrations.errors import ConfigurationError, EnvironmentCheckError
+from integrations.settings import PrefectMLSettings
+
+if TYPE_CHECKING:
+    from prefect import Flow
+    from prefect.deployments.runner import RunnerDeployment
+
+# Every task that occupies the Ray cluster (a training run, a campaign) carries this tag; a tag
+# concurrency limit on it bounds how many run at once, whichever flow runs started them.
+RAY_TAG = "prefect-ml-ray"
+DEFAULT_PREFECT_FILE = Path("deployments/prefect.yaml")
+SERVER_STARTUP_TIMEOUT_S = 120.0
+
+
+def ui_url(api_url: str) -> str:
+    """The UI's address for an API address (the server serves both)."""
+    return api_url.rstrip("/").removesuffix("/api")
+
+
+def server_is_up(api_url: str, timeout: float = 2.0) -> bool:
+    try:
+        return httpx.get(f"{api_url.rstrip('/')}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def require_server(api_url: str | None) -> str:
+    """The API URL of a running Prefect server, or a clear error saying how to get one."""
+    if not api_url:
+        raise EnvironmentCheckError(
+            "no Prefect server to register deployments with: start one with `prefect-ml ui` "
+            "(in another terminal) or set PREFECT_API_URL to a running server's API"
+        )
+    if not server_is_up(api_url):
+        raise EnvironmentCheckError(
+            f"no Prefect server answers at {api_url}: start it with `prefect-ml ui`, or fix "
+            "PREFECT_API_URL"
+        )
+    return api_url
+
+
+# ---------------------------------------------------------------------------------------------
+# A local server, and the file through which other prefect-ml commands find it
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigurationError(
+                "--port", f"{host}:{port} is not available ({exc.strerror}); pick another port"
+            ) from None
+
+
+@contextmanager
+def local_server(settings: PrefectMLSettings, host: str, port: int) -> Iterator[str]:
+    """Run ``prefect server start`` (its database under the project home) and yield its API URL
+    once it answers; stop it on the way out. Other prefect-ml commands on this home use it."""
+    _check_port_free(host, port)
+    api_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/api"
+    environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    log_path = settings.prefect_home / "server.log"
+    command = [sys.executable, "-m", "prefect", "server", "start"]
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(
+            [*command, "--host", host, "--port", str(port)],
+            env=environment,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + SERVER_STARTUP_TIMEOUT_S
+        while not server_is_up(api_url, timeout=1.0):
+            if server.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise EnvironmentCheckError(f"the Prefect server did not start:\n{tail}")
+            time.sleep(0.5)
+        settings.local_server_file.write_text(json.dumps({"api_url": api_url, "pid": server.pid}))
+        yield api_url
+    finally:
+        settings.local_server_file.unlink(missing_ok=True)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quotas
+
+
+def set_ray_quota(slots: int) -> None:
+    """Allow ``slots`` Ray-occupying tasks (training, campaigns) at once across all flow runs."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.create_concurrency_limit(tag=RAY_TAG, concurrency_limit=slots)
+
+
+# ---------------------------------------------------------------------------------------------
+# deployments/prefect.yaml
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """One entry of ``deployments:`` in prefect.yaml: what ``prefect-ml deploy`` serves."""
+
+    name: str
+    entrypoint: str
+    description: str | None = None
+    tags: list[str] = field(default_factory=list)
+    parameters: dict[str, Any] = field(default_factory=dict)
+    schedules: list[dict[str, Any]] = field(default_factory=list)
+    concurrency_limit: int | None = None
+    enforce_parameter_schema: bool = True
+
+
+# Keys of a prefect.yaml deployment that only matter to `prefect deploy` and its work pool.
+_WORK_POOL_KEYS = {"work_pool", "version", "build", "push", "pull"}
+
+
+def read_deployment_specs(prefect_file: Path) -> list[DeploymentSpec]:
+    """The deployments of a prefect.yaml, checked: each names its entry and key when wrong."""
+    if not prefect_file.is_file():
+        raise ConfigurationError(
+            "--prefect-file",
+            f"{prefect_file} does not exist; run from the project root or pass --prefect-file",
+        )
+    document = yaml.safe_load(prefect_file.read_text()) or {}
+    entries = document.get("deployments")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigurationError("deployments", f"{prefect_file} lists no deployments")
+    known = set(DeploymentSpec.__dataclass_fields__) | _WORK_POOL_KEYS
+    specs = []
+    for index, entry in enumerate(entries):
+        where = f"deployments[{index}]"
+        unknown = sorted(set(entry) - known)
+        if unknown:
+            raise ConfigurationError(where, f"unknown keys {unknown}; known: {sorted(known)}")
+        fields = {k: v for k, v in entry.items() if k not in _WORK_POOL_KEYS}
+        try:
+            spec = DeploymentSpec(**fields)
+        except TypeError as exc:  # a required key is missing
+            raise ConfigurationError(where, f"{exc}; each needs a name and an entrypoint") from None
+        for schedule in spec.schedules:
+            _schedule(spec.name, schedule)  # fail on a bad schedule before anything registers
+        specs.append(spec)
+    return specs
+
+
+def _schedule(deployment: str, entry: dict[str, Any]) -> Any:
+    from prefect.schedules import Cron, Interval
+
+    options = {k: entry[k] for k in ("timezone", "active", "parameters") if k in entry}
+    if "cron" in entry:
+        return Cron(entry["cron"], **options)
+    if "interval" in entry:
+        return Interval(entry["interval"], **options)
+    raise ConfigurationError(
+        f"{deployment}.schedules", f"{entry} has neither 'cron' nor 'interval'"
+    )
+
+
+def runner_deployments(specs: list[DeploymentSpec]) -> list[RunnerDeployment]:
+    """Each spec's flow (loaded from its entrypoint, relative to the working directory) as a
+    deployment that this process can serve."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    deployments = []
+    for spec in specs:
+        flow: Flow[..., Any] = load_flow_from_entrypoint(
+            spec.entrypoint, use_placeholder_flow=False
+        )
+        deployment = cast(
+            "RunnerDeployment",
+            flow.to_deployment(
+                spec.name,
+                description=spec.description,
+                tags=spec.tags,
+                parameters=spec.parameters,
+                schedules=[_schedule(spec.name, s) for s in spec.schedules],
+                concurrency_limit=spec.concurrency_limit,
+                enforce_parameter_schema=spec.enforce_parameter_schema,
+            ),
+        )
+        deployments.append(deployment)
+    return deployments
