@@ -29,10 +29,10 @@ def test_prefect_yaml_names_every_flow_by_path_on_the_process_pool() -> None:
     assert {name: entry["entrypoint"] for name, entry in entries.items()} == {
         name: entrypoint for name, (entrypoint, _flow) in EXPECTED.items()
     }
-    for name, (entrypoint, flow_name) in EXPECTED.items():
+    for name, (entrypoint, _flow) in EXPECTED.items():
         path = entrypoint.split(":")[0]
         assert (REPO_ROOT / path).is_file(), path
-        assert entries[name]["work_pool"]["name"] == "prefect-ml-process"
+        assert entries[name]["work_pool"]["name"] == "ml-process"
         assert entries[name]["enforce_parameter_schema"] is True
     assert entries["nightly"]["schedules"] == [
         {"cron": "0 2 * * *", "timezone": "UTC", "active": True}
