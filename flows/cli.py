@@ -26,7 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from integrations.errors import ConfigurationError, PrefectMLError
-from integrations.prefect_server import DEFAULT_PREFECT_FILE, RAY_TAG
+from integrations.prefect_server import DEFAULT_PREFECT_FILE, RAY_TAG, ui_url
 from integrations.settings import get_settings, prepare_process_environment
 from tasks.params import CampaignParams, PipelineParams, ServeModelParams, TrainModelParams
 
@@ -167,7 +167,8 @@ def print_outcome(outcome: Any) -> None:
         console.print(f"  MLflow UI:  mlflow ui --backend-store-uri {tracking_uri} --port 5000")
     else:
         console.print(f"  MLflow UI:  {tracking_uri}")
-    console.print(f"  Prefect UI: PREFECT_HOME={settings.prefect_home} prefect server start")
+    api_url = os.environ.get("PREFECT_API_URL")
+    console.print(f"  Prefect UI: {ui_url(api_url) if api_url else 'prefect-ml ui'}")
     console.print(
         f"  Serve it:   prefect-ml serve --model-name {registration.model_name} "
         f"--alias {registration.alias}"
@@ -377,7 +378,7 @@ def ui(host: str, port: int) -> None:
         console.print(f"[yellow]The Prefect API on {host} has no authentication.[/yellow]")
     _stop_on_sigterm()
     with _clear_errors(), prefect_server.local_server(settings, host, port) as api_url:
-        console.print(f"[bold green]Prefect UI:[/bold green] {prefect_server.ui_url(api_url)}")
+        console.print(f"[bold green]Prefect UI:[/bold green] {ui_url(api_url)}")
         console.print(f"  API: {api_url}  (database and logs under {settings.prefect_home})")
         console.print("  Next, in another terminal: prefect-ml deploy")
         try:
@@ -419,7 +420,7 @@ def deploy(prefect_file: Path, ray_slots: int, only: tuple[str, ...]) -> None:
         specs = [spec for spec in specs if not only or spec.name in only]
         deployments = prefect_server.runner_deployments(specs)
         prefect_server.set_ray_quota(ray_slots)
-    table = Table(title=f"prefect-ml deployments on {prefect_server.ui_url(api_url)}")
+    table = Table(title=f"prefect-ml deployments on {ui_url(api_url)}")
     for column in ("deployment", "entrypoint", "schedule"):
         table.add_column(column)
     for spec in specs:
@@ -427,7 +428,7 @@ def deploy(prefect_file: Path, ray_slots: int, only: tuple[str, ...]) -> None:
         table.add_row(spec.name, spec.entrypoint, schedule or "from the UI")
     console.print(table)
     console.print(f"Ray quota: {ray_slots} training/campaign task(s) at once (tag '{RAY_TAG}')")
-    console.print(f"Open {prefect_server.ui_url(api_url)}/deployments and press Run. Ctrl-C stops.")
+    console.print(f"Open {ui_url(api_url)}/deployments and press Run. Ctrl-C stops.")
     from prefect import serve as serve_deployments
 
     serve_deployments(*deployments, print_starting_message=False)
