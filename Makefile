@@ -21,7 +21,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/prefect-ml run
 
+# The browser test drives the Prefect UI in Debian's Chromium (Playwright's own download is not
+# reachable from these machines).
 test: $(STAMP)
+	test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -420,6 +420,8 @@ def deploy(prefect_file: Path, ray_slots: int, only: tuple[str, ...]) -> None:
         specs = [spec for spec in specs if not only or spec.name in only]
         deployments = prefect_server.runner_deployments(specs)
         prefect_server.set_ray_quota(ray_slots)
+        for name in prefect_server.take_over_from_work_pools(deployments):
+            console.print(f"[yellow]{name}: this process runs it from now on[/yellow]")
     table = Table(title=f"prefect-ml deployments on {ui_url(api_url)}")
     for column in ("deployment", "entrypoint", "schedule"):
         table.add_column(column)

@@ -81,6 +81,7 @@ def local_server(settings: PrefectMLSettings, host: str, port: int) -> Iterator[
     _check_port_free(host, port)
     api_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/api"
     environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    environment["PREFECT_SERVER_UI_API_URL"] = api_url  # else the UI calls port 4200
     log_path = settings.prefect_home / "server.log"
     command = [sys.executable, "-m", "prefect", "server", "start"]
     with log_path.open("wb") as log:
@@ -210,3 +211,28 @@ def runner_deployments(specs: list[DeploymentSpec]) -> list[RunnerDeployment]:
         )
         deployments.append(deployment)
     return deployments
+
+
+def take_over_from_work_pools(deployments: list[RunnerDeployment]) -> list[str]:
+    """Deployments of the same names that ``prefect deploy`` registered for a work pool, made
+    loadable by this process; returns their names.
+
+    Serving updates a deployment without touching its code location, and a pool deployment has
+    none of its own (its pull step held it), so the runs would look for their flow in "None".
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    taken = []
+    with get_client(sync_client=True) as client:
+        for deployment in deployments:
+            full_name = f"{deployment.flow_name}/{deployment.name}"
+            try:
+                existing = client.read_deployment_by_name(full_name)
+            except ObjectNotFound:
+                continue
+            if existing.work_pool_name:
+                client.update_deployment(existing.id, DeploymentUpdate(path="."))
+                taken.append(f"{full_name} (work pool {existing.work_pool_name})")
+    return taken

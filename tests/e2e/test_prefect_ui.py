@@ -16,12 +16,29 @@ from typing import Any
 import httpx
 import pytest
 
+from integrations import tracking
 from tests.conftest import REPO_ROOT
+from tests.e2e.ui_driver import (
+    open_custom_run,
+    screenshot_on_failure,
+    set_form_value,
+    submit_run,
+    wait_for_state,
+)
 from tests.helpers import free_port, wait_for
 
 pytestmark = pytest.mark.e2e
 
 BIN = Path(sys.executable).parent
+CHROMIUM = "/usr/bin/chromium"  # Debian's; Playwright's own download is not reachable here
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+SCREENSHOTS = REPO_ROOT / "test-artifacts"
+EXPECTED_ENTRYPOINTS = {
+    "ml-pipeline/nightly": "flows/pipeline.py:ml_pipeline",
+    "hpo-campaign/campaign": "flows/sweep.py:hpo_campaign",
+    "train-model/train": "flows/train.py:train_model",
+    "serve-model/serve": "flows/serve.py:serve_model",
+}
 
 
 @dataclass(frozen=True)
@@ -45,6 +62,14 @@ def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Pop
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+
+def _wait_for_output(process: subprocess.Popen[bytes], log: Path, marker: str) -> str:
+    """The process's output once it printed ``marker``; fails if it exited first."""
+    wait_for(lambda: marker in log.read_text() or process.poll() is not None, 180, marker)
+    output = log.read_text()
+    assert process.poll() is None, output
+    return output
 
 
 def _stop(process: subprocess.Popen[bytes]) -> int:
@@ -71,9 +96,7 @@ def prefect_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectUI]:
     env["PREFECT_ML_HOME"] = str(root / "home")
     log = root / "ui.log"
     server = _start([str(BIN / "prefect-ml"), "ui", "--port", str(free_port())], env, log)
-    wait_for(lambda: "Prefect UI:" in log.read_text() or server.poll() is not None, 180, "ui")
-    output = log.read_text()
-    assert server.poll() is None, output
+    output = _wait_for_output(server, log, "Prefect UI:")
     ui_url = output.split("Prefect UI:")[1].split()[0]
     assert ui_url.startswith("http://127.0.0.1:")
     env["PREFECT_API_URL"] = f"{ui_url}/api"
@@ -114,14 +137,8 @@ def test_prefect_deploy_registers_prefect_yaml_and_schedules_the_nightly_runs(
     )
     assert "nightly" in output
     with prefect_ui.api() as client:
-        expected = {
-            ("ml-pipeline", "nightly"): "flows/pipeline.py:ml_pipeline",
-            ("hpo-campaign", "campaign"): "flows/sweep.py:hpo_campaign",
-            ("train-model", "train"): "flows/train.py:train_model",
-            ("serve-model", "serve"): "flows/serve.py:serve_model",
-        }
-        for (flow_name, name), entrypoint in expected.items():
-            deployment = _deployment(client, flow_name, name)
+        for full_name, entrypoint in EXPECTED_ENTRYPOINTS.items():
+            deployment = _deployment(client, *full_name.split("/"))
             assert deployment["entrypoint"] == entrypoint
             assert deployment["work_pool_name"] == "ml-process"
             assert deployment["enforce_parameter_schema"] is True
@@ -171,3 +188,83 @@ def test_the_train_form_on_the_server_has_titles_enums_defaults_and_refuses_bad_
             assert response.status_code == 409, response.text
             detail = response.json()["detail"]
             assert field in detail and words in detail, detail
+
+
+def _artifact_keys(client: httpx.Client, flow_run_id: str) -> set[str]:
+    response = client.post(
+        "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}
+    )
+    return {a["key"] for a in response.json() if a["key"]}
+
+
+def _flow_run(client: httpx.Client, flow_run_id: str) -> dict[str, Any]:
+    return dict(client.get(f"/flow_runs/{flow_run_id}").json())
+
+
+def test_a_training_submitted_from_the_ui_form_completes_and_registers_a_model(
+    prefect_ui: PrefectUI, tmp_path: Path
+) -> None:
+    """`prefect-ml deploy` serves the deployments; a person opens the train deployment in the
+    browser, sets 1 epoch and 16 hidden units in the form, submits, and watches it complete."""
+    from playwright.sync_api import sync_playwright
+
+    log = tmp_path / "deploy.log"
+    deploy = _start([str(BIN / "prefect-ml"), "deploy"], prefect_ui.env, log)
+    try:
+        _wait_for_output(deploy, log, "Ctrl-C stops")
+        with prefect_ui.api() as client:
+
+            def served() -> bool:  # the process polls for each deployment's runs
+                found = [client.get(f"/deployments/name/{name}") for name in EXPECTED_ENTRYPOINTS]
+                ready = all(r.status_code == 200 and r.json()["status"] == "READY" for r in found)
+                return deploy.poll() is not None or ready
+
+            wait_for(served, 120, "the deployments to be served")
+            limits = client.post("/v2/concurrency_limits/filter", json={}).json()
+            assert {limit["name"]: limit["limit"] for limit in limits}["tag:prefect-ml-ray"] == 1
+            # A served model must outlive its flow run: without a Ray cluster it fails at once.
+            serve_id = _deployment(client, "serve-model", "serve")["id"]
+            response = client.post(
+                f"/deployments/{serve_id}/create_flow_run", json={"parameters": {}}
+            )
+            assert response.status_code == 201, response.text
+            serve_run = response.json()
+
+        SCREENSHOTS.mkdir(exist_ok=True)
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            with screenshot_on_failure(page, SCREENSHOTS / "ui-train-run.png"):
+                open_custom_run(page, prefect_ui.ui_url, "train-model", "train")
+                set_form_value(page, ["Training", "Epochs"], 1)
+                set_form_value(page, ["Model", "Hidden units"], 16)
+                flow_run_id = submit_run(page)
+                wait_for_state(page, "Completed", timeout_s=300)
+            browser.close()
+
+        with prefect_ui.api() as client:
+            flow_run = _flow_run(client, flow_run_id)
+            assert flow_run["parameters"]["params"]["training"]["epochs"] == 1
+            assert {"training-summary", "test-metrics", "mlflow-run", "registered-model"} <= (
+                _artifact_keys(client, flow_run_id)
+            )
+            wait_for(
+                lambda: _flow_run(client, serve_run["id"])["state_type"] in ("FAILED", "CRASHED"),
+                120,
+                "the serve run to fail",
+            )
+            failure = _flow_run(client, serve_run["id"])["state"]["message"]
+            assert "PREFECT_ML_RAY_ADDRESS" in failure, failure
+    finally:
+        assert _stop(deploy) == 0, log.read_text()[-3000:]
+
+    mlflow = tracking.client_for(f"sqlite:///{prefect_ui.home / 'mlflow.db'}")
+    [run] = mlflow.search_runs(
+        [mlflow.get_experiment_by_name("prefect-ml").experiment_id],
+        filter_string=f"tags.`{tracking.FLOW_RUN_TAG}` = '{flow_run_id}'",
+    )
+    assert run.data.params["training.epochs"] == "1"
+    assert run.data.params["model.hidden"] == "16"
+    [version] = mlflow.search_model_versions("name = 'digits-classifier'")
+    assert version.run_id == run.info.run_id
+    assert str(mlflow.get_model_version_by_alias("digits-classifier", "champion").version) == "1"

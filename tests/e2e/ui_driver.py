@@ -1,0 +1,126 @@
+"""Drive the Prefect 3 UI (the v1 Vue UI) through a deployment's custom run.
+
+Deep links such as ``/deployments/deployment/<id>`` are always served by the v1 UI; only a bare
+``/`` redirects to the v2 UI (``/v2``), which these selectors do not cover. The server must tell
+the UI its own API address (PREFECT_SERVER_UI_API_URL or PREFECT_API_URL in its environment,
+or PREFECT_SERVER_API_PORT matching ``--port``); otherwise the UI calls
+http://127.0.0.1:4200/api and every page stays empty.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from urllib.parse import quote
+
+from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import Locator, Page, expect
+
+# Labels are not tied to their inputs (``<label for>`` points at no id), so a form field is
+# found by its title text and then this ancestor: the property block holding label and input.
+_PROPERTY = (
+    "xpath=ancestor::div[contains(concat(' ', normalize-space(@class), ' '),"
+    " ' schema-form-property ')][1]"
+)
+_PROPERTY_BODY = "xpath=./div[contains(@class, 'p-label__body')]"
+_DEPLOYMENT_RUNS_TAB_URL = re.compile(r"/deployments/deployment/[^/?]+\?tab=")
+_FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
+_TERMINAL_STATES = {"Completed", "Failed", "Crashed", "Cancelled", "TimedOut"}
+
+
+@contextmanager
+def screenshot_on_failure(page: Page, path: str | Path) -> Iterator[None]:
+    """Save a full-page screenshot to ``path`` if the block raises, then re-raise."""
+    try:
+        yield
+    except BaseException:
+        with suppress(PlaywrightError):  # a closed page must not hide the original error
+            page.screenshot(path=str(path), full_page=True)
+        raise
+
+
+def open_custom_run(page: Page, ui_url: str, flow_name: str, deployment_name: str) -> None:
+    """Open the deployment's page, click Run -> Custom run, wait for the parameter form."""
+    response = page.request.get(
+        f"{ui_url}/api/deployments/name/{quote(flow_name)}/{quote(deployment_name)}"
+    )
+    if not response.ok:
+        raise RuntimeError(f"no deployment {flow_name}/{deployment_name}: {response.status}")
+    page.goto(f"{ui_url}/deployments/deployment/{response.json()['id']}")
+    page.get_by_role("button", name="Run", exact=True).click()  # exact: not the "Runs" nav
+    page.get_by_text("Custom run", exact=True).click()
+    page.wait_for_url(re.compile(r"/deployments/deployment/[^/]+/run"))
+    # The schema form renders after the deployment loads; wait for its first field.
+    page.locator(".schema-form-property__label").first.wait_for()
+
+
+def set_form_value(page: Page, labels: Sequence[str], value: str | float | bool) -> None:
+    """Set one field through the rendered form; ``labels`` are field titles, outermost first.
+
+    E.g. ``["Training", "Epochs"]``. Handles number and text inputs, switches (bool) and enum
+    selects. Titles are matched with or without the form's " (Optional)" suffix; when a title
+    repeats (section "Model" holds field "Model"), the outermost match wins at each level.
+    """
+    scope: Page | Locator = page
+    field: Locator | None = None
+    for label in labels:
+        title = re.compile(rf"^{re.escape(label)}( \(Optional\))?$")
+        field = scope.get_by_text(title).first.locator(_PROPERTY)
+        scope = field.locator(_PROPERTY_BODY)  # below its own label: "Model" in "Model"
+    if field is None:
+        raise ValueError("labels is empty")
+    field.wait_for()
+    if isinstance(value, bool):
+        field.get_by_role("switch").set_checked(value)
+        return
+    text_input = field.get_by_role("spinbutton").or_(field.get_by_role("textbox"))
+    if text_input.count():
+        text_input.fill(str(value))
+        return
+    # Enum select: a mouse click does not open it, the keyboard does.
+    field.locator(".p-select-button__control").press("ArrowDown")
+    page.get_by_role("option", name=str(value), exact=True).click()
+
+
+def submit_run(page: Page) -> str:
+    """Submit the form, open the new run from the confirmation toast, return its flow-run id.
+
+    Raises ``RuntimeError`` with the UI's message if the server rejects the parameters.
+    """
+    page.get_by_role("button", name="Submit", exact=True).click()
+    # The toast is rendered twice, stacked; the last copy is on top and receives the click.
+    view_run = page.get_by_role("button", name="View run").last
+    error = page.get_by_text("Error creating flow run").first
+    view_run.or_(error).first.wait_for()
+    if error.is_visible():
+        raise RuntimeError(error.inner_text())
+    # The UI returns to the deployment page, then adds "?tab=Runs"; a click before that second
+    # navigation is sometimes lost to it (about 1 in 10), so wait for it. The toast lasts 5 s.
+    page.wait_for_url(_DEPLOYMENT_RUNS_TAB_URL)
+    view_run.click()
+    page.wait_for_url(_FLOW_RUN_URL)
+    match = _FLOW_RUN_URL.search(page.url)
+    assert match is not None
+    return match.group(1)
+
+
+def wait_for_state(page: Page, state_name: str, timeout_s: float = 120) -> None:
+    """Wait until the flow-run page's header shows ``state_name``, reloading between checks.
+
+    Fails fast when the run reaches another terminal state.
+    """
+    badge = page.get_by_role("banner").locator(".state-badge")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            expect(badge).to_have_text(state_name, timeout=max(1.0, min(15.0, remaining)) * 1000)
+            return
+        except AssertionError:
+            shown = badge.inner_text() if badge.count() else "no state"
+            if shown in _TERMINAL_STATES or time.monotonic() >= deadline:
+                raise AssertionError(f"flow run shows {shown!r}, expected {state_name!r}") from None
+            page.reload()
