@@ -25,9 +25,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from integrations import prefect_server
 from integrations.errors import ConfigurationError, PrefectMLError
-from integrations.prefect_server import DEFAULT_PREFECT_FILE, RAY_TAG, ui_url
-from integrations.settings import get_settings, prepare_process_environment
+from integrations.settings import get_settings, prepare_process_environment, running_local_server
 from tasks.params import CampaignParams, PipelineParams, ServeModelParams, TrainModelParams
 
 console = Console(stderr=True)
@@ -168,7 +168,8 @@ def print_outcome(outcome: Any) -> None:
     else:
         console.print(f"  MLflow UI:  {tracking_uri}")
     api_url = os.environ.get("PREFECT_API_URL")
-    console.print(f"  Prefect UI: {ui_url(api_url) if api_url else 'prefect-ml ui'}")
+    ui_address = prefect_server.ui_url(api_url) if api_url else "prefect-ml ui"
+    console.print(f"  Prefect UI: {ui_address}")
     console.print(
         f"  Serve it:   prefect-ml serve --model-name {registration.model_name} "
         f"--alias {registration.alias}"
@@ -366,9 +367,6 @@ def ui(host: str, port: int) -> None:
 
     While it runs, the other prefect-ml commands on this home send their runs to it.
     """
-    from integrations import prefect_server
-    from integrations.settings import running_local_server
-
     settings = get_settings()
     running = running_local_server(settings)
     if running:
@@ -378,7 +376,7 @@ def ui(host: str, port: int) -> None:
         console.print(f"[yellow]The Prefect API on {host} has no authentication.[/yellow]")
     _stop_on_sigterm()
     with _clear_errors(), prefect_server.local_server(settings, host, port) as api_url:
-        console.print(f"[bold green]Prefect UI:[/bold green] {ui_url(api_url)}")
+        console.print(f"[bold green]Prefect UI:[/bold green] {prefect_server.ui_url(api_url)}")
         console.print(f"  API: {api_url}  (database and logs under {settings.prefect_home})")
         console.print("  Next, in another terminal: prefect-ml deploy")
         try:
@@ -392,7 +390,7 @@ def ui(host: str, port: int) -> None:
 @click.option(
     "--prefect-file",
     type=click.Path(dir_okay=False, path_type=Path),
-    default=str(DEFAULT_PREFECT_FILE),
+    default=str(prefect_server.DEFAULT_PREFECT_FILE),
     show_default=True,
     help="The deployments to serve; entrypoints are relative to the working directory.",
 )
@@ -402,14 +400,12 @@ def ui(host: str, port: int) -> None:
     default=1,
     show_default=True,
     help="Training and campaign tasks that may run on the Ray cluster at once, across all "
-    f"flow runs (the concurrency limit on the tag '{RAY_TAG}').",
+    f"flow runs (the concurrency limit on the tag '{prefect_server.RAY_TAG}').",
 )
 @click.option("--only", multiple=True, help="Serve only these deployments (repeatable).")
 def deploy(prefect_file: Path, ray_slots: int, only: tuple[str, ...]) -> None:
     """Register the deployments of prefect.yaml (schedules, parameter forms) on the Prefect
     server and run their flow runs from this process until Ctrl-C; no work pool needed."""
-    from integrations import prefect_server
-
     with _clear_errors():
         api_url = prefect_server.require_server(os.environ.get("PREFECT_API_URL"))
         specs = prefect_server.read_deployment_specs(prefect_file)
@@ -422,15 +418,16 @@ def deploy(prefect_file: Path, ray_slots: int, only: tuple[str, ...]) -> None:
         prefect_server.set_ray_quota(ray_slots)
         for name in prefect_server.take_over_from_work_pools(deployments):
             console.print(f"[yellow]{name}: this process runs it from now on[/yellow]")
-    table = Table(title=f"prefect-ml deployments on {ui_url(api_url)}")
+    table = Table(title="prefect-ml deployments")
     for column in ("deployment", "entrypoint", "schedule"):
         table.add_column(column)
     for spec in specs:
         schedule = ", ".join(str(s.get("cron") or s.get("interval")) for s in spec.schedules)
         table.add_row(spec.name, spec.entrypoint, schedule or "from the UI")
     console.print(table)
-    console.print(f"Ray quota: {ray_slots} training/campaign task(s) at once (tag '{RAY_TAG}')")
-    console.print(f"Open {ui_url(api_url)}/deployments and press Run. Ctrl-C stops.")
+    ui_address = prefect_server.ui_url(api_url)
+    console.print(f"Ray quota: {ray_slots} training or campaign task(s) at once")
+    console.print(f"Open {ui_address}/deployments and press Run. Ctrl-C stops.")
     from prefect import serve as serve_deployments
 
     serve_deployments(*deployments, print_starting_message=False)

@@ -139,7 +139,7 @@ def test_two_campaigns_share_a_storage_without_cross_talk(
     env = _env(home)
     processes = {
         name: subprocess.Popen(
-            _command(name, 3, "--search-space", space),
+            _command(name, 3, "--search-space", space, "--epochs", "2"),  # the last --epochs wins
             cwd=REPO_ROOT,
             env=env,
             stdout=(tmp_path / f"{name}.log").open("wb"),

@@ -205,7 +205,8 @@ def test_a_training_submitted_from_the_ui_form_completes_and_registers_a_model(
     prefect_ui: PrefectUI, tmp_path: Path
 ) -> None:
     """`prefect-ml deploy` serves the deployments; a person opens the train deployment in the
-    browser, sets 1 epoch and 16 hidden units in the form, submits, and watches it complete."""
+    browser, sets 1 epoch, 1 worker and 16 hidden units in the form, submits, and watches the
+    run complete."""
     from playwright.sync_api import sync_playwright
 
     log = tmp_path / "deploy.log"
@@ -237,6 +238,7 @@ def test_a_training_submitted_from_the_ui_form_completes_and_registers_a_model(
             with screenshot_on_failure(page, SCREENSHOTS / "ui-train-run.png"):
                 open_custom_run(page, prefect_ui.ui_url, "train-model", "train")
                 set_form_value(page, ["Training", "Epochs"], 1)
+                set_form_value(page, ["Training", "Workers"], 1)
                 set_form_value(page, ["Model", "Hidden units"], 16)
                 flow_run_id = submit_run(page)
                 wait_for_state(page, "Completed", timeout_s=300)
@@ -264,6 +266,7 @@ def test_a_training_submitted_from_the_ui_form_completes_and_registers_a_model(
         filter_string=f"tags.`{tracking.FLOW_RUN_TAG}` = '{flow_run_id}'",
     )
     assert run.data.params["training.epochs"] == "1"
+    assert run.data.params["training.workers"] == "1"
     assert run.data.params["model.hidden"] == "16"
     [version] = mlflow.search_model_versions("name = 'digits-classifier'")
     assert version.run_id == run.info.run_id

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from click.testing import CliRunner
 
 from flows.cli import app
 from integrations.settings import PrefectMLSettings
+from tests.conftest import REPO_ROOT
+from tests.helpers import free_port
 
 
 @pytest.mark.parametrize("command", ["run", "train"])
@@ -141,3 +145,37 @@ def test_invalid_search_space_exits_2_before_any_trial(
         assert _squash(text) in _squash(result.output)  # the table wraps long messages
     assert not home.home_dir.joinpath("optuna.db").exists()
     assert not home.home_dir.joinpath("mlflow.db").exists()
+
+
+def test_deploy_without_a_server_says_how_to_start_one(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{free_port()}/api")
+    result = CliRunner().invoke(app, ["deploy"])
+    assert result.exit_code == 1
+    assert "no Prefect server answers" in result.output and "prefect-ml ui" in result.output
+
+
+def test_deploy_names_an_unknown_deployment_and_a_missing_file(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))  # the test harness
+    unknown = CliRunner().invoke(app, ["deploy", "--only", "nightly", "--only", "weekly"])
+    assert unknown.exit_code == 1
+    assert "--only" in unknown.output and "weekly" in unknown.output
+    missing = CliRunner().invoke(app, ["deploy", "--prefect-file", "nowhere/prefect.yaml"])
+    assert missing.exit_code == 1
+    assert "--prefect-file" in missing.output and "does not exist" in missing.output
+
+
+def test_ui_on_a_taken_port_names_the_flag(home: PrefectMLSettings) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["ui", "--port", str(port)])
+    assert result.exit_code == 1
+    assert "--port" in result.output and "not available" in result.output
