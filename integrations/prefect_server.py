@@ -82,6 +82,8 @@ def local_server(settings: PrefectMLSettings, host: str, port: int) -> Iterator[
     api_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/api"
     environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     environment["PREFECT_SERVER_UI_API_URL"] = api_url  # else the UI calls port 4200
+    # The classic UI, which the browser test drives; the new one (/v2) stays a click away.
+    environment.setdefault("PREFECT_SERVER_UI_V2_ENABLED", "false")
     log_path = settings.prefect_home / "server.log"
     command = [sys.executable, "-m", "prefect", "server", "start"]
     with log_path.open("wb") as log:
@@ -121,6 +123,18 @@ def set_ray_quota(slots: int) -> None:
 
     with get_client(sync_client=True) as client:
         client.create_concurrency_limit(tag=RAY_TAG, concurrency_limit=slots)
+
+
+def ray_quota() -> int | None:
+    """The Ray quota's slots on the current Prefect API, or None when none is set."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_concurrency_limit_by_tag(RAY_TAG).concurrency_limit
+        except ObjectNotFound:
+            return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 
-from integrations import storage, tracking
+from integrations import prefect_server, storage, tracking
 from integrations.ray_cluster import ray_session
 from integrations.settings import PrefectMLSettings
 
@@ -67,6 +67,19 @@ def _serving() -> str:
     return f"HAProxy ingress: {version.stdout.splitlines()[0]}"
 
 
+def _prefect() -> str:
+    """Which Prefect API runs report to, and the Ray quota on it."""
+    from prefect.settings import get_current_settings
+
+    api_url = get_current_settings().api.url
+    if not api_url:
+        return "ephemeral API, one per process (`prefect-ml ui` starts a lasting server)"
+    prefect_server.require_server(api_url)
+    slots = prefect_server.ray_quota()
+    quota = f"Ray quota {slots} slot(s)" if slots else "no Ray quota (`prefect-ml deploy` sets one)"
+    return f"server {prefect_server.ui_url(api_url)}; {quota}"
+
+
 def run_checks(settings: PrefectMLSettings) -> list[Check]:
     """Every check, each isolated so that one failure does not hide the others."""
     return [
@@ -81,4 +94,5 @@ def run_checks(settings: PrefectMLSettings) -> list[Check]:
         ),
         _guarded("storage", lambda: storage.check_writable(settings.resolved_storage_url)),
         _guarded("serving", _serving),
+        _guarded("prefect", _prefect),
     ]

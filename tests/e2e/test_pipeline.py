@@ -116,6 +116,9 @@ def test_pipeline_registers_promotes_and_then_keeps_the_better_champion(
     assert "Training summary" in published["training-summary"]
     assert outcome.trained.run_id in published["training-summary"]
     assert {"test-metrics", "mlflow-run"} <= set(published)
+    version_link = "/#/models/digits-classifier/versions/1"
+    assert version_link in published["registered-model"]
+    assert version_link in published["training-summary"]
 
     # The registered model takes raw features (standardisation included) and serves as is.
     mlflow.set_tracking_uri(home.resolved_tracking_uri)

@@ -236,10 +236,16 @@ def test_a_training_submitted_from_the_ui_form_completes_and_registers_a_model(
             browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             with screenshot_on_failure(page, SCREENSHOTS / "ui-train-run.png"):
+                page.goto(prefect_ui.ui_url)  # the printed URL opens the UI the test drives
+                assert "/v2" not in page.url
                 open_custom_run(page, prefect_ui.ui_url, "train-model", "train")
-                set_form_value(page, ["Training", "Epochs"], 1)
                 set_form_value(page, ["Training", "Workers"], 1)
                 set_form_value(page, ["Model", "Hidden units"], 16)
+                set_form_value(page, ["Training", "Epochs"], 0)
+                refused = r"(?s)params\.training\.epochs.*minimum of 1"
+                with pytest.raises(RuntimeError, match=refused):
+                    submit_run(page)  # refused by the server; the form stays, values kept
+                set_form_value(page, ["Training", "Epochs"], 1)
                 flow_run_id = submit_run(page)
                 wait_for_state(page, "Completed", timeout_s=300)
             browser.close()

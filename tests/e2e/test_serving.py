@@ -110,6 +110,7 @@ def test_predictions_match_the_registered_model_and_the_run_is_documented(served
     assert result.smoke.response["predictions"] == body["predictions"][:2]
     artifacts = _artifacts(served.flow_run_id)  # type: ignore[attr-defined]
     assert "Smoke request" in artifacts["serving"] and "v1" in artifacts["serving"]
+    assert "/#/models/digits-classifier/versions/1" in artifacts["served-model"]
 
 
 def _malformed_requests() -> list[tuple[str, dict[str, str], str | bytes, int, str]]:

@@ -96,7 +96,9 @@ def submit_run(page: Page) -> str:
     error = page.get_by_text("Error creating flow run").first
     view_run.or_(error).first.wait_for()
     if error.is_visible():
-        raise RuntimeError(error.inner_text())
+        message = error.inner_text()
+        error.wait_for(state="hidden")  # a later submit must not read this toast again
+        raise RuntimeError(message)
     # The UI returns to the deployment page, then adds "?tab=Runs"; a click before that second
     # navigation is sometimes lost to it (about 1 in 10), so wait for it. The toast lasts 5 s.
     page.wait_for_url(_DEPLOYMENT_RUNS_TAB_URL)

@@ -78,6 +78,7 @@ def test_doctor_reports_every_system(home: PrefectMLSettings) -> None:
     assert result.exit_code == 0, result.output
     for check in ("versions", "devices", "ray", "mlflow", "storage", "HAProxy ingress"):
         assert check in result.output
+    assert "server http://127.0.0.1:" in result.output  # the test harness's Prefect server
     assert "FAIL" not in result.output
 
 

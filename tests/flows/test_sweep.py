@@ -81,7 +81,11 @@ def test_campaign_records_every_trial_and_continues_by_name(home: PrefectMLSetti
     storage_dir = home.home_dir / "storage" / "campaigns" / "digits-a"
     for trial in trials:
         assert (storage_dir / f"trial-{trial.number:05d}/epoch-000003/MANIFEST.json").exists()
-    assert {"campaign-digits-a-leaderboard", "campaign-digits-a-summary"} <= _artifact_keys()
+    assert {
+        "campaign-digits-a-leaderboard",
+        "campaign-digits-a-summary",
+        "campaign-digits-a-mlflow",
+    } <= _artifact_keys()
 
     more = hpo_campaign(_params("digits-a", n_trials=6))
 

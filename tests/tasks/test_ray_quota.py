@@ -12,7 +12,7 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
 
-from integrations.prefect_server import RAY_TAG, set_ray_quota
+from integrations.prefect_server import RAY_TAG, ray_quota, set_ray_quota
 from integrations.settings import PrefectMLSettings
 from tasks.data import PreparedData
 from tasks.params import TrainModelParams
@@ -30,6 +30,7 @@ def test_training_waits_until_the_other_run_frees_the_ray_slot(
 ) -> None:
     """Another flow run holds the only slot; this run's training starts only once it is free."""
     set_ray_quota(1)
+    assert ray_quota() == 1
     # An MLflow URI with no store behind it makes the training body fail at its first line, so
     # the test measures when the body started without training anything.
     monkeypatch.setenv("PREFECT_ML_MLFLOW_TRACKING_URI", "nostore://nowhere")
