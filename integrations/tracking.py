@@ -165,9 +165,8 @@ def run_metrics(client: MlflowClient, run_id: str) -> dict[str, float]:
 
 def _ui_base(tracking_uri: str) -> str:
     """The MLflow UI: the tracking server itself, or a local ``mlflow ui`` on its default port."""
-    return (tracking_uri if tracking_uri.startswith("http") else "http://127.0.0.1:5000").rstrip(
-        "/"
-    )
+    base = tracking_uri if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+    return base.rstrip("/")
 
 
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
