@@ -210,7 +210,9 @@ def test_a_training_submitted_from_the_ui_form_completes_and_registers_a_model(
     from playwright.sync_api import sync_playwright
 
     log = tmp_path / "deploy.log"
-    deploy = _start([str(BIN / "prefect-ml"), "deploy"], prefect_ui.env, log)
+    # No PREFECT_API_URL: `prefect-ml deploy` finds the server `prefect-ml ui` runs for its home.
+    env = {k: v for k, v in prefect_ui.env.items() if k != "PREFECT_API_URL"}
+    deploy = _start([str(BIN / "prefect-ml"), "deploy"], env, log)
     try:
         _wait_for_output(deploy, log, "Ctrl-C stops")
         with prefect_ui.api() as client:

@@ -1,10 +1,17 @@
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from integrations.settings import PrefectMLSettings
+from integrations.settings import (
+    PrefectMLSettings,
+    prepare_process_environment,
+    running_local_server,
+)
 
 
 def test_defaults_live_under_the_home(home: PrefectMLSettings) -> None:
@@ -41,3 +48,25 @@ def test_home_is_relative_to_the_working_directory(
     monkeypatch.delenv("PREFECT_ML_HOME", raising=False)
     monkeypatch.chdir(tmp_path)
     assert PrefectMLSettings().home_dir == tmp_path / ".prefect-ml"
+
+
+def test_commands_find_the_server_that_prefect_ml_ui_runs_for_their_home(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # restored after the test
+    home.prefect_home.mkdir(parents=True)
+    record = {"api_url": "http://127.0.0.1:4311/api", "pid": os.getpid()}  # a live process
+    home.local_server_file.write_text(json.dumps(record))
+    assert running_local_server(home) == "http://127.0.0.1:4311/api"
+    prepare_process_environment(home)
+    assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:4311/api"
+
+
+def test_a_stale_server_record_is_ignored(home: PrefectMLSettings) -> None:
+    home.prefect_home.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])  # a process that no longer exists
+    dead.wait()
+    home.local_server_file.write_text(json.dumps({"api_url": "http://x/api", "pid": dead.pid}))
+    assert running_local_server(home) is None
+    home.local_server_file.write_text("not json")
+    assert running_local_server(home) is None
