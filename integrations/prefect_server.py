@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import httpx
 import yaml
 
 from integrations.errors import ConfigurationError, EnvironmentCheckError
-from integrations.settings import PrefectMLSettings
+from integrations.settings import PrefectMLSettings, check_port_free
 
 if TYPE_CHECKING:
     from prefect import Flow
@@ -64,21 +63,11 @@ def require_server(api_url: str | None) -> str:
 # A local server, and the file through which other prefect-ml commands find it
 
 
-def _check_port_free(host: str, port: int) -> None:
-    with socket.socket() as probe:
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise ConfigurationError(
-                "--port", f"{host}:{port} is not available ({exc.strerror}); pick another port"
-            ) from None
-
-
 @contextmanager
 def local_server(settings: PrefectMLSettings, host: str, port: int) -> Iterator[str]:
     """Run ``prefect server start`` (its database under the project home) and yield its API URL
     once it answers; stop it on the way out. Other prefect-ml commands on this home use it."""
-    _check_port_free(host, port)
+    check_port_free(host, port, "--port")
     api_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/api"
     environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     environment["PREFECT_SERVER_UI_API_URL"] = api_url  # else the UI calls port 4200

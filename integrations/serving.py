@@ -14,7 +14,6 @@ dtype, finiteness and batch size each get a 4xx with a message, never a 5xx.
 import hashlib
 import hmac
 import json
-import socket
 from typing import Annotated, Any, cast
 
 import numpy as np
@@ -25,6 +24,7 @@ from ray import serve
 from ray.serve import Deployment
 
 from integrations.errors import ConfigurationError, DeploymentError
+from integrations.settings import check_port_free
 
 DEPLOYMENT_NAME = "ModelServer"
 
@@ -345,22 +345,11 @@ def running_http_address() -> tuple[str, int] | None:
     return str(config.get("host")), int(config.get("port", 0))
 
 
-def _check_port_free(host: str, port: int) -> None:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise ConfigurationError(
-                "serving.port", f"{host}:{port} is not free ({exc}); choose another --port"
-            ) from exc
-
-
 def start_http(host: str, port: int) -> None:
     """Start Serve's HTTP proxy on host:port, or check that the running one listens there."""
     running = running_http_address()
     if running is None:
-        _check_port_free(host, port)
+        check_port_free(host, port, "serving.port")
         serve.start(http_options={"host": host, "port": port})
     elif running != (host, port):
         raise ConfigurationError(

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from functools import cached_property
 from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from integrations.errors import ConfigurationError
 
 
 class PrefectMLSettings(BaseSettings):
@@ -99,6 +102,18 @@ class PrefectMLSettings(BaseSettings):
 def get_settings() -> PrefectMLSettings:
     """Read settings from the environment now (not cached: tests and the CLI change it)."""
     return PrefectMLSettings()
+
+
+def check_port_free(host: str, port: int, field: str) -> None:
+    """Fail before starting a server whose port is taken, naming the parameter to change."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigurationError(
+                field, f"{host}:{port} is not available ({exc.strerror}); choose another --port"
+            ) from None
 
 
 def running_local_server(settings: PrefectMLSettings) -> str | None:

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from integrations import tracking
+from integrations.prefect_server import server_is_up
 from tests.conftest import REPO_ROOT
 from tests.e2e.ui_driver import (
     open_custom_run,
@@ -102,14 +103,7 @@ def prefect_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectUI]:
     env["PREFECT_API_URL"] = f"{ui_url}/api"
     yield PrefectUI(ui_url=ui_url, api_url=f"{ui_url}/api", home=root / "home", env=env)
     assert _stop(server) == 0, log.read_text()[-3000:]
-    assert not httpx_ok(f"{ui_url}/api/health")
-
-
-def httpx_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    assert not server_is_up(f"{ui_url}/api")
 
 
 def _deployment(client: httpx.Client, flow_name: str, name: str) -> dict[str, Any]:
