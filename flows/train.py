@@ -5,7 +5,9 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel
 
-from tasks.data import PreparedData, inspect_data, preprocess, splits_present
+from integrations import storage
+from integrations.settings import get_settings
+from tasks.data import PreparedData, inspect_data, preprocess_with_result_storage, splits_present
 from tasks.evaluate import Evaluation, evaluate
 from tasks.params import TrainingSections, TrainModelParams
 from tasks.register import Registration, register
@@ -23,8 +25,11 @@ class TrainingOutcome(BaseModel):
 
 
 def prepared_data(params: TrainingSections) -> PreparedData:
-    """Inspect the data, then prepare the splits (cached on the content fingerprint)."""
+    """Check the storage, inspect the data, then prepare the splits (cached on the content
+    fingerprint). Every flow starts here, so storage problems surface before any compute."""
+    storage.prepare_storage(get_settings())
     summary = inspect_data(params)
+    preprocess = preprocess_with_result_storage()
     data = preprocess(params.data, summary.fingerprint)
     if not splits_present(data):  # the cached result outlived its files (storage was wiped)
         data = preprocess.with_options(refresh_cache=True)(params.data, summary.fingerprint)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from integrations import storage
 from integrations.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -67,13 +68,12 @@ def tabular_format(url: str) -> str:
 
 def tabular_columns(url: str) -> list[str]:
     """Column names of a CSV or Parquet file, reading only its header or footer."""
-    import fsspec
     import pandas as pd
     import pyarrow.parquet as pq
 
     fmt = tabular_format(url)
     try:
-        with fsspec.open(url, "rb") as handle:
+        with storage.open_file(url) as handle:
             if fmt == "parquet":
                 return list(pq.read_schema(handle).names)
             return list(pd.read_csv(handle, nrows=0).columns)
@@ -83,7 +83,6 @@ def tabular_columns(url: str) -> list[str]:
 
 def load_tabular_dataset(url: str, label_column: str) -> DatasetArrays:
     """A CSV or Parquet file at any fsspec URL; every column but ``label_column`` is a feature."""
-    import fsspec
     import pandas as pd
 
     columns = tabular_columns(url)
@@ -93,7 +92,7 @@ def load_tabular_dataset(url: str, label_column: str) -> DatasetArrays:
             f"column {label_column!r} is not in {url!r}; its columns are {columns}. "
             "Set --label-column to one of them.",
         )
-    with fsspec.open(url, "rb") as handle:
+    with storage.open_file(url) as handle:
         frame = pd.read_parquet(handle) if tabular_format(url) == "parquet" else pd.read_csv(handle)
     feature_frame = frame.drop(columns=[label_column])
     non_numeric = [c for c in feature_frame.columns if not pd.api.types.is_numeric_dtype(frame[c])]

@@ -4,6 +4,11 @@ A checkpoint is a directory ``<root>/epoch-000007/`` holding data files and, wri
 ``MANIFEST.json`` with the sha256 and size of every file. The manifest is the commit marker:
 a reader trusts a checkpoint only if the manifest exists and every hash matches, so a crash
 mid-write leaves an incomplete directory that readers skip, never a checkpoint that lies.
+
+A :class:`RetentionPolicy` bounds storage: after each commit, checkpoints that are neither among
+the last K nor the best are pruned. Pruning rewrites the manifest to list only the small files
+the policy keeps (the epoch's metrics), then deletes the rest, so the history stays verifiable
+while the weights go.
 """
 
 from __future__ import annotations
@@ -25,6 +30,29 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class RetentionPolicy:
+    """Which checkpoints keep their weights: the last ``keep_last`` and the best by ``metric``.
+
+    ``metric`` is read from ``metrics_file`` inside each checkpoint; ``None`` keeps no best.
+    Files named in ``kept_files`` survive pruning (they hold the epoch's history).
+    """
+
+    keep_last: int
+    metric: str | None = None
+    mode: str = "min"
+    metrics_file: str = "metrics.json"
+    kept_files: tuple[str, ...] = ("metrics.json",)
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ValueError(
+                "keep_last must be at least 1: the newest checkpoint is the resume point"
+            )
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', not {self.mode!r}")
+
+
+@dataclass(frozen=True)
 class VerifiedCheckpoint:
     """A checkpoint whose manifest verified; ``files`` are the exact bytes that were hashed."""
 
@@ -42,6 +70,10 @@ class CheckpointStore:
 
     def __init__(self, root_url: str) -> None:
         self.root_url = root_url.rstrip("/")
+        # Manifests and metric values this store has seen: committed manifests change only
+        # through this store's own ``prune``, so each is read at most once per store.
+        self._manifests: dict[int, dict[str, Any]] = {}
+        self._scores: dict[tuple[int, str], float | None] = {}
 
     def url_for(self, epoch: int) -> str:
         return storage.join(self.root_url, f"{_PREFIX}{epoch:06d}")
@@ -58,7 +90,7 @@ class CheckpointStore:
             "created_unix": time.time(),
             "files": {n: {"sha256": _sha256(d), "size": len(d)} for n, d in files.items()},
         }
-        storage.write_bytes(storage.join(url, MANIFEST), json.dumps(manifest, indent=1).encode())
+        self._write_manifest(url, manifest)
         return url
 
     def epochs(self) -> list[int]:
@@ -68,6 +100,10 @@ class CheckpointStore:
             if name.startswith(_PREFIX) and name[len(_PREFIX) :].isdigit():
                 found.append(int(name[len(_PREFIX) :]))
         return sorted(found)
+
+    def _write_manifest(self, url: str, manifest: dict[str, Any]) -> None:
+        storage.write_bytes(storage.join(url, MANIFEST), json.dumps(manifest, indent=1).encode())
+        self._manifests[int(manifest["epoch"])] = manifest
 
     def _manifest(self, url: str) -> dict[str, Any]:
         try:
@@ -91,7 +127,10 @@ class CheckpointStore:
     def load(self, epoch: int) -> VerifiedCheckpoint:
         """Read and verify one checkpoint; raise :class:`CheckpointError` if it does not verify."""
         url = self.url_for(epoch)
-        listed = self._manifest(url).get("files", {})
+        manifest = self._manifest(url)
+        if manifest.get("pruned"):
+            raise CheckpointError(f"{url} was pruned by the retention policy (metrics only)")
+        listed = manifest.get("files", {})
         files = {
             name: self._verified_file(url, name, expected) for name, expected in listed.items()
         }
@@ -113,3 +152,58 @@ class CheckpointStore:
             except CheckpointError as exc:
                 logger.warning("Skipping checkpoint: %s; trying the previous one", exc)
         return None
+
+    def _committed(self) -> dict[int, dict[str, Any]]:
+        """Manifests of the committed checkpoints, by epoch (uncommitted ones are left alone)."""
+        manifests = {}
+        for epoch in self.epochs():
+            if epoch not in self._manifests:
+                try:
+                    self._manifests[epoch] = self._manifest(self.url_for(epoch))
+                except CheckpointError:
+                    continue
+            manifests[epoch] = self._manifests[epoch]
+        return manifests
+
+    def _score(self, epoch: int, policy: RetentionPolicy) -> float | None:
+        key = (epoch, policy.metrics_file)
+        if key not in self._scores:
+            try:
+                metrics = json.loads(self.read_verified(epoch, policy.metrics_file))
+                self._scores[key] = float(metrics[policy.metric])
+            except (CheckpointError, KeyError, TypeError, ValueError):
+                self._scores[key] = None
+        return self._scores[key]
+
+    def best_epoch(self, policy: RetentionPolicy) -> int | None:
+        """The committed, unpruned epoch that is best by the policy's metric (newest on ties)."""
+        if policy.metric is None:
+            return None
+        sign = 1 if policy.mode == "min" else -1
+        scored = {
+            epoch: score
+            for epoch, manifest in self._committed().items()
+            if not manifest.get("pruned") and (score := self._score(epoch, policy)) is not None
+        }
+        return min(scored, key=lambda e: (sign * scored[e], -e)) if scored else None
+
+    def prune(self, policy: RetentionPolicy) -> list[int]:
+        """Drop the weights of checkpoints the policy does not keep; return their epochs.
+
+        The manifest is rewritten first (listing only ``kept_files``), then the other files
+        are deleted, so a reader never finds a manifest that names a missing file.
+        """
+        manifests = self._committed()
+        keep = set(sorted(manifests)[-policy.keep_last :]) | {self.best_epoch(policy)}
+        pruned = []
+        for epoch, manifest in manifests.items():
+            if epoch in keep or manifest.get("pruned"):
+                continue
+            url = self.url_for(epoch)
+            files = manifest.get("files", {})
+            kept = {name: files[name] for name in policy.kept_files if name in files}
+            self._write_manifest(url, {**manifest, "files": kept, "pruned": True})
+            for name in set(files) - set(kept):
+                storage.remove(storage.join(url, name))
+            pruned.append(epoch)
+        return pruned

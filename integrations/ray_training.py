@@ -14,14 +14,13 @@ import math
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from integrations import storage, tracking
 from integrations.catalog import build_model
-from integrations.checkpoints import CheckpointStore
+from integrations.checkpoints import CheckpointStore, RetentionPolicy
 from integrations.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -53,6 +52,20 @@ class TrainLoopConfig:
     tracking_uri: str
     run_id: str  # MLflow run told where the worker group started; "" for none
     stop_url: str = ""  # a file whose existence asks the workers to stop after this epoch
+    keep_checkpoints: int = 0  # newest checkpoints that keep their weights; 0 keeps every one
+    best_checkpoint_metric: str = "val_loss"  # also kept; "none" keeps no best
+
+    def retention(self) -> RetentionPolicy | None:
+        if self.keep_checkpoints < 1:
+            return None
+        metric = None if self.best_checkpoint_metric == "none" else self.best_checkpoint_metric
+        return RetentionPolicy(
+            keep_last=self.keep_checkpoints,
+            metric=metric,
+            mode="max" if metric == "val_accuracy" else "min",
+            metrics_file=METRICS_FILE,
+            kept_files=(METRICS_FILE,),
+        )
 
 
 def shard_bounds(rows: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -135,15 +148,17 @@ class EpochCommitter:
     """Rank 0's background writer: commits each epoch's checkpoint while training carries on.
 
     The loop hands over serialised bytes. One commit is in flight at a time, so commits stay in
-    epoch order and memory stays bounded. Workers never write metrics anywhere else: the driver
+    epoch order and memory stays bounded. After each commit the retention policy, if any, prunes
+    the checkpoints it does not keep. Workers never write metrics anywhere else: the driver
     turns committed checkpoints into MLflow history (see ``tasks.train.EpochRecorder``), which
     keeps MLflow's client work off the training process's interpreter lock.
     """
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, retention: RetentionPolicy | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self._store = store
+        self._store, self._retention = store, retention
+        self.committed_epoch = 0  # the newest epoch this committer committed
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._in_flight: Future[str] | None = None
 
@@ -166,13 +181,29 @@ class EpochCommitter:
             "epoch_seconds": now - epoch_started,  # wall time of the whole epoch on rank 0
         }
         files = {STATE_FILE: state, METRICS_FILE: json.dumps(metrics).encode()}
-        self._in_flight = self._executor.submit(self._store.save, epoch, files)
+        self._in_flight = self._executor.submit(self._commit, epoch, files)
+
+    def _commit(self, epoch: int, files: dict[str, bytes]) -> str:
+        url = self._store.save(epoch, files)
+        self.committed_epoch = epoch
+        if self._retention is not None:
+            self._store.prune(self._retention)
+        return url
 
     def wait(self) -> None:
-        """Block until the queued commit is done; re-raise its error, if any."""
-        if self._in_flight is not None:
-            self._in_flight.result()
-            self._in_flight = None
+        """Block until the queued commit is done; raise a :class:`CheckpointError` if it failed
+        (storage unreachable past its retries): the run then resumes from the last commit."""
+        if self._in_flight is None:
+            return
+        in_flight, self._in_flight = self._in_flight, None
+        try:
+            in_flight.result()
+        except Exception as exc:
+            raise CheckpointError(
+                f"could not commit a checkpoint to {self._store.root_url} "
+                f"({type(exc).__name__}: {exc}); the last one committed here is epoch "
+                f"{self.committed_epoch}. Run again to resume from the last verified checkpoint."
+            ) from exc
 
     def close(self) -> None:
         self.wait()
@@ -338,7 +369,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
             config.run_id,
             {STARTED_AT_TAG: str(trainer.first_epoch)},
         )
-    committer = EpochCommitter(trainer.store) if trainer.rank == 0 else None
+    committer = EpochCommitter(trainer.store, config.retention()) if trainer.rank == 0 else None
     for epoch in range(trainer.first_epoch, config.epochs + 1):
         if stop_requested(config.stop_url):
             break
@@ -368,13 +399,14 @@ def fit(
     use_gpu: bool,
     cpus_per_worker: float,
     max_failures: int,
-    ray_storage_path: Path,
+    ray_storage_url: str,
     name: str,
 ) -> None:
     """Run ``train_loop_per_worker`` on ``workers`` Ray Train workers (DDP; gloo or NCCL)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    storage_path, storage_filesystem = storage.ray_storage(ray_storage_url)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=asdict(config),
@@ -383,7 +415,8 @@ def fit(
         ),
         run_config=RunConfig(
             name=name,
-            storage_path=str(ray_storage_path),
+            storage_path=storage_path,
+            storage_filesystem=storage_filesystem,
             failure_config=FailureConfig(max_failures=max_failures),
         ),
     )

@@ -44,7 +44,7 @@ class TrialSpec:
     workers: int = 1
     cpus_per_worker: float = 1.0
     use_gpu: bool = False
-    ray_storage_path: str = ""
+    ray_storage_url: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class TrialWorker:
             return self._distributed.next_reports()
         shards = {split: self._shard(spec.loop.splits_url, split) for split in ("train", "val")}
         self._trainer = EpochTrainer(spec.loop, shards=shards)
-        self._committer = EpochCommitter(self._trainer.store)
+        self._committer = EpochCommitter(self._trainer.store, spec.loop.retention())
         history = self._trainer.committed_metrics()
         reports = [
             EpochReport(spec.number, epoch, metrics, epoch == spec.loop.epochs, os.getpid(), True)
@@ -164,7 +164,7 @@ class DistributedTrial:
                 use_gpu=self._spec.use_gpu,
                 cpus_per_worker=self._spec.cpus_per_worker,
                 max_failures=0,
-                ray_storage_path=Path(self._spec.ray_storage_path),
+                ray_storage_url=self._spec.ray_storage_url,
                 name=f"trial-{self._spec.number}-{int(time.time())}",
             )
         except BaseException as exc:  # re-raised in the actor's method call

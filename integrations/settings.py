@@ -51,6 +51,21 @@ class PrefectMLSettings(BaseSettings):
         "(postgresql://..., sqlite:///...) or the path of an Optuna journal file; "
         "default sqlite:///<home>/optuna.db.",
     )
+    s3_credentials_block: str | None = Field(
+        default=None,
+        title="S3 credentials block",
+        description="Name of a Prefect Secret block holding a JSON object with "
+        "aws_access_key_id and aws_secret_access_key (and optionally aws_session_token); "
+        "unset uses the standard AWS chain (environment, AWS_PROFILE, instance role).",
+    )
+    s3_max_attempts: int = Field(
+        default=6,
+        ge=1,
+        le=20,
+        title="S3 attempts per request",
+        description="Bound on botocore's retries (5xx, throttling, connection resets) with "
+        "exponential backoff and jitter; errors past it are raised.",
+    )
     local_ray_cpus: int | None = Field(
         default=None,
         title="CPUs for a local Ray",
@@ -64,6 +79,11 @@ class PrefectMLSettings(BaseSettings):
     @property
     def resolved_storage_url(self) -> str:
         return (self.storage_url or (self.home_dir / "storage").as_uri()).rstrip("/")
+
+    @property
+    def prefect_results_url(self) -> str:
+        """Where Prefect keeps persisted task results when the storage is an object store."""
+        return f"{self.resolved_storage_url}/prefect-results"
 
     @property
     def resolved_tracking_uri(self) -> str:
@@ -94,9 +114,16 @@ class PrefectMLSettings(BaseSettings):
         return self.prefect_home / "server.json"
 
     @property
-    def ray_storage_path(self) -> Path:
-        """Where Ray Train keeps its own run state (not our checkpoints)."""
-        return self.home_dir / "ray_results"
+    def ray_storage_url(self) -> str:
+        """Where Ray Train keeps its own run state (not our checkpoints): beside the storage
+        when that is an object store (every node reaches it), else under the home."""
+        if (
+            self.storage_url
+            and "://" in self.storage_url
+            and not self.storage_url.startswith("file://")
+        ):
+            return f"{self.resolved_storage_url}/ray_results"
+        return (self.home_dir / "ray_results").as_uri()
 
 
 def get_settings() -> PrefectMLSettings:

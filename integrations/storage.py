@@ -1,43 +1,136 @@
-"""Bytes at a URL through fsspec (local disk, S3 through s3fs, anything fsspec opens)."""
+"""Bytes at a URL through fsspec: local disk, S3 through s3fs, anything fsspec opens.
+
+Every step reads and writes through this module, so one place decides how an object store is
+reached (endpoint, region, credentials, retries), how a write stays all-or-nothing, and which
+keys are refused. S3 is configured the standard AWS way: ``AWS_ENDPOINT_URL_S3`` /
+``AWS_ENDPOINT_URL``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, credentials from the environment,
+``AWS_PROFILE`` or instance roles, or a Prefect Secret block named by
+``PREFECT_ML_S3_CREDENTIALS_BLOCK`` (see :func:`apply_credentials_block`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import re
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import IO, TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import numpy as np
 
+from integrations.errors import ConfigurationError, EnvironmentCheckError
+from integrations.settings import PrefectMLSettings, get_settings
+
 if TYPE_CHECKING:
+    import pyarrow.fs
     from fsspec import AbstractFileSystem
+
+# Multipart uploads: boto3's part size, ten parts in flight (boto3's and s3fs's concurrency).
+S3_PART_SIZE = 8 * 2**20
+S3_CONCURRENCY = 10
+_ENCODED = re.compile(r"%[0-9A-Fa-f]{2}")
+
+
+def _is_s3(url: str) -> bool:
+    return url.startswith(("s3://", "s3a://"))
+
+
+def s3_options() -> dict[str, Any]:
+    """s3fs options from the standard AWS variables; credentials are left to botocore's chain."""
+    options: dict[str, Any] = {
+        "config_kwargs": {
+            # Transient errors (5xx, throttling, connection resets, timeouts): botocore's
+            # "standard" mode retries them with exponential backoff and jitter, bounded.
+            "retries": {"max_attempts": get_settings().s3_max_attempts, "mode": "standard"},
+            "connect_timeout": 5,
+            "read_timeout": 60,
+        },
+        "max_concurrency": S3_CONCURRENCY,
+        # Other processes (workers, a resumed run) write here: never answer from a stale listing.
+        "use_listings_cache": False,
+    }
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        options["endpoint_url"] = endpoint
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        options["client_kwargs"] = {"region_name": region}
+    return options
 
 
 def filesystem(url: str) -> tuple[AbstractFileSystem, str]:
     """The fsspec filesystem for ``url`` and the path inside it."""
     from fsspec.core import url_to_fs
 
-    fs, path = url_to_fs(url)
+    fs, path = url_to_fs(url, **(s3_options() if _is_s3(url) else {}))
     return fs, path
 
 
+def is_local(url: str) -> bool:
+    return url.startswith("file://") or "://" not in url
+
+
+def check_key(part: str) -> str:
+    """``part`` if it is a safe relative key; raise if it could leave the directory it joins.
+
+    Refuses ``..`` segments however they are percent-encoded (``..%2f``, ``%252e%252e%252f``),
+    absolute paths, URLs, backslashes and NUL bytes.
+    """
+    decoded = part
+    for _ in range(5):  # %25 → % → the character: decode until nothing changes
+        if not _ENCODED.search(decoded):
+            break
+        decoded = unquote(decoded)
+    else:
+        raise ConfigurationError("key", f"{part!r} is percent-encoded too many times")
+    problem = None
+    if "\x00" in decoded or "\\" in decoded:
+        problem = "contains a NUL byte or a backslash"
+    elif decoded.startswith("/") or "://" in decoded or re.match(r"^[A-Za-z]:", decoded):
+        problem = "is absolute"
+    elif any(segment in ("..", ".") for segment in decoded.split("/")):
+        problem = "has a '..' or '.' segment"
+    if problem:
+        raise ConfigurationError("key", f"{part!r} {problem}; keys must stay inside their prefix")
+    return part
+
+
 def join(url: str, *parts: str) -> str:
-    """``url`` with ``parts`` appended as path segments."""
-    return "/".join([url.rstrip("/"), *(p.strip("/") for p in parts)])
+    """``url`` with ``parts`` appended as path segments; every part must pass :func:`check_key`."""
+    return "/".join([url.rstrip("/"), *(check_key(p).strip("/") for p in parts)])
+
+
+def check_url(url: str, field: str) -> str:
+    """A user-given base URL without traversal segments (``s3://b/a/../c`` is refused)."""
+    _scheme, _, rest = url.rpartition("://")
+    try:
+        check_key(rest.lstrip("/").rstrip("/"))
+    except ConfigurationError as exc:
+        raise ConfigurationError(field, exc.message) from None
+    return url
 
 
 def write_bytes(url: str, data: bytes) -> None:
     """Write ``data`` so that a reader never sees a partial object.
 
-    Local files are written beside the target and renamed; object stores publish on close,
-    so an exception aborts the upload (``discard``) instead of completing a truncated object.
+    Local files are written beside the target and renamed. On S3 an object appears only when
+    its single PUT or its multipart upload completes; a failed part aborts the multipart upload
+    (s3fs ``pipe_file``), and a killed writer leaves only an incomplete upload, invisible to
+    readers (:func:`abort_incomplete_uploads` cleans those).
     """
     fs, path = filesystem(url)
-    if fs.protocol in ("file", "local") or "file" in fs.protocol:
+    if is_local(url):
         fs.makedirs(fs._parent(path), exist_ok=True)
         staging = f"{path}.tmp-{uuid.uuid4().hex}"
         with fs.open(staging, "wb") as handle:
             handle.write(data)
         fs.mv(staging, path)
+        return
+    if _is_s3(url):
+        fs.pipe_file(path, data, chunksize=S3_PART_SIZE)
         return
     handle = fs.open(path, "wb")
     try:
@@ -49,8 +142,18 @@ def write_bytes(url: str, data: bytes) -> None:
 
 
 def read_bytes(url: str) -> bytes:
+    """The whole object; on S3 large objects are fetched as parallel ranged GETs."""
     fs, path = filesystem(url)
+    if _is_s3(url):
+        return fs.cat_file(path, chunksize=S3_PART_SIZE)  # type: ignore[no-any-return]
     return fs.cat_file(path)  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def open_file(url: str, mode: str = "rb") -> Iterator[IO[bytes]]:
+    fs, path = filesystem(url)
+    with fs.open(path, mode) as handle:
+        yield handle
 
 
 def exists(url: str) -> bool:
@@ -58,9 +161,15 @@ def exists(url: str) -> bool:
     return fs.exists(path)  # type: ignore[no-any-return]
 
 
+def remove(url: str, recursive: bool = False) -> None:
+    fs, path = filesystem(url)
+    fs.rm(path, recursive=recursive)
+
+
 def list_names(url: str) -> list[str]:
     """Names (not paths) of the entries directly under ``url``; empty if it does not exist."""
     fs, path = filesystem(url)
+    fs.invalidate_cache(path)
     if not fs.exists(path):
         return []
     return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False))
@@ -82,8 +191,7 @@ def read_array(url: str) -> np.ndarray:
 
 def read_array_rows(url: str, start: int, stop: int) -> np.ndarray:
     """Rows ``[start, stop)`` of a ``.npy`` file, reading only those bytes."""
-    fs, path = filesystem(url)
-    with fs.open(path, "rb") as handle:
+    with open_file(url) as handle:
         major, _minor = np.lib.format.read_magic(handle)
         read_header = (
             np.lib.format.read_array_header_1_0
@@ -101,12 +209,163 @@ def read_array_rows(url: str, start: int, stop: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).reshape((max(stop - start, 0), *shape[1:])).copy()
 
 
+_CREDENTIAL_HINT = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or "
+    "PREFECT_ML_S3_CREDENTIALS_BLOCK (a Prefect Secret block holding them)"
+)
+
+
+def _permanent_error(url: str, exc: BaseException) -> EnvironmentCheckError | None:
+    """A clear error for failures that no retry will fix, or None for anything else."""
+    text = f"{type(exc).__name__}: {exc}"
+    if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+        return EnvironmentCheckError(f"no S3 credentials for {url}: {_CREDENTIAL_HINT}")
+    markers = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "Forbidden", "403")
+    if isinstance(exc, PermissionError) or any(m in text for m in markers):
+        return EnvironmentCheckError(
+            f"S3 refused the credentials for {url} ({text}); {_CREDENTIAL_HINT}"
+        )
+    if "NoSuchBucket" in text or (isinstance(exc, FileNotFoundError) and _is_s3(url)):
+        bucket = url.split("://", 1)[1].split("/", 1)[0]
+        return EnvironmentCheckError(
+            f"bucket {bucket!r} of {url} does not exist; create it or fix PREFECT_ML_STORAGE_URL"
+        )
+    return None
+
+
 def check_writable(url: str) -> str:
-    """Write, read back and delete a probe object under ``url``; raise if any step fails."""
+    """Write, read back and delete a probe object under ``url``; raise a clear error if any
+    step fails (missing bucket, refused or missing credentials, unreachable endpoint)."""
     probe = join(url, f".prefect-ml-probe-{uuid.uuid4().hex}")
-    write_bytes(probe, b"probe")
-    if read_bytes(probe) != b"probe":
-        raise OSError(f"{probe} did not read back what was written")
-    fs, path = filesystem(probe)
-    fs.rm(path)
+    try:
+        write_bytes(probe, b"probe")
+        if read_bytes(probe) != b"probe":
+            raise OSError(f"{probe} did not read back what was written")
+        remove(probe)
+    except EnvironmentCheckError:
+        raise
+    except Exception as exc:
+        permanent = _permanent_error(url, exc)
+        if permanent is not None:
+            raise permanent from None
+        raise EnvironmentCheckError(
+            f"storage {url} is not usable: {type(exc).__name__}: {exc}. "
+            "Check PREFECT_ML_STORAGE_URL and, for S3, AWS_ENDPOINT_URL."
+        ) from exc
     return f"{url} is writable"
+
+
+def abort_incomplete_uploads(url: str) -> int:
+    """Abort the multipart uploads left under ``url`` by writers that died; return how many.
+
+    They are invisible to readers but hold storage until aborted. Call it only where no other
+    writer is uploading under ``url`` (a run's own checkpoint prefix before it resumes).
+    """
+    if not _is_s3(url):
+        return 0
+    fs, path = filesystem(url)
+    bucket, _, prefix = path.partition("/")
+    uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    for upload in uploads:
+        fs.call_s3(
+            "abort_multipart_upload",
+            Bucket=bucket,
+            Key=upload["Key"],
+            UploadId=upload["UploadId"],
+        )
+    return len(uploads)
+
+
+def ray_storage(url: str) -> tuple[str, pyarrow.fs.FileSystem | None]:
+    """Ray Train's ``storage_path`` and ``storage_filesystem`` for run state under ``url``.
+
+    Local paths go to Ray as they are; object stores go through this module's filesystem,
+    wrapped for pyarrow (``FSSpecHandler``), so Ray uses the same endpoint, credentials and
+    retries as everything else.
+    """
+    if is_local(url):
+        return url.removeprefix("file://"), None
+    import pyarrow.fs
+
+    fs, path = filesystem(url)
+    return path, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
+
+
+def prefect_result_storage(url: str) -> str | None:
+    """The slug of a Prefect result-storage block for task results under ``url``, saved on the
+    Prefect API (Prefect requires it); None keeps Prefect's default storage for local URLs.
+
+    The block holds the endpoint and retry settings, never credentials: those come from the
+    AWS chain wherever the results are read.
+    """
+    if is_local(url):
+        return None
+    import hashlib
+
+    from prefect.filesystems import RemoteFileSystem
+
+    block = RemoteFileSystem(basepath=url, settings=s3_options() if _is_s3(url) else {})
+    name = f"prefect-ml-results-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+    block.save(name, overwrite=True)
+    return f"remote-file-system/{name}"
+
+
+CREDENTIAL_VARIABLES = {
+    "aws_access_key_id": "AWS_ACCESS_KEY_ID",
+    "aws_secret_access_key": "AWS_SECRET_ACCESS_KEY",
+    "aws_session_token": "AWS_SESSION_TOKEN",
+}
+
+
+def prepare_storage(settings: PrefectMLSettings) -> str:
+    """At flow start, before any compute: credentials from the configured block, then a probe
+    that turns a missing bucket, refused credentials or an unreachable endpoint into a clear
+    error. Returns the storage URL."""
+    url = check_url(settings.resolved_storage_url, "PREFECT_ML_STORAGE_URL")
+    if settings.s3_credentials_block:
+        apply_credentials_block(settings.s3_credentials_block)
+    if is_local(url):  # checked without writing: a failed run leaves the home untouched
+        _check_local_writable(url)
+    else:
+        check_writable(url)
+    return url
+
+
+def _check_local_writable(url: str) -> None:
+    from pathlib import Path
+
+    path = Path(url.removeprefix("file://"))
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise EnvironmentCheckError(
+            f"storage {url} is not writable ({existing} is not a writable directory); "
+            "fix its permissions or set PREFECT_ML_STORAGE_URL"
+        )
+
+
+def apply_credentials_block(block_name: str) -> None:
+    """Export the S3 credentials held by a Prefect Secret block as the standard AWS variables.
+
+    The block's value is a JSON object with ``aws_access_key_id``, ``aws_secret_access_key``
+    and optionally ``aws_session_token``. Call it on the driver before Ray starts: a local Ray
+    passes its environment to its workers; on a remote cluster give the nodes their own role.
+    """
+    from prefect.blocks.system import Secret
+
+    field = "PREFECT_ML_S3_CREDENTIALS_BLOCK"
+    try:
+        secret: Any = Secret.load(block_name)
+        value = secret.get()
+    except ValueError as exc:
+        raise ConfigurationError(field, f"no Secret block named {block_name!r}: {exc}") from None
+    if not isinstance(value, dict) or not {"aws_access_key_id", "aws_secret_access_key"} <= set(
+        value
+    ):
+        raise ConfigurationError(
+            field,
+            f"Secret {block_name!r} must hold a JSON object with aws_access_key_id and "
+            "aws_secret_access_key",
+        )
+    for key, variable in CREDENTIAL_VARIABLES.items():
+        if key in value:
+            os.environ[variable] = str(value[key])

@@ -288,7 +288,11 @@ def log_and_register_model(
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "mlflow"],
         )
     _ensure_registered_model(client, model_name)
-    version = client.create_model_version(model_name, info.model_uri, run_id=run_id, tags=tags)
+    # A tracking server checks that a models:/ source names its logged model (the local store
+    # does not): pass model_id.
+    version = client.create_model_version(
+        model_name, info.model_uri, run_id=run_id, tags=tags, model_id=info.model_id
+    )
     return str(version.version)
 
 

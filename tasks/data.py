@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 import numpy as np
 from prefect import task
@@ -145,6 +146,18 @@ def preprocess_dataset(data: DataParams, fingerprint: str, storage_url: str) -> 
     return prepared
 
 
+def preprocess_with_result_storage() -> Any:
+    """``preprocess`` with its cached result beside the data when the storage is an object
+    store, so that any machine running the flow finds it; Prefect's local default otherwise."""
+    settings = get_settings()
+    result_storage = storage.prefect_result_storage(settings.prefect_results_url)
+    return (
+        preprocess
+        if result_storage is None
+        else preprocess.with_options(result_storage=result_storage)
+    )
+
+
 def splits_present(prepared: PreparedData) -> bool:
     """Whether the splits a (possibly cached) preprocess result points at still exist."""
     return storage.exists(storage.join(prepared.splits_url, "meta.json"))
@@ -156,7 +169,9 @@ def inspect_data(params: TrainingSections) -> DataSummary:
 
 
 def _preprocess_cache_key(_context: object, parameters: dict[str, object]) -> str:
-    return f"preprocess-{parameters['fingerprint']}-{get_settings().resolved_storage_url}"
+    """The data's fingerprint and the storage it is prepared in (hashed: the key is a path)."""
+    where = hashlib.sha256(get_settings().resolved_storage_url.encode()).hexdigest()[:12]
+    return f"preprocess-{parameters['fingerprint']}-{where}"
 
 
 @task(name="preprocess", cache_key_fn=_preprocess_cache_key, persist_result=True)

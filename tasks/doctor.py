@@ -92,7 +92,7 @@ def run_checks(settings: PrefectMLSettings) -> list[Check]:
                 settings.resolved_tracking_uri, settings.mlflow_artifact_root
             ),
         ),
-        _guarded("storage", lambda: storage.check_writable(settings.resolved_storage_url)),
+        _guarded("storage", lambda: f"{storage.prepare_storage(settings)} is writable"),
         _guarded("serving", _serving),
         _guarded("prefect", _prefect),
     ]

@@ -117,6 +117,16 @@ class ModelParams(_Section):
         return {**built_in, "dropout": self.dropout, **self.model_options}
 
 
+# Training fields that change how a run is executed or stored, not what it computes: changing
+# them resumes the same run, and a campaign cannot tune them.
+OPERATIONAL_FIELDS = {
+    "max_failures",
+    "cpus_per_worker",
+    "keep_checkpoints",
+    "best_checkpoint_metric",
+}
+
+
 class TrainingParams(_Section):
     """How to train: workers, epochs, optimiser, fault tolerance."""
 
@@ -149,6 +159,19 @@ class TrainingParams(_Section):
     )
     cpus_per_worker: float = Field(
         1.0, gt=0, title="CPUs per worker", description="CPUs Ray reserves for each worker."
+    )
+    keep_checkpoints: int = Field(
+        3,
+        ge=1,
+        title="Checkpoints kept",
+        description="Newest checkpoints that keep their weights; older ones keep only their "
+        "metrics (the best one by the best-checkpoint metric is kept too).",
+    )
+    best_checkpoint_metric: Literal["val_loss", "val_accuracy", "none"] = Field(
+        "val_loss",
+        title="Best-checkpoint metric",
+        description="Validation metric whose best epoch keeps its weights whatever its age; "
+        "'none' keeps only the newest.",
     )
 
 
@@ -215,16 +238,14 @@ class TrainModelParams(TrainingSections):
             "experiment": self.experiment,
             "fingerprint": fingerprint,
             "model": self.model.model_dump(mode="json"),
-            "training": self.training.model_dump(
-                mode="json", exclude={"max_failures", "cpus_per_worker"}
-            ),
+            "training": self.training.model_dump(mode="json", exclude=OPERATIONAL_FIELDS),
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # Search-space names a campaign may tune: every model and training field that shapes the result.
 SEARCHABLE_SECTIONS: dict[str, type[_Section]] = {"model": ModelParams, "training": TrainingParams}
-NOT_SEARCHABLE = {"model", "model_options", "workers", "max_failures", "use_gpu", "cpus_per_worker"}
+NOT_SEARCHABLE = {"model", "model_options", "workers", "use_gpu", *OPERATIONAL_FIELDS}
 EPOCH_METRICS = ("val_accuracy", "val_loss", "train_loss")
 
 

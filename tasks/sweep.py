@@ -443,7 +443,7 @@ class Coordinator:
             workers=self.sweep.trial_workers,
             cpus_per_worker=self.sweep.trial_cpus,
             use_gpu=self.sweep.trial_gpus > 0,
-            ray_storage_path=str(self.settings.ray_storage_path),
+            ray_storage_url=self.settings.ray_storage_url,
         )
 
     def _ask(self) -> tuple[optuna.trial.Trial, ray_trials.TrialSpec, dict[str, Any]]:

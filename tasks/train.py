@@ -146,6 +146,8 @@ def loop_config(
         checkpoint_url=checkpoint_url,
         tracking_uri=tracking_uri,
         run_id=run_id,
+        keep_checkpoints=params.training.keep_checkpoints,
+        best_checkpoint_metric=params.training.best_checkpoint_metric,
     )
 
 
@@ -171,6 +173,9 @@ def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResu
     checkpoint_url = storage.join(
         settings.resolved_storage_url, "checkpoints", experiment_id, run_id
     )
+    # A writer killed mid-upload leaves an incomplete multipart upload: invisible, but billed.
+    if aborted := storage.abort_incomplete_uploads(checkpoint_url):
+        logger.info("Aborted %d incomplete upload(s) left in %s", aborted, checkpoint_url)
     store = CheckpointStore(checkpoint_url)
     latest = store.latest()
     resumed_from = latest.epoch if latest else 0
@@ -197,7 +202,7 @@ def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResu
                         use_gpu=params.training.use_gpu,
                         cpus_per_worker=params.training.cpus_per_worker,
                         max_failures=params.training.max_failures,
-                        ray_storage_path=settings.ray_storage_path,
+                        ray_storage_url=settings.ray_storage_url,
                         name=f"{run_id}-{int(time.time())}",
                     )
             except Exception as exc:

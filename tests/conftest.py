@@ -18,11 +18,26 @@ os.environ["PREFECT_ML_HOME"] = str(_SESSION_DIR / "home")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 from integrations.settings import PrefectMLSettings, prepare_process_environment  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 prepare_process_environment()
 
+# S3 is moto's server on loopback, with throw-away credentials; set before Ray starts, so local
+# Ray workers (and every subprocess) reach the same endpoint. Real AWS settings are dropped.
+_S3_PORT = free_port()
+for _variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+    os.environ.pop(_variable, None)
+os.environ.update(
+    AWS_ENDPOINT_URL=f"http://127.0.0.1:{_S3_PORT}",
+    AWS_ACCESS_KEY_ID="prefect-ml-test",
+    AWS_SECRET_ACCESS_KEY="prefect-ml-test",
+    AWS_DEFAULT_REGION="us-east-1",
+)
+
 import pytest  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
+
+from tests.s3 import TEST_BUCKET, MotoS3  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +63,27 @@ def ray_cluster() -> Iterator[None]:
     )
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[MotoS3]:
+    """moto's S3 server at the session's AWS_ENDPOINT_URL."""
+    server = MotoS3(_S3_PORT)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(moto_s3: MotoS3) -> Iterator[str]:
+    """An empty bucket on a freshly reset S3 server; yields its ``s3://`` URL."""
+    from s3fs import S3FileSystem
+
+    moto_s3.reset()
+    moto_s3.client().create_bucket(Bucket=TEST_BUCKET)  # type: ignore[attr-defined]
+    S3FileSystem.clear_instance_cache()
+    yield f"s3://{TEST_BUCKET}"
+    S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture

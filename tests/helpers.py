@@ -7,10 +7,13 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from integrations.ray_training import EpochTrainer, TrainLoopConfig
 from integrations.settings import PrefectMLSettings
+from tests.fixtures.user_code import blobs
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -84,3 +87,29 @@ def register_classifier(
     if alias:
         tracking.set_alias(client, model_name, alias, version)
     return version
+
+
+def blob_trainer(checkpoint_url: str, **config: Any) -> EpochTrainer:
+    """A one-process trainer of a small linear model on blobs, checkpointing to the URL."""
+    features, labels = blobs(rows=90, features=4)
+    shard = (features.astype(np.float32), labels.astype(np.int64))
+    defaults: dict[str, Any] = {
+        "splits_url": "",
+        "input_shape": [4],
+        "num_classes": 3,
+        "model": "tests.fixtures.user_code:linear_model",
+        "model_options": {},
+        "epochs": 5,
+        "batch_size": 16,
+        "lr": 0.05,
+        "optimizer": "adam",
+        "weight_decay": 0.0,
+        "scheduler": "none",
+        "seed": 0,
+        "checkpoint_url": checkpoint_url,
+        "tracking_uri": "",
+        "run_id": "",
+    }
+    return EpochTrainer(
+        TrainLoopConfig(**{**defaults, **config}), shards={"train": shard, "val": shard}
+    )

@@ -6,6 +6,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import mlflow.pyfunc
@@ -16,10 +18,11 @@ from ray import serve
 from sklearn.datasets import load_digits
 
 from flows.pipeline import ml_pipeline
-from integrations import tracking
+from integrations import storage, tracking
 from integrations.settings import PrefectMLSettings
 from tasks.params import PipelineParams
 from tests.helpers import free_port, wait_for
+from tests.s3 import TEST_BUCKET, MotoS3, mlflow_server
 
 
 def _artifacts(flow_run_id: str) -> dict[str, str]:
@@ -143,13 +146,38 @@ def test_pipeline_registers_promotes_and_then_keeps_the_better_champion(
     )
 
 
+def _digits_parquet() -> bytes:
+    """scikit-learn's digits as a table: 64 named pixel columns and the label."""
+    import io
+
+    import pandas as pd
+
+    digits = load_digits()
+    frame = pd.DataFrame(digits.data, columns=[f"pixel_{i}" for i in range(64)])
+    frame["digit"] = digits.target
+    buffer = io.BytesIO()
+    frame.to_parquet(buffer)
+    return buffer.getvalue()
+
+
 @pytest.mark.usefixtures("ray_cluster")
-def test_pipeline_with_a_sweep_trains_the_final_model_with_the_best_values(
+def test_the_pipeline_with_a_sweep_runs_on_s3_with_mlflow_artifacts_in_s3(
     home: PrefectMLSettings,
+    s3_bucket: str,
+    moto_s3: MotoS3,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Dataset, splits, checkpoints, Ray Train state, Prefect results and MLflow artifacts all on
+    S3; the campaign's best values train the final model, which is served from there."""
+    dataset_url = storage.join(s3_bucket, "raw", "digits.parquet")
+    storage.write_bytes(dataset_url, _digits_parquet())
+    storage_url = storage.join(s3_bucket, "prefect-ml")
+    monkeypatch.setenv("PREFECT_ML_STORAGE_URL", storage_url)
     params = PipelineParams.model_validate(
         {
-            "training": {"epochs": 3, "batch_size": 64},
+            "data": {"dataset": "tabular", "url": dataset_url, "label_column": "digit"},
+            "training": {"epochs": 3, "batch_size": 64, "keep_checkpoints": 1},
             "sweep": {
                 "campaign": "pipeline-search",
                 "n_trials": 3,
@@ -164,32 +192,58 @@ def test_pipeline_with_a_sweep_trains_the_final_model_with_the_best_values(
         }
     )
 
-    try:
-        state = ml_pipeline(params=params, return_state=True)
-    finally:
-        serve.shutdown()  # the session's Ray serves nothing after this test
+    with mlflow_server(tmp_path / "mlflow", storage.join(s3_bucket, "mlartifacts")) as uri:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        try:
+            state = ml_pipeline(params=params, return_state=True)
+        finally:
+            serve.shutdown()  # the session's Ray serves nothing after this test
 
-    assert state.is_completed(), state.message
-    outcome = state.result()
-    client = tracking.client_for(home.resolved_tracking_uri)
-    parent = client.search_runs(["1"], f"tags.`{tracking.CAMPAIGN_PARENT_TAG}` != ''")[0]
-    best_trial = parent.data.tags["prefect_ml.best_trials"].split(",")[0]
-    best = tracking.trial_runs(client, "1", parent.info.run_id)[int(best_trial)]
-    final = client.get_run(outcome.trained.run_id)
-    for name in ("training.lr", "model.hidden"):
-        assert final.data.params[name] == best.data.params[name]
-    assert final.data.params["training.workers"] == "2", "the final model trains distributed"
-    assert outcome.registration.version == "1"
-    published = _artifacts(str(state.state_details.flow_run_id))
-    assert "training-summary" in published
+        assert state.is_completed(), state.message
+        outcome = state.result()
+        client = tracking.client_for(uri)
+        parent = client.search_runs(["1"], f"tags.`{tracking.CAMPAIGN_PARENT_TAG}` != ''")[0]
+        best_trial = parent.data.tags["prefect_ml.best_trials"].split(",")[0]
+        best = tracking.trial_runs(client, "1", parent.info.run_id)[int(best_trial)]
+        final = client.get_run(outcome.trained.run_id)
+        for name in ("training.lr", "model.hidden"):
+            assert final.data.params[name] == best.data.params[name]
+        assert final.data.params["training.workers"] == "2", "the final model trains distributed"
+        assert outcome.registration.version == "1"
+        assert final.info.artifact_uri.startswith("mlflow-artifacts:")
+        published = _artifacts(str(state.state_details.flow_run_id))
+        assert "training-summary" in published
 
-    # The pipeline ended by serving @champion (the final model, v1) and smoke-testing it.
-    assert outcome.serving.version == "1" and outcome.serving.alias == "champion"
-    smoke = outcome.serving.smoke
-    assert smoke.response["model"]["run_id"] == outcome.trained.run_id
-    mlflow.set_tracking_uri(home.resolved_tracking_uri)
-    local = mlflow.pyfunc.load_model("models:/digits-classifier/1")
-    rows = np.asarray(smoke.request["inputs"], dtype=np.float32).reshape(-1, 1, 8, 8)
-    expected = np.asarray(local.predict(rows)).argmax(axis=1)
-    assert smoke.response["predictions"] == [str(d) for d in expected]
-    assert "Smoke request" in published["serving"]
+        # The pipeline ended by serving @champion (the final model, v1) and smoke-testing it;
+        # the replica loaded the model through the MLflow server, from S3.
+        assert outcome.serving.version == "1" and outcome.serving.alias == "champion"
+        smoke = outcome.serving.smoke
+        assert smoke.response["model"]["run_id"] == outcome.trained.run_id
+        mlflow.set_tracking_uri(uri)
+        local = mlflow.pyfunc.load_model("models:/digits-classifier/1")
+        rows = np.asarray(smoke.request["inputs"], dtype=np.float32).reshape(-1, 64)
+        expected = np.asarray(local.predict(rows)).argmax(axis=1)
+        assert smoke.response["predictions"] == [str(d) for d in expected]
+        assert "Smoke request" in published["serving"]
+        assert tracking.logged_epochs(client, final.info.run_id) == [1, 2, 3]
+
+    # Every byte lives in the bucket; nothing was written to the local home's storage.
+    keys = list(_bucket_keys(moto_s3))
+    fingerprint = outcome.data.fingerprint
+    run_prefix = f"prefect-ml/checkpoints/{outcome.trained.experiment_id}/{final.info.run_id}/"
+    assert any(k.startswith(f"prefect-ml/datasets/{fingerprint}/train_") for k in keys)
+    assert any(k.startswith("prefect-ml/campaigns/pipeline-search/trial-") for k in keys)
+    assert any(k.startswith("prefect-ml/prefect-results/") for k in keys), "task results"
+    assert any(k.startswith("prefect-ml/ray_results/") for k in keys), "Ray Train's run state"
+    assert any(k.startswith("mlartifacts/") and k.endswith("/MLmodel") for k in keys)
+    assert any(k.startswith("mlartifacts/") and "confusion_matrix.png" in k for k in keys)
+    assert not (home.home_dir / "storage").exists()
+    # Retention kept one checkpoint's weights (the last); every epoch kept its metrics.
+    state_files = sorted(k for k in keys if k.startswith(run_prefix) and k.endswith("/state.pt"))
+    assert state_files == [f"{run_prefix}epoch-000003/state.pt"]
+
+
+def _bucket_keys(moto_s3: MotoS3) -> Iterator[str]:
+    pages = moto_s3.client().get_paginator("list_objects_v2")  # type: ignore[attr-defined]
+    for page in pages.paginate(Bucket=TEST_BUCKET):
+        yield from (item["Key"] for item in page.get("Contents", []))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -82,16 +83,26 @@ def test_doctor_reports_every_system(home: PrefectMLSettings) -> None:
     assert "FAIL" not in result.output
 
 
-def test_doctor_fails_on_unwritable_storage(
-    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch, tmp_path
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [("file", "not a writable directory"), ("s3", "'no-such-bucket' of s3://no-such-bucket")],
+)
+def test_doctor_fails_on_unusable_storage(
+    home: PrefectMLSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    moto_s3: object,
+    where: str,
+    expected: str,
 ) -> None:
     blocker = tmp_path / "file-not-dir"
     blocker.write_text("x")
-    monkeypatch.setenv("PREFECT_ML_STORAGE_URL", (blocker / "storage").as_uri())
-    result = CliRunner().invoke(app, ["doctor"])
+    url = (blocker / "storage").as_uri() if where == "file" else "s3://no-such-bucket/prefect-ml"
+    monkeypatch.setenv("PREFECT_ML_STORAGE_URL", url)
+    result = CliRunner(env={"COLUMNS": "400"}).invoke(app, ["doctor"])
     assert result.exit_code == 1
     storage_row = next(line for line in result.output.splitlines() if "│ storage" in line)
-    assert "FAIL" in storage_row and "Not a directory" in storage_row
+    assert "FAIL" in storage_row and expected in storage_row
 
 
 def test_sweep_flags_mirror_campaign_parameters() -> None:

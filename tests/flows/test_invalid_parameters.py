@@ -69,3 +69,42 @@ def test_data_errors_fail_in_inspection_before_anything_is_written(
         assert expected in str(state.result(raise_on_failure=False))
         assert _task_names(str(state.state_details.flow_run_id)) == ["inspect-data"]
     _assert_nothing_written(home)
+
+
+@pytest.mark.parametrize(
+    ("storage_url", "expected"),
+    [
+        ("s3://no-such-bucket/prefect-ml", "bucket 'no-such-bucket'"),
+        ("s3://prefect-ml-test/team/../other-team", "PREFECT_ML_STORAGE_URL"),
+    ],
+)
+def test_storage_errors_fail_the_flow_before_any_task(
+    home: PrefectMLSettings,
+    s3_bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+    storage_url: str,
+    expected: str,
+) -> None:
+    monkeypatch.setenv("PREFECT_ML_STORAGE_URL", storage_url)
+    state = train_model(params={"training": {"epochs": 1}}, return_state=True)
+    assert state.is_failed()
+    assert expected in str(state.result(raise_on_failure=False))
+    assert _task_names(str(state.state_details.flow_run_id)) == []
+    assert not (home.home_dir / "mlflow.db").exists()
+
+
+def test_refused_s3_credentials_fail_the_flow_before_any_task(
+    home: PrefectMLSettings, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import moto.settings
+    from s3fs import S3FileSystem
+
+    monkeypatch.setenv("PREFECT_ML_STORAGE_URL", f"{s3_bucket}/prefect-ml")
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # moto checks keys
+    S3FileSystem.clear_instance_cache()
+    state = train_model(params={"training": {"epochs": 1}}, return_state=True)
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    assert "S3 refused the credentials" in message and "AWS_ACCESS_KEY_ID" in message
+    assert _task_names(str(state.state_details.flow_run_id)) == []
+    assert not (home.home_dir / "mlflow.db").exists()

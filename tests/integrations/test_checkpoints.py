@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import pickle
 from pathlib import Path
@@ -8,13 +9,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from integrations.checkpoints import MANIFEST, CheckpointStore
+from integrations import storage
+from integrations.checkpoints import MANIFEST, CheckpointStore, RetentionPolicy
 from integrations.errors import CheckpointError
-from integrations.ray_training import STATE_FILE, deserialize_state, serialize_state
+from integrations.ray_training import (
+    METRICS_FILE,
+    STATE_FILE,
+    deserialize_state,
+    serialize_state,
+)
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> CheckpointStore:
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStore:
+    """The same store on local disk and on the S3 server."""
+    if request.param == "s3":
+        return CheckpointStore(storage.join(request.getfixturevalue("s3_bucket"), "run"))
     return CheckpointStore((tmp_path / "run").as_uri())
 
 
@@ -32,20 +42,23 @@ def test_latest_returns_the_newest_verified_checkpoint(store: CheckpointStore) -
     assert store.epochs() == [1, 2, 3]
 
 
-def _path(store: CheckpointStore, epoch: int, name: str) -> Path:
-    return Path(store.url_for(epoch).removeprefix("file://")) / name
+def _flip_first_byte(url: str) -> None:
+    data = storage.read_bytes(url)
+    storage.write_bytes(url, bytes([data[0] ^ 0xFF]) + data[1:])
 
 
 @pytest.mark.parametrize(
     "damage",
     [
-        pytest.param(lambda p: p.write_bytes(p.read_bytes()[:-10]), id="truncated-file"),
         pytest.param(
-            lambda p: p.write_bytes(bytes([p.read_bytes()[0] ^ 0xFF]) + p.read_bytes()[1:]),
-            id="flipped-byte",
+            lambda url: storage.write_bytes(url, storage.read_bytes(url)[:-10]),
+            id="truncated-file",
         ),
-        pytest.param(lambda p: p.unlink(), id="missing-file"),
-        pytest.param(lambda p: (p.parent / MANIFEST).unlink(), id="missing-manifest"),
+        pytest.param(_flip_first_byte, id="flipped-byte"),
+        pytest.param(storage.remove, id="missing-file"),
+        pytest.param(
+            lambda url: storage.remove(url.replace(STATE_FILE, MANIFEST)), id="missing-manifest"
+        ),
     ],
 )
 def test_damaged_checkpoint_is_skipped_with_a_warning(
@@ -53,13 +66,60 @@ def test_damaged_checkpoint_is_skipped_with_a_warning(
 ) -> None:
     _save(store, 1)
     _save(store, 2)
-    damage(_path(store, 2, STATE_FILE))
+    damage(storage.join(store.url_for(2), STATE_FILE))
     with caplog.at_level(logging.WARNING):
         latest = store.latest()
     assert latest is not None and latest.epoch == 1
     assert "Skipping checkpoint" in caplog.text and "epoch-000002" in caplog.text
     with pytest.raises(CheckpointError):
         store.load(2)
+
+
+def _save_with_loss(store: CheckpointStore, epoch: int, val_loss: float) -> None:
+    metrics = json.dumps({"val_loss": val_loss}).encode()
+    store.save(epoch, {STATE_FILE: serialize_state({"epoch": epoch}), METRICS_FILE: metrics})
+
+
+def test_retention_keeps_the_last_k_and_the_best_and_the_history_of_all(
+    store: CheckpointStore,
+) -> None:
+    policy = RetentionPolicy(keep_last=2, metric="val_loss", mode="min")
+    losses = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.6, 5: 0.4, 6: 0.7}
+    for epoch, loss in losses.items():
+        _save_with_loss(store, epoch, loss)
+        store.prune(policy)
+
+    with_weights = [e for e in store.epochs() if _loads(store, e)]
+    assert with_weights == [2, 5, 6]  # the best (epoch 2) and the last two
+    assert not storage.exists(storage.join(store.url_for(3), STATE_FILE))
+    with pytest.raises(CheckpointError, match="pruned"):
+        store.load(3)
+    # Every epoch's metrics stay verifiable, pruned or not: the run's history is complete.
+    for epoch, loss in losses.items():
+        assert json.loads(store.read_verified(epoch, METRICS_FILE))["val_loss"] == loss
+    latest = store.latest()
+    assert latest is not None and latest.epoch == 6
+    assert store.best_epoch(policy) == 2
+
+
+def test_retention_without_a_best_metric_keeps_only_the_newest(store: CheckpointStore) -> None:
+    for epoch, loss in {1: 0.1, 2: 0.5, 3: 0.6}.items():
+        _save_with_loss(store, epoch, loss)
+    assert store.prune(RetentionPolicy(keep_last=1)) == [1, 2]
+    assert [e for e in store.epochs() if _loads(store, e)] == [3]
+
+
+def _loads(store: CheckpointStore, epoch: int) -> bool:
+    try:
+        store.load(epoch)
+    except CheckpointError:
+        return False
+    return True
+
+
+def test_retention_needs_at_least_one_checkpoint() -> None:
+    with pytest.raises(ValueError, match="keep_last"):
+        RetentionPolicy(keep_last=0)
 
 
 def test_no_checkpoint_yet(store: CheckpointStore) -> None:

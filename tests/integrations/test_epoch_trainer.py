@@ -5,41 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from integrations.checkpoints import CheckpointStore
-from integrations.ray_training import METRICS_FILE, STATE_FILE, EpochTrainer, TrainLoopConfig
-from tests.fixtures.user_code import blobs
-
-
-def _trainer(checkpoints: str) -> EpochTrainer:
-    features, labels = blobs(rows=90, features=4)
-    shard = (features.astype(np.float32), labels.astype(np.int64))
-    config = TrainLoopConfig(
-        splits_url="",
-        input_shape=[4],
-        num_classes=3,
-        model="tests.fixtures.user_code:linear_model",
-        model_options={},
-        epochs=5,
-        batch_size=16,
-        lr=0.05,
-        optimizer="adam",
-        weight_decay=0.0,
-        scheduler="none",
-        seed=0,
-        checkpoint_url=checkpoints,
-        tracking_uri="",
-        run_id="",
-    )
-    return EpochTrainer(config, shards={"train": shard, "val": shard})
+from integrations.ray_training import METRICS_FILE, STATE_FILE
+from tests.helpers import blob_trainer
 
 
 def test_a_resumed_trainer_reports_each_verified_epoch_under_its_own_number(
     tmp_path: Path,
 ) -> None:
     url = (tmp_path / "trial").as_uri()
-    first = _trainer(url)
+    first = blob_trainer(url)
     for epoch in (1, 2, 3):
         metrics = first.train_epoch(epoch)
         files = {STATE_FILE: first.snapshot(epoch), METRICS_FILE: json.dumps(metrics).encode()}
@@ -47,7 +22,7 @@ def test_a_resumed_trainer_reports_each_verified_epoch_under_its_own_number(
     broken = tmp_path / "trial" / "epoch-000002" / METRICS_FILE
     broken.write_bytes(broken.read_bytes()[:-3])  # a torn write
 
-    resumed = _trainer(url)
+    resumed = blob_trainer(url)
 
     assert resumed.first_epoch == 4
     history = resumed.committed_metrics()

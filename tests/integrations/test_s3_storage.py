@@ -1,0 +1,266 @@
+"""The storage module and the checkpoint store against a real S3 API (moto's server): multipart
+writes, injected 503s and resets, an S3 server that goes away, a writer killed mid-upload,
+permanent errors, and keys that try to leave their prefix."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from s3fs import S3FileSystem
+
+from integrations import storage
+from integrations.checkpoints import CheckpointStore
+from integrations.errors import CheckpointError, ConfigurationError, EnvironmentCheckError
+from integrations.ray_training import METRICS_FILE, STATE_FILE, EpochCommitter
+from tests.helpers import blob_trainer, wait_for
+from tests.s3 import TEST_BUCKET, FaultyProxy, MotoS3
+
+MIB = 2**20
+
+
+def _objects(moto_s3: MotoS3) -> dict[str, int]:
+    """Every visible object in the test bucket and its size, read past any proxy."""
+    listed = moto_s3.client().list_objects_v2(Bucket=TEST_BUCKET)  # type: ignore[attr-defined]
+    return {item["Key"]: item["Size"] for item in listed.get("Contents", [])}
+
+
+def _incomplete_uploads(moto_s3: MotoS3) -> list[str]:
+    found = moto_s3.client().list_multipart_uploads(Bucket=TEST_BUCKET)  # type: ignore[attr-defined]
+    return [upload["Key"] for upload in found.get("Uploads", [])]
+
+
+@pytest.fixture
+def endpoint(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """Point the storage module at another endpoint (a proxy) for the rest of the test."""
+
+    def use(url: str) -> None:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        S3FileSystem.clear_instance_cache()
+
+    return use
+
+
+def test_multipart_objects_round_trip_and_large_reads_are_exact(
+    s3_bucket: str, moto_s3: MotoS3
+) -> None:
+    data = os.urandom(3 * storage.S3_PART_SIZE + 12345)  # four parts, the last one short
+    storage.write_bytes(storage.join(s3_bucket, "a", "big.bin"), data)
+    storage.write_bytes(storage.join(s3_bucket, "a", "small.txt"), b"small")
+
+    assert storage.read_bytes(storage.join(s3_bucket, "a", "big.bin")) == data
+    assert storage.list_names(storage.join(s3_bucket, "a")) == ["big.bin", "small.txt"]
+    assert _objects(moto_s3) == {"a/big.bin": len(data), "a/small.txt": 5}
+    assert _incomplete_uploads(moto_s3) == []
+
+
+@pytest.mark.parametrize(
+    ("attempts", "rate"),
+    [pytest.param(6, 0.1, id="retried-10pct"), pytest.param(1, 0.3, id="no-retries-30pct")],
+)
+def test_injected_503s_and_resets_never_leave_a_partial_checkpoint(
+    s3_bucket: str,
+    moto_s3: MotoS3,
+    endpoint: Callable[[str], None],
+    monkeypatch: pytest.MonkeyPatch,
+    attempts: int,
+    rate: float,
+) -> None:
+    monkeypatch.setenv("PREFECT_ML_S3_MAX_ATTEMPTS", str(attempts))
+    monkeypatch.setattr(storage, "S3_PART_SIZE", 5 * MIB)  # S3's smallest part: more requests
+    payloads = {epoch: os.urandom(2 * storage.S3_PART_SIZE + epoch) for epoch in range(1, 11)}
+    outcomes: dict[int, str] = {}
+    with FaultyProxy(moto_s3.port, rate=rate, seed=attempts) as proxy:
+        endpoint(proxy.endpoint)
+        store = CheckpointStore(storage.join(s3_bucket, "run"))
+        for epoch, payload in payloads.items():
+            try:
+                store.save(epoch, {STATE_FILE: payload, METRICS_FILE: b"{}"})
+                outcomes[epoch] = "saved"
+            except Exception as exc:  # the upload raised: that is allowed, silence is not
+                outcomes[epoch] = type(exc).__name__
+    assert proxy.slow_downs > 0 and proxy.resets > 0, "the proxy injected no faults"
+
+    endpoint(moto_s3.endpoint)  # read back past the proxy
+    # What a killed or failed writer left is invisible, and the next run aborts it.
+    storage.abort_incomplete_uploads(storage.join(s3_bucket, "run"))
+    assert _incomplete_uploads(moto_s3) == []
+    reader = CheckpointStore(storage.join(s3_bucket, "run"))
+    for key, size in _objects(moto_s3).items():  # every visible object is whole
+        epoch = int(key.split("/")[1].removeprefix("epoch-"))
+        if key.endswith(STATE_FILE):
+            assert size == len(payloads[epoch]), f"{key} is partial"
+    for epoch, outcome in outcomes.items():
+        if outcome == "saved":
+            assert reader.load(epoch).files[STATE_FILE] == payloads[epoch]
+    if attempts > 1:  # with retries, 10% faults cost time, not checkpoints
+        assert set(outcomes.values()) == {"saved"}, outcomes
+    else:
+        assert set(outcomes.values()) != {"saved"}, "30% faults without retries must fail some"
+    latest = reader.latest()
+    saved = [e for e, outcome in outcomes.items() if outcome == "saved"]
+    assert latest is not None and latest.epoch >= max(saved)
+
+
+@pytest.fixture
+def restartable_s3(moto_s3: MotoS3) -> Iterator[MotoS3]:
+    yield moto_s3
+    if not _answers(moto_s3):
+        moto_s3.start()
+
+
+def _answers(server: MotoS3) -> bool:
+    import httpx
+
+    try:
+        httpx.get(f"{server.endpoint}/moto-api/", timeout=1)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
+def test_training_rides_out_a_short_s3_outage_and_resumes_after_a_long_one(
+    s3_bucket: str, restartable_s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = storage.join(s3_bucket, "run")
+    trainer = blob_trainer(url, epochs=6)
+    committer = EpochCommitter(trainer.store)
+
+    def train_and_commit(epoch: int) -> None:
+        started = time.perf_counter()
+        metrics = trainer.train_epoch(epoch)
+        committer.submit(
+            epoch,
+            trainer.snapshot(epoch),
+            metrics,
+            epoch_started=started,
+            blocked_since=time.perf_counter(),
+        )
+
+    train_and_commit(1)
+    # A short outage: the server stops, and is back within botocore's retries. Training goes on.
+    restartable_s3.stop()
+    threading.Timer(1.0, restartable_s3.start).start()
+    train_and_commit(2)
+    committer.wait()
+    assert CheckpointStore(url).epochs() == [1, 2]
+
+    # A long outage with few retries: the commit fails with a clear error naming the resume point.
+    monkeypatch.setenv("PREFECT_ML_S3_MAX_ATTEMPTS", "2")
+    S3FileSystem.clear_instance_cache()
+    restartable_s3.stop()
+    train_and_commit(3)
+    with pytest.raises(CheckpointError, match="last one committed here is epoch 2"):
+        committer.wait()
+    restartable_s3.start()
+
+    # The next run resumes from the last verified checkpoint, and nothing truncated is visible.
+    resumed = blob_trainer(url, epochs=6)
+    assert resumed.first_epoch in (3, 4)  # epoch 3 may have landed before the server went away
+    for epoch in resumed.store.epochs():
+        resumed.store.load(epoch)  # raises if any committed checkpoint does not verify
+
+
+_SLOW_WRITER = """
+import os, sys
+from integrations import storage
+storage.S3_PART_SIZE = 5 * 2**20  # S3's smallest part: many parts, a long upload
+storage.write_bytes(sys.argv[1], os.urandom(200 * 2**20))
+"""
+
+
+def test_a_writer_killed_mid_upload_leaves_nothing_visible(s3_bucket: str, moto_s3: MotoS3) -> None:
+    target = storage.join(s3_bucket, "run", "epoch-000001", STATE_FILE)
+    writer = subprocess.Popen([sys.executable, "-c", _SLOW_WRITER, target])
+    try:
+        wait_for(lambda: bool(_incomplete_uploads(moto_s3)), 60, "the multipart upload to start")
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+
+    assert not storage.exists(target)
+    assert _objects(moto_s3) == {}
+    assert CheckpointStore(storage.join(s3_bucket, "run")).latest() is None
+    assert storage.abort_incomplete_uploads(storage.join(s3_bucket, "run")) == 1
+    assert _incomplete_uploads(moto_s3) == []
+
+
+def test_missing_bucket_and_refused_credentials_are_named(
+    s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(EnvironmentCheckError, match="bucket 'no-such-bucket'.*does not exist"):
+        storage.check_writable("s3://no-such-bucket/prefix")
+
+    import moto.settings
+
+    # moto checks signatures and keys once authentication is on; ours are unknown to its IAM.
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    S3FileSystem.clear_instance_cache()
+    with pytest.raises(EnvironmentCheckError, match="refused the credentials.*AWS_ACCESS_KEY_ID"):
+        storage.check_writable(storage.join(s3_bucket, "prefix"))
+
+
+def test_credentials_from_a_prefect_secret_block_are_used(
+    s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect.blocks.system import Secret
+
+    from integrations.settings import PrefectMLSettings
+
+    for variable in storage.CREDENTIAL_VARIABLES.values():
+        monkeypatch.delenv(variable, raising=False)
+    Secret(value={"aws_access_key_id": "from-block", "aws_secret_access_key": "s"}).save(
+        "s3-test-credentials", overwrite=True
+    )
+    monkeypatch.setenv("PREFECT_ML_S3_CREDENTIALS_BLOCK", "s3-test-credentials")
+    monkeypatch.setenv("PREFECT_ML_STORAGE_URL", storage.join(s3_bucket, "data"))
+
+    assert storage.prepare_storage(PrefectMLSettings()) == f"{s3_bucket}/data"
+    assert os.environ["AWS_ACCESS_KEY_ID"] == "from-block"
+
+    Secret(value="not-a-json-object").save("s3-bad-credentials", overwrite=True)
+    monkeypatch.setenv("PREFECT_ML_S3_CREDENTIALS_BLOCK", "s3-bad-credentials")
+    with pytest.raises(ConfigurationError, match="PREFECT_ML_S3_CREDENTIALS_BLOCK.*JSON object"):
+        storage.prepare_storage(PrefectMLSettings())
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "../escape",
+        "a/../../escape",
+        "..%2fescape",
+        "..%2Fescape",
+        "%2e%2e/escape",
+        "%252e%252e%252fescape",
+        "/etc/passwd",
+        "%2fetc%2fpasswd",
+        "s3://other-bucket/key",
+        "C:/Windows",
+        "a\\..\\b",
+        "a/./b",
+    ],
+)
+def test_keys_that_leave_their_prefix_are_refused(key: str) -> None:
+    with pytest.raises(ConfigurationError, match="keys must stay inside their prefix"):
+        storage.join("s3://bucket/prefix", key)
+
+
+def test_ordinary_keys_pass() -> None:
+    assert storage.join("s3://b/p/", "campaigns", "my.campaign-1", "trial-00001") == (
+        "s3://b/p/campaigns/my.campaign-1/trial-00001"
+    )
+    assert storage.join("file:///tmp/x", "a..b", "dataset.v2.parquet").endswith(
+        "a..b/dataset.v2.parquet"
+    )
+
+
+def test_a_storage_url_with_traversal_is_refused_naming_the_setting() -> None:
+    with pytest.raises(ConfigurationError, match="PREFECT_ML_STORAGE_URL"):
+        storage.check_url("s3://bucket/team/../other-team", "PREFECT_ML_STORAGE_URL")
