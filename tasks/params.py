@@ -11,9 +11,10 @@ import hashlib
 import json
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import to_jsonable_python
 
+from integrations import storage
 from integrations.catalog import resolve_dataset, resolve_model
 
 
@@ -66,6 +67,11 @@ class DataParams(_Section):
         title="Normalise",
         description="Standardise features with mean and std fitted on the training split only.",
     )
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        return None if url is None else storage.check_url(url, "data.url")
 
     def loader_options(self) -> dict[str, Any]:
         if self.dataset == "tabular":

@@ -36,6 +36,10 @@ def _assert_nothing_written(home: PrefectMLSettings) -> None:
         ({"training": {"lr": -1.0}}, "training.lr"),
         ({"data": {"dataset": "imagenet"}}, "unknown dataset 'imagenet'"),
         ({"model": {"model": "missing_pkg.mod:build"}}, "cannot import module 'missing_pkg.mod'"),
+        (
+            {"data": {"dataset": "tabular", "url": "s3://b/x/..%2fy.csv", "label_column": "y"}},
+            "keys must stay inside their prefix",
+        ),
     ],
 )
 def test_parameter_errors_fail_the_flow_before_any_task(
