@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,14 +84,13 @@ class CheckpointStore:
         if MANIFEST in files:
             raise ValueError(f"{MANIFEST} is reserved for the commit marker")
         url = self.url_for(epoch)
-        for name, data in files.items():
-            storage.write_bytes(storage.join(url, name), data)
-        manifest = {
-            "epoch": epoch,
-            "created_unix": time.time(),
-            "files": {n: {"sha256": _sha256(d), "size": len(d)} for n, d in files.items()},
-        }
-        self._write_manifest(url, manifest)
+        # Hashing runs beside the uploads (hashlib releases the interpreter lock).
+        with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
+            digests = {name: hasher.submit(_sha256, data) for name, data in files.items()}
+            for name, data in files.items():
+                storage.write_bytes(storage.join(url, name), data)
+            listed = {n: {"sha256": digests[n].result(), "size": len(d)} for n, d in files.items()}
+        self._write_manifest(url, {"epoch": epoch, "created_unix": time.time(), "files": listed})
         return url
 
     def epochs(self) -> list[int]:
@@ -117,10 +117,10 @@ class CheckpointStore:
     @staticmethod
     def _verified_file(url: str, name: str, expected: dict[str, Any]) -> bytes:
         try:
-            data = storage.read_bytes(storage.join(url, name))
+            data, sha256 = storage.read_bytes_and_sha256(storage.join(url, name))
         except FileNotFoundError as exc:
             raise CheckpointError(f"{url}/{name} is listed in the manifest but missing") from exc
-        if len(data) != expected["size"] or _sha256(data) != expected["sha256"]:
+        if len(data) != expected["size"] or sha256 != expected["sha256"]:
             raise CheckpointError(f"{url}/{name} does not match its sha256 in the manifest")
         return data
 

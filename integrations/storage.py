@@ -11,6 +11,7 @@ keys are refused. S3 is configured the standard AWS way: ``AWS_ENDPOINT_URL_S3``
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import re
@@ -21,6 +22,7 @@ from urllib.parse import unquote
 
 import numpy as np
 
+from integrations import s3_transfer
 from integrations.errors import ConfigurationError, EnvironmentCheckError
 from integrations.settings import PrefectMLSettings, get_settings
 
@@ -117,9 +119,9 @@ def write_bytes(url: str, data: bytes) -> None:
     """Write ``data`` so that a reader never sees a partial object.
 
     Local files are written beside the target and renamed. On S3 an object appears only when
-    its single PUT or its multipart upload completes; a failed part aborts the multipart upload
-    (s3fs ``pipe_file``), and a killed writer leaves only an incomplete upload, invisible to
-    readers (:func:`abort_incomplete_uploads` cleans those).
+    its single PUT or its multipart upload completes; a failed part aborts the multipart upload,
+    and a killed writer leaves only an incomplete upload, invisible to readers
+    (:func:`abort_incomplete_uploads` cleans those).
     """
     fs, path = filesystem(url)
     if is_local(url):
@@ -129,8 +131,13 @@ def write_bytes(url: str, data: bytes) -> None:
             handle.write(data)
         fs.mv(staging, path)
         return
+    if _is_s3(url) and len(data) >= 2 * S3_PART_SIZE:
+        bucket, _, key = path.partition("/")
+        s3 = s3_transfer.client(s3_options())
+        s3_transfer.upload(s3, bucket, key, data, S3_PART_SIZE, S3_CONCURRENCY)
+        return
     if _is_s3(url):
-        fs.pipe_file(path, data, chunksize=S3_PART_SIZE)
+        fs.pipe_file(path, data)
         return
     handle = fs.open(path, "wb")
     try:
@@ -143,10 +150,28 @@ def write_bytes(url: str, data: bytes) -> None:
 
 def read_bytes(url: str) -> bytes:
     """The whole object; on S3 large objects are fetched as parallel ranged GETs."""
+    return read_bytes_and_sha256(url, digest=False)[0]
+
+
+def read_bytes_and_sha256(url: str, digest: bool = True) -> tuple[bytes, str]:
+    """The whole object and its sha256 hex digest; on S3 a large object is hashed part by part
+    while the rest is still downloading."""
     fs, path = filesystem(url)
+    hasher = hashlib.sha256() if digest else None
+    data = None
     if _is_s3(url):
-        return fs.cat_file(path, chunksize=S3_PART_SIZE)  # type: ignore[no-any-return]
-    return fs.cat_file(path)  # type: ignore[no-any-return]
+        info = fs.info(path)  # FileNotFoundError for a missing key, as every filesystem raises
+        if info["size"] >= 2 * S3_PART_SIZE:
+            bucket, _, key = path.partition("/")
+            s3 = s3_transfer.client(s3_options())
+            data = s3_transfer.download(
+                s3, bucket, key, info["size"], info["ETag"], S3_PART_SIZE, S3_CONCURRENCY, hasher
+            )
+    if data is None:
+        data = fs.cat_file(path)
+        if hasher is not None:
+            hasher.update(data)
+    return data, hasher.hexdigest() if hasher is not None else ""
 
 
 @contextlib.contextmanager
