@@ -37,7 +37,7 @@ os.environ.update(
 import pytest  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
-from tests.s3 import TEST_BUCKET, MotoS3  # noqa: E402
+from tests.s3 import TEST_BUCKET, MlflowServer, MotoS3  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,6 +72,34 @@ def moto_s3() -> Iterator[MotoS3]:
     server.start()
     yield server
     server.stop()
+
+
+_early_mlflow: list[MlflowServer] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Start the MLflow server early when a selected test needs it: it takes 15-25 s to come
+    up, time the tests before it use."""
+    if any("mlflow_s3_server" in getattr(item, "fixturenames", ()) for item in items):
+        _early_mlflow.append(MlflowServer(_SESSION_DIR / "mlflow-s3", _MLFLOW_ARTIFACTS))
+
+
+def pytest_sessionfinish() -> None:
+    for server in _early_mlflow:
+        server.stop()
+
+
+_MLFLOW_ARTIFACTS = f"s3://{TEST_BUCKET}/mlartifacts"
+
+
+@pytest.fixture(scope="session")
+def mlflow_s3_server() -> str:
+    """A real MLflow tracking server (SQLite) whose artifacts live in the S3 test bucket; its
+    tracking URI. Tests that use it also take ``s3_bucket``, which creates the bucket."""
+    if not _early_mlflow:
+        _early_mlflow.append(MlflowServer(_SESSION_DIR / "mlflow-s3", _MLFLOW_ARTIFACTS))
+    return _early_mlflow[0].ready()
 
 
 @pytest.fixture

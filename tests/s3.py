@@ -8,7 +8,6 @@ between it and a real S3 endpoint would produce.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import logging
 import os
@@ -18,7 +17,6 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -163,46 +161,50 @@ class FaultyProxy:
         return Handler
 
 
-@contextlib.contextmanager
-def mlflow_server(workdir: Path, artifacts_destination: str) -> Iterator[str]:
+class MlflowServer:
     """A real ``mlflow server`` on loopback (SQLite backend) proxying artifacts to
-    ``artifacts_destination``; yields its tracking URI."""
-    from tests.helpers import free_port, wait_for
+    ``artifacts_destination``. It starts when constructed and is waited for in :meth:`ready`,
+    so a session can start it early and let it come up while other tests run."""
 
-    port = free_port()
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = (workdir / "mlflow-server.log").open("wb")
-    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--workers", "1"]
-    command += ["--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}"]
-    command += ["--artifacts-destination", artifacts_destination]
-    server = subprocess.Popen(
-        command,
-        env={
-            **os.environ,
-            "MLFLOW_S3_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
-            # mlflow starts uvicorn by name: the virtualenv's bin must be on PATH.
-            "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
-        },
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    uri = f"http://127.0.0.1:{port}"
+    def __init__(self, workdir: Path, artifacts_destination: str) -> None:
+        from tests.helpers import free_port
 
-    def healthy() -> bool:
-        if server.poll() is not None:
-            raise AssertionError(
-                f"mlflow server exited: {(workdir / 'mlflow-server.log').read_text()}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self._log_path = workdir / "mlflow-server.log"
+        port = free_port()
+        self.uri = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1"]
+        command += ["--port", str(port), "--workers", "1"]
+        command += ["--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}"]
+        command += ["--artifacts-destination", artifacts_destination]
+        with self._log_path.open("wb") as log:
+            self._process = subprocess.Popen(
+                command,
+                env={
+                    **os.environ,
+                    "MLFLOW_S3_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
+                    # mlflow starts uvicorn by name: the virtualenv's bin must be on PATH.
+                    "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
+                },
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
+
+    def _healthy(self) -> bool:
+        if self._process.poll() is not None:
+            raise AssertionError(f"mlflow server exited: {self._log_path.read_text()}")
         try:
-            return httpx.get(f"{uri}/health", timeout=2).status_code == 200
+            return httpx.get(f"{self.uri}/health", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 
-    try:
-        wait_for(healthy, 120, "mlflow server to answer")
-        yield uri
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
+    def ready(self) -> str:
+        """Wait until it answers; its tracking URI."""
+        from tests.helpers import wait_for
+
+        wait_for(self._healthy, 120, "mlflow server to answer")
+        return self.uri
+
+    def stop(self) -> None:
+        self._process.terminate()
+        self._process.wait(timeout=30)

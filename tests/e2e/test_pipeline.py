@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import mlflow.pyfunc
@@ -22,7 +21,7 @@ from integrations import storage, tracking
 from integrations.settings import PrefectMLSettings
 from tasks.params import PipelineParams
 from tests.helpers import free_port, wait_for
-from tests.s3 import TEST_BUCKET, MotoS3, mlflow_server
+from tests.s3 import TEST_BUCKET, MotoS3
 
 
 def _artifacts(flow_run_id: str) -> dict[str, str]:
@@ -165,7 +164,7 @@ def test_the_pipeline_with_a_sweep_runs_on_s3_with_mlflow_artifacts_in_s3(
     home: PrefectMLSettings,
     s3_bucket: str,
     moto_s3: MotoS3,
-    tmp_path: Path,
+    mlflow_s3_server: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Dataset, splits, checkpoints, Ray Train state, Prefect results and MLflow artifacts all on
@@ -192,40 +191,40 @@ def test_the_pipeline_with_a_sweep_runs_on_s3_with_mlflow_artifacts_in_s3(
         }
     )
 
-    with mlflow_server(tmp_path / "mlflow", storage.join(s3_bucket, "mlartifacts")) as uri:
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-        try:
-            state = ml_pipeline(params=params, return_state=True)
-        finally:
-            serve.shutdown()  # the session's Ray serves nothing after this test
+    uri = mlflow_s3_server
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    try:
+        state = ml_pipeline(params=params, return_state=True)
+    finally:
+        serve.shutdown()  # the session's Ray serves nothing after this test
 
-        assert state.is_completed(), state.message
-        outcome = state.result()
-        client = tracking.client_for(uri)
-        parent = client.search_runs(["1"], f"tags.`{tracking.CAMPAIGN_PARENT_TAG}` != ''")[0]
-        best_trial = parent.data.tags["prefect_ml.best_trials"].split(",")[0]
-        best = tracking.trial_runs(client, "1", parent.info.run_id)[int(best_trial)]
-        final = client.get_run(outcome.trained.run_id)
-        for name in ("training.lr", "model.hidden"):
-            assert final.data.params[name] == best.data.params[name]
-        assert final.data.params["training.workers"] == "2", "the final model trains distributed"
-        assert outcome.registration.version == "1"
-        assert final.info.artifact_uri.startswith("mlflow-artifacts:")
-        published = _artifacts(str(state.state_details.flow_run_id))
-        assert "training-summary" in published
+    assert state.is_completed(), state.message
+    outcome = state.result()
+    client = tracking.client_for(uri)
+    parent = client.search_runs(["1"], f"tags.`{tracking.CAMPAIGN_PARENT_TAG}` != ''")[0]
+    best_trial = parent.data.tags["prefect_ml.best_trials"].split(",")[0]
+    best = tracking.trial_runs(client, "1", parent.info.run_id)[int(best_trial)]
+    final = client.get_run(outcome.trained.run_id)
+    for name in ("training.lr", "model.hidden"):
+        assert final.data.params[name] == best.data.params[name]
+    assert final.data.params["training.workers"] == "2", "the final model trains distributed"
+    assert outcome.registration.version == "1"
+    assert final.info.artifact_uri.startswith("mlflow-artifacts:")
+    published = _artifacts(str(state.state_details.flow_run_id))
+    assert "training-summary" in published
 
-        # The pipeline ended by serving @champion (the final model, v1) and smoke-testing it;
-        # the replica loaded the model through the MLflow server, from S3.
-        assert outcome.serving.version == "1" and outcome.serving.alias == "champion"
-        smoke = outcome.serving.smoke
-        assert smoke.response["model"]["run_id"] == outcome.trained.run_id
-        mlflow.set_tracking_uri(uri)
-        local = mlflow.pyfunc.load_model("models:/digits-classifier/1")
-        rows = np.asarray(smoke.request["inputs"], dtype=np.float32).reshape(-1, 64)
-        expected = np.asarray(local.predict(rows)).argmax(axis=1)
-        assert smoke.response["predictions"] == [str(d) for d in expected]
-        assert "Smoke request" in published["serving"]
-        assert tracking.logged_epochs(client, final.info.run_id) == [1, 2, 3]
+    # The pipeline ended by serving @champion (the final model, v1) and smoke-testing it;
+    # the replica loaded the model through the MLflow server, from S3.
+    assert outcome.serving.version == "1" and outcome.serving.alias == "champion"
+    smoke = outcome.serving.smoke
+    assert smoke.response["model"]["run_id"] == outcome.trained.run_id
+    mlflow.set_tracking_uri(uri)
+    local = mlflow.pyfunc.load_model("models:/digits-classifier/1")
+    rows = np.asarray(smoke.request["inputs"], dtype=np.float32).reshape(-1, 64)
+    expected = np.asarray(local.predict(rows)).argmax(axis=1)
+    assert smoke.response["predictions"] == [str(d) for d in expected]
+    assert "Smoke request" in published["serving"]
+    assert tracking.logged_epochs(client, final.info.run_id) == [1, 2, 3]
 
     # Every byte lives in the bucket; nothing was written to the local home's storage.
     keys = list(_bucket_keys(moto_s3))

@@ -74,7 +74,7 @@ def test_injected_503s_and_resets_never_leave_a_partial_checkpoint(
 ) -> None:
     monkeypatch.setenv("PREFECT_ML_S3_MAX_ATTEMPTS", str(attempts))
     monkeypatch.setattr(storage, "S3_PART_SIZE", 5 * MIB)  # S3's smallest part: more requests
-    payloads = {epoch: os.urandom(2 * storage.S3_PART_SIZE + epoch) for epoch in range(1, 11)}
+    payloads = {epoch: os.urandom(2 * storage.S3_PART_SIZE + epoch) for epoch in range(1, 9)}
     outcomes: dict[int, str] = {}
     with FaultyProxy(moto_s3.port, rate=rate, seed=attempts) as proxy:
         endpoint(proxy.endpoint)
