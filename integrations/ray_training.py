@@ -199,10 +199,11 @@ class EpochCommitter:
         try:
             in_flight.result()
         except Exception as exc:
+            last = f"epoch {self.committed_epoch}" if self.committed_epoch else "none yet"
             raise CheckpointError(
                 f"could not commit a checkpoint to {self._store.root_url} "
-                f"({type(exc).__name__}: {exc}); the last one committed here is epoch "
-                f"{self.committed_epoch}. Run again to resume from the last verified checkpoint."
+                f"({type(exc).__name__}: {exc}); the last one committed here is {last}. "
+                "Run again to resume from the last verified checkpoint."
             ) from exc
 
     def close(self) -> None:
