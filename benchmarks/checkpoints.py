@@ -150,10 +150,6 @@ def make_state(megabytes: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 class Transfers:
     """Every arm's upload and download of the same payload, against the same bucket."""
 
@@ -313,10 +309,10 @@ def training_loop(
         "matmuls": matmuls,
         "epoch_seconds": epoch_seconds,
         # Blocked minus serialising: the upload (sync) or waiting for the previous commit (async).
-        "upload_or_wait_median_steady": _median(
+        "upload_or_wait_median_steady": statistics.median(
             [b - s for b, s in zip(blocked, serialise, strict=True)][1:]
         ),
-        "blocked_median_steady": _median(blocked[1:] or blocked),
+        "blocked_median_steady": statistics.median(blocked[1:] or blocked),
         "blocked_max_steady": max(blocked[1:] or blocked),
     }
 
@@ -327,9 +323,12 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     arms = {}
     for arm, seconds in report["transfer_seconds"].items():
         arms[arm] = {
-            f"{way}_mb_s": megabytes / _median(seconds[way]) for way in ("upload", "download")
+            f"{way}_mb_s": megabytes / statistics.median(seconds[way])
+            for way in ("upload", "download")
         }
-        arms[arm].update({f"{way}_s": _median(seconds[way]) for way in ("upload", "download")})
+        arms[arm].update(
+            {f"{way}_s": statistics.median(seconds[way]) for way in ("upload", "download")}
+        )
     boto3 = arms["boto3"]
     ratios = {
         f"{arm}_over_boto3_{way}": arms[arm][f"{way}_mb_s"] / boto3[f"{way}_mb_s"]
@@ -379,9 +378,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {name}, {loop['work_seconds']:.2g} s epochs | {loop['blocked_median_steady']:.3f} "
             f"| {loop['blocked_max_steady']:.3f} "
-            f"| {_median(loop['serialise_seconds'][1:]):.3f} "
+            f"| {statistics.median(loop['serialise_seconds'][1:]):.3f} "
             f"| {loop['upload_or_wait_median_steady']:.3f} | {loop['final_wait_seconds']:.2f} "
-            f"| {_median(loop['matmuls']):,.0f} |"
+            f"| {statistics.median(loop['matmuls']):,.0f} |"
         )
     met = summary["targets"]
     lines += [
@@ -403,7 +402,7 @@ def timed(fn: Callable[[], object], repeats: int = 3) -> float:
         started = time.perf_counter()
         fn()
         seconds.append(time.perf_counter() - started)
-    return _median(seconds)
+    return statistics.median(seconds)
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:

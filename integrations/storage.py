@@ -186,9 +186,9 @@ def exists(url: str) -> bool:
     return fs.exists(path)  # type: ignore[no-any-return]
 
 
-def remove(url: str, recursive: bool = False) -> None:
+def remove(url: str) -> None:
     fs, path = filesystem(url)
-    fs.rm(path, recursive=recursive)
+    fs.rm(path)
 
 
 def list_names(url: str) -> list[str]:
