@@ -4,8 +4,8 @@ is blocked per checkpoint, synchronous vs our background commit, in one run.
 One S3 server for every arm: moto's, on loopback, started by this script in a child process (so
 its request handling does not share this process's interpreter lock with the clients; pass
 ``--moto-in-process`` to run it on a thread here instead, as the tests do). The payload is a
-torch state dict of float32 tensors (100 MB; 20 MB with ``--quick``) serialised once with
-``serialize_state``.
+torch state dict of float32 tensors (100 MB; 20 MB with ``--quick``) serialised once as the
+training loop does, with ``distributed_checkpoint.to_files`` (its DCP data file is the payload).
 
 **Transfers** (upload, then download, of the same bytes; each arm in turn, the order rotated per
 repeat; median of the repeats after an untimed warm-up of every arm):
@@ -67,6 +67,7 @@ BLOCKED_TARGET = 0.25  # async blocked seconds per checkpoint over sync's
 ARMS = ("ours-store", "ours-raw", "boto3", "boto3-memory", "s3fs")
 TENSORS = 4  # the state dict's float32 tensors, of equal size
 MB = 10**6
+STATE_FILE = "__0_0.distcp"  # the data file of a one-writer DCP checkpoint
 # (payload MB, repeats, epochs, seconds of work per epoch)
 FULL, QUICK = (100, 5, 5, 3.0), (20, 1, 3, 1.0)
 # The loops: name -> (asynchronous, share of the epoch's work). ``async-short`` has epochs shorter
@@ -170,7 +171,6 @@ class Transfers:
 
     def upload(self, arm: str) -> None:
         from integrations import storage
-        from integrations.ray_training import STATE_FILE
 
         key = f"transfers/{arm}/state.pt"
         if arm == "ours-store":
@@ -187,7 +187,6 @@ class Transfers:
     def download(self, arm: str) -> bytes | None:
         """The bytes (in-memory arms) or None (the others wrote ``self.target``)."""
         from integrations import storage
-        from integrations.ray_training import STATE_FILE
 
         key = f"transfers/{arm}/state.pt"
         if arm == "ours-store":
@@ -258,12 +257,8 @@ def training_loop(
     """``epochs`` epochs of fixed work, each checkpointed inline or through ``EpochCommitter``
     as :data:`LOOPS` says for ``name``."""
     from integrations.checkpoints import CheckpointStore
-    from integrations.ray_training import (
-        METRICS_FILE,
-        STATE_FILE,
-        EpochCommitter,
-        serialize_state,
-    )
+    from integrations.distributed_checkpoint import to_files
+    from integrations.ray_training import METRICS_FILE, EpochCommitter
 
     asynchronous, share = LOOPS[name]
     work_seconds *= share
@@ -275,11 +270,11 @@ def training_loop(
         matmuls.append(matmul_work(work_seconds))
         next(iter(state.values()))[0, 0] += 1.0  # the weights moved
         blocked_since = time.perf_counter()
-        data = serialize_state(state)
+        data = to_files({"model": state})
         serialise.append(time.perf_counter() - blocked_since)
         metrics = {"train_loss": 1.0 / epoch}
         if committer is None:
-            store.save(epoch, {STATE_FILE: data, METRICS_FILE: json.dumps(metrics).encode()})
+            store.save(epoch, {**data, METRICS_FILE: json.dumps(metrics).encode()})
         else:
             committer.submit(
                 epoch, data, metrics, epoch_started=epoch_started, blocked_since=blocked_since
@@ -413,11 +408,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         import s3fs
         import torch
 
-        from integrations.ray_training import serialize_state
+        from integrations.distributed_checkpoint import to_files
 
         torch.set_num_threads(1)  # the loop's work uses one core; the other is left to S3
         state = make_state(megabytes)
-        payload = serialize_state(state)
+        payload = to_files({"model": state})[STATE_FILE]
         load_before = os.getloadavg()
         with s3_endpoint(args.moto_in_process) as endpoint:
             print(f"moto {moto.__version__} at {endpoint}; payload {len(payload):,} bytes")
@@ -429,7 +424,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"  loop {name} done", flush=True)
         local_costs = {
             "sha256_s": timed(lambda: hashlib.sha256(payload).hexdigest()),
-            "serialise_s": timed(lambda: serialize_state(state)),
+            "serialise_s": timed(lambda: to_files({"model": state})),
         }
     report: dict[str, Any] = {
         "benchmark": "checkpoints",

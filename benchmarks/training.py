@@ -283,8 +283,9 @@ def run_ours(params: TrainModelParams, data: PreparedData) -> Measurement:
     def history(key: str) -> list[Any]:
         return sorted(client.get_metric_history(result.run_id, key), key=lambda m: m.step)
 
-    per_worker = data.rows["train"] // params.training.workers
-    samples = per_worker * params.training.workers
+    workers = params.training.worker_range[1]
+    per_worker = data.rows["train"] // workers
+    samples = per_worker * workers
     return Measurement(
         mode="c-ours",
         samples_per_epoch=samples,

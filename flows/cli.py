@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from integrations import prefect_server
+from integrations import prefect_server, storage
 from integrations.errors import ConfigurationError, PrefectMLError
 from integrations.settings import get_settings, prepare_process_environment, running_local_server
 from tasks.params import CampaignParams, PipelineParams, ServeModelParams, TrainModelParams
@@ -70,7 +70,9 @@ def _click_option(name: str, field: FieldInfo) -> click.Option:
     if typing.get_origin(annotation) is dict:
         help_text += " (inline JSON/YAML, or the path of a JSON/YAML file)"
         return click.Option([flag, name], type=str, default=None, help=help_text)
-    click_type: type = annotation if annotation in (int, float) else str  # type: ignore[assignment]
+    # A union of kinds (``workers``: a count or a range) arrives as text for the model to parse.
+    numeric = annotation in (int, float) and len(args) <= 1
+    click_type: type = annotation if numeric else str  # type: ignore[assignment]
     return click.Option([flag, name], type=click_type, default=None, help=help_text)
 
 
@@ -227,7 +229,16 @@ def _run_flow(flow_name: str, params: BaseModel) -> Any:
         from flows.serve import serve_model as flow_fn  # type: ignore[assignment]
     else:
         from flows.train import train_model as flow_fn  # type: ignore[assignment]
-    state = flow_fn(params=params, return_state=True)
+    from integrations.ray_cluster import ray_session
+
+    settings = get_settings()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_clear_errors())
+        if settings.s3_credentials_block:  # exported before a local Ray starts: workers see them
+            storage.apply_credentials_block(settings.s3_credentials_block)
+        # One Ray for the whole run: the flow-start resource check and every step share it.
+        stack.enter_context(ray_session(settings))
+        state = flow_fn(params=params, return_state=True)
     if not state.is_completed():
         error = state.result(raise_on_failure=False)
         console.print(f"[bold red]{flow_name} failed:[/bold red] {escape(str(error))}")
@@ -453,7 +464,10 @@ def doctor() -> None:
     for column in ("check", "status", "detail"):
         table.add_column(column)
     for check in checks:
-        status = "[green]ok[/green]" if check.ok else "[bold red]FAIL[/bold red]"
+        if not check.ok:
+            status = "[bold red]FAIL[/bold red]"
+        else:
+            status = "[yellow]warn[/yellow]" if check.warning else "[green]ok[/green]"
         table.add_row(check.name, status, check.detail)
     console.print(table)
     sys.exit(0 if all(check.ok for check in checks) else 1)

@@ -8,6 +8,7 @@ from prefect import flow, get_run_logger
 from flows.sweep import hpo_campaign
 from flows.train import TrainingOutcome, training_chain
 from tasks.params import PipelineParams, with_trial_values
+from tasks.placement import check_placement
 from tasks.serve import ServingResult, serve
 
 
@@ -27,6 +28,7 @@ def ml_pipeline(params: PipelineParams = PipelineParams()) -> PipelineOutcome:  
             hyperparameters first, and a serving section to serve the result.
     """
     if params.sweep is not None:
+        check_placement(params)  # the final training and serving too, not after the campaign
         result = hpo_campaign(params.campaign())
         best = result.best[0]  # with several objectives: the Pareto trial best on the first
         get_run_logger().info(

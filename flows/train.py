@@ -10,6 +10,7 @@ from integrations.settings import get_settings
 from tasks.data import PreparedData, inspect_data, preprocess_with_result_storage, splits_present
 from tasks.evaluate import Evaluation, evaluate
 from tasks.params import TrainingSections, TrainModelParams
+from tasks.placement import check_placement
 from tasks.register import Registration, register
 from tasks.report import publish_summary
 from tasks.train import TrainResult, train
@@ -25,9 +26,11 @@ class TrainingOutcome(BaseModel):
 
 
 def prepared_data(params: TrainingSections) -> PreparedData:
-    """Check the storage, inspect the data, then prepare the splits (cached on the content
-    fingerprint). Every flow starts here, so storage problems surface before any compute."""
+    """Check the storage and the cluster's room, inspect the data, then prepare the splits
+    (cached on the content fingerprint). Every flow starts here, so storage problems and
+    impossible resource requests surface before any compute."""
     storage.prepare_storage(get_settings())
+    check_placement(params)
     summary = inspect_data(params)
     preprocess = preprocess_with_result_storage()
     data = preprocess(params.data, summary.fingerprint)

@@ -5,7 +5,12 @@ Contracts for user code:
 * a dataset loader is ``loader(**options) -> (features, labels)`` returning NumPy arrays:
   ``features`` shaped ``(n, *sample_shape)``, ``labels`` shaped ``(n,)`` with class labels;
 * a model factory is ``factory(input_shape, num_classes, **options) -> torch.nn.Module``
-  returning logits of shape ``(batch, num_classes)``.
+  returning logits of shape ``(batch, num_classes)``;
+* gradient checkpointing (``--gradient-checkpointing``) works on any ``nn.Sequential`` model; any
+  other user model opts in by defining ``gradient_checkpointing_enable()`` (the name Hugging Face
+  models use), which must make its forward recompute activations in backward instead of keeping
+  them, for example by wrapping each block in ``torch.utils.checkpoint.checkpoint(...,
+  use_reentrant=False)``.
 
 Both are resolved and checked (importable, callable, right signature) while parameters are
 parsed, before any compute starts.
@@ -291,6 +296,54 @@ def build_model(
     """Build a model from the catalog, passing only the options its factory accepts."""
     factory = resolve_model(name)
     return factory(tuple(input_shape), num_classes, **accepted_options(factory, options))  # type: ignore[no-any-return]
+
+
+CHECKPOINTING_HOOK = "gradient_checkpointing_enable"
+
+
+def check_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Refuse a model that has no way to checkpoint its activations."""
+    from torch import nn
+
+    if not (isinstance(model, nn.Sequential) or callable(getattr(model, CHECKPOINTING_HOOK, None))):
+        raise ConfigurationError(
+            "training.gradient_checkpointing",
+            f"{type(model).__name__} is not an nn.Sequential and has no {CHECKPOINTING_HOOK}(); "
+            "define that method on the model (see the catalog docs) or drop "
+            "--gradient-checkpointing",
+        )
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
+    """Make ``model`` keep only segment boundaries in forward and recompute the rest in backward.
+
+    A model's own ``gradient_checkpointing_enable()`` wins. An ``nn.Sequential`` (every built-in
+    model) runs as ``checkpoint_sequential`` in about sqrt(len) segments, which minimises the
+    activations held (boundaries plus one segment being recomputed). Only ``forward`` changes:
+    parameter names, the state dict and the logged model stay those of the plain model.
+    """
+    import functools
+    import math
+
+    check_gradient_checkpointing(model)
+    hook = getattr(model, CHECKPOINTING_HOOK, None)
+    if callable(hook):
+        hook()
+        return model
+    segments = max(1, math.isqrt(len(model)))  # type: ignore[arg-type]
+    model.forward = functools.partial(_checkpointed_forward, model, segments)  # type: ignore[method-assign,arg-type]
+    return model
+
+
+def _checkpointed_forward(model: torch.nn.Sequential, segments: int, x: torch.Tensor) -> Any:
+    import torch
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    if not (model.training and torch.is_grad_enabled()):  # nothing to save: run it plainly
+        for module in model:
+            x = module(x)
+        return x
+    return checkpoint_sequential(model, segments, x, use_reentrant=False)
 
 
 def with_standardizer(

@@ -4,11 +4,18 @@ The loop owns checkpointing through :class:`CheckpointStore` (atomic, verified) 
 Train's checkpoints, so that a restarted worker group, a restarted process and a reader on
 another machine all resume from the same verified bytes. Rank 0 commits one checkpoint per
 epoch, its metrics included; the driver logs those metrics to MLflow once each.
+
+Checkpoints are ``torch.distributed.checkpoint`` (DCP) directories holding the unsharded
+model and optimiser state under their plain parameter names (``get_state_dict`` strips the DDP
+and FSDP wrappers). Loading goes through DCP into the current layout, so a checkpoint written
+by 2 FSDP workers restores into 3 DDP workers, into one campaign trial, or into a plain model
+for evaluation. Gathering the full state on rank 0 bounds a model by one host's memory, not by
+one device's.
 """
 
 from __future__ import annotations
 
-import io
+import contextlib
 import json
 import math
 import time
@@ -18,18 +25,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from integrations import storage, tracking
-from integrations.catalog import build_model
+from integrations import distributed_checkpoint, storage, tracking
+from integrations.catalog import build_model, enable_gradient_checkpointing
 from integrations.checkpoints import CheckpointStore, RetentionPolicy
-from integrations.errors import CheckpointError
+from integrations.errors import CheckpointError, ConfigurationError
 
 if TYPE_CHECKING:
     import torch
 
-STATE_FILE = "state.pt"
+    from integrations.resources import ResourceRequest
+
 METRICS_FILE = "metrics.json"
+TRAINER_STATE_FILE = "trainer.json"  # epoch, seed, LR schedule and loss scale, as JSON
+PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 # Epoch at which the latest worker group started: > 1 after a restart from a checkpoint.
 STARTED_AT_TAG = "prefect_ml.worker_group_started_at_epoch"
+WORLD_SIZE_TAG = "prefect_ml.worker_group_size"  # workers of the latest group (elastic runs vary)
+PEAK_MEMORY_TAG = "prefect_ml.peak_memory"  # what the peak_memory_mib metric measures
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,9 @@ class TrainLoopConfig:
     stop_url: str = ""  # a file whose existence asks the workers to stop after this epoch
     keep_checkpoints: int = 0  # newest checkpoints that keep their weights; 0 keeps every one
     best_checkpoint_metric: str = "val_loss"  # also kept; "none" keeps no best
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast; fp16 adds a gradient scaler)
+    gradient_checkpointing: bool = False
+    strategy: str = "ddp"  # "ddp" | "fsdp" (FSDP2 ``fully_shard``); one worker trains unwrapped
 
     def retention(self) -> RetentionPolicy | None:
         if self.keep_checkpoints < 1:
@@ -110,29 +125,52 @@ def make_scheduler(name: str, optimizer: torch.optim.Optimizer, epochs: int) -> 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
 
 
-def serialize_state(state: dict[str, Any]) -> bytes:
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-def deserialize_state(data: bytes) -> dict[str, Any]:
-    """Load a state saved by :func:`serialize_state`; never unpickles arbitrary objects."""
-    import torch
-
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # type: ignore[no-any-return]
-
-
-def _all_reduce_sum(values: list[float]) -> list[float]:
+def _all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """``values`` summed (or maxed) over all workers; unchanged outside a process group."""
     import torch
     import torch.distributed as dist
 
     tensor = torch.tensor(values, dtype=torch.float64)
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return tensor.tolist()  # type: ignore[no-any-return]
+
+
+def precision_context(precision: str, device: torch.device) -> Any:
+    """The autocast context of the training and evaluation forwards (a no-op for fp32)."""
+    import torch
+
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
+def apply_strategy(
+    model: torch.nn.Module, strategy: str, device: torch.device, prepare_ddp: Any
+) -> torch.nn.Module:
+    """``model`` on ``device``, wrapped for data-parallel training by ``strategy``.
+
+    ``fsdp`` shards every top-level child that holds parameters, then the root, with FSDP2's
+    ``fully_shard`` over all workers (gloo on CPU, NCCL on GPUs); ``ddp`` uses ``prepare_ddp``
+    (Ray Train's ``prepare_model``). Outside a process group the model trains unwrapped.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return model.to(device)
+    if strategy == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = model.to(device)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for child in model.children():
+            if next(child.parameters(), None) is not None:
+                fully_shard(child, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    return prepare_ddp(model) if prepare_ddp else model.to(device)
 
 
 def epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -147,11 +185,12 @@ def epoch_seed(seed: int, epoch: int, rank: int) -> int:
 class EpochCommitter:
     """Rank 0's background writer: commits each epoch's checkpoint while training carries on.
 
-    The loop hands over serialised bytes. One commit is in flight at a time, so commits stay in
-    epoch order and memory stays bounded. After each commit the retention policy, if any, prunes
-    the checkpoints it does not keep. Workers never write metrics anywhere else: the driver
-    turns committed checkpoints into MLflow history (see ``tasks.train.EpochRecorder``), which
-    keeps MLflow's client work off the training process's interpreter lock.
+    The loop hands over the checkpoint's files as bytes. One commit is in flight at a time, so
+    commits stay in epoch order and memory stays bounded. After each commit the retention
+    policy, if any, prunes the checkpoints it does not keep. Workers never write metrics
+    anywhere else: the driver turns committed checkpoints into MLflow history (see
+    ``tasks.train.EpochRecorder``), which keeps MLflow's client work off the training
+    process's interpreter lock.
     """
 
     def __init__(self, store: CheckpointStore, retention: RetentionPolicy | None = None) -> None:
@@ -165,7 +204,7 @@ class EpochCommitter:
     def submit(
         self,
         epoch: int,
-        state: bytes,
+        files: dict[str, bytes],
         metrics: dict[str, float],
         *,
         epoch_started: float,
@@ -180,7 +219,7 @@ class EpochCommitter:
             "checkpoint_blocking_seconds": now - blocked_since,
             "epoch_seconds": now - epoch_started,  # wall time of the whole epoch on rank 0
         }
-        files = {STATE_FILE: state, METRICS_FILE: json.dumps(metrics).encode()}
+        files = {**files, METRICS_FILE: json.dumps(metrics).encode()}
         self._in_flight = self._executor.submit(self._commit, epoch, files)
 
     def _commit(self, epoch: int, files: dict[str, bytes]) -> str:
@@ -232,8 +271,9 @@ def evaluate_batches(
 class EpochTrainer:
     """One worker's model, optimiser and data shard, trained one epoch at a time.
 
-    Shared by Ray Train workers (``train_loop_per_worker``, DDP) and campaign trials that train
-    in one warm process. It resumes from the newest verified checkpoint in ``checkpoint_url``.
+    Shared by Ray Train workers (``train_loop_per_worker``, DDP or FSDP) and campaign trials that
+    train in one warm process. It resumes from the newest verified checkpoint in
+    ``checkpoint_url``, whatever strategy and worker count wrote it.
     """
 
     def __init__(
@@ -248,26 +288,30 @@ class EpochTrainer:
     ) -> None:
         import torch
 
+        from integrations import devices
+
         self.config, self.rank, self.world_size = config, rank, world_size
         self.device = device or torch.device("cpu")
+        check_precision(config.precision, self.device)
         torch.manual_seed(epoch_seed(config.seed, 0, 0))  # the same initial weights everywhere
         model = build_model(
             config.model, config.input_shape, config.num_classes, config.model_options
         )
+        if config.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        self.model = apply_strategy(model, config.strategy, self.device, prepare_model)
         self.optimizer = make_optimizer(
-            config.optimizer, model.parameters(), config.lr, config.weight_decay
+            config.optimizer, self.model.parameters(), config.lr, config.weight_decay
         )
         self.scheduler = make_scheduler(config.scheduler, self.optimizer, config.epochs)
+        # Loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's range.
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16")
         self.store = CheckpointStore(config.checkpoint_url)
         self.first_epoch = 1
+        self.peak_memory_kind = devices.peak_memory_kind(self.device)
         latest = self.store.latest()
         if latest is not None:
-            state = deserialize_state(latest.files[STATE_FILE])
-            model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.first_epoch = int(state["epoch"]) + 1
-        self.model = prepare_model(model) if prepare_model else model
+            self._restore(latest.files)
         shards = shards or {
             split: load_shard(config.splits_url, split, rank, world_size)
             for split in ("train", "val")
@@ -279,12 +323,34 @@ class EpochTrainer:
             torch.from_numpy(a).to(self.device) for a in shards["val"]
         )
 
+    def _restore(self, files: dict[str, bytes]) -> None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        distributed_checkpoint.load_files(
+            files, {"model": model_state, "optimizer": optimizer_state}
+        )
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=optimizer_state,
+        )
+        trainer_state = json.loads(files[TRAINER_STATE_FILE])
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        if trainer_state.get("scaler"):
+            self.scaler.load_state_dict(trainer_state["scaler"])
+        self.first_epoch = int(trainer_state["epoch"]) + 1
+
     def train_epoch(self, epoch: int) -> dict[str, float]:
-        """Train one epoch, then evaluate; metrics are summed over all workers."""
+        """Train one epoch, then evaluate; metrics are summed (memory: maxed) over all workers."""
         import torch
         import torch.nn.functional as F
 
-        config, model = self.config, self.model
+        from integrations import devices
+
+        config, model, scaler = self.config, self.model, self.scaler
+        devices.reset_peak_memory(self.device)
         started = time.perf_counter()
         model.train()
         seed = epoch_seed(config.seed, epoch, self.rank)
@@ -294,16 +360,20 @@ class EpochTrainer:
         for step in range(math.ceil(len(self.train_labels) / config.batch_size)):
             index = order[step * config.batch_size : (step + 1) * config.batch_size]
             self.optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(self.train_features[index]), self.train_labels[index])
-            loss.backward()
-            self.optimizer.step()
+            with precision_context(config.precision, self.device):
+                logits = model(self.train_features[index])
+            loss = F.cross_entropy(logits.float(), self.train_labels[index])
+            scaler.scale(loss).backward()
+            scaler.step(self.optimizer)
+            scaler.update()
             loss_sum += loss.detach() * len(index)
         self.scheduler.step()
         train_seconds = time.perf_counter() - started
-        val_loss, val_correct, val_rows = evaluate_batches(
-            model, self.val_features, self.val_labels, max(config.batch_size, 256)
-        )
-        totals = _all_reduce_sum(
+        with precision_context(config.precision, self.device):
+            val_loss, val_correct, val_rows = evaluate_batches(
+                model, self.val_features, self.val_labels, max(config.batch_size, 256)
+            )
+        totals = _all_reduce(
             [
                 float(loss_sum),
                 len(self.train_labels),
@@ -313,25 +383,42 @@ class EpochTrainer:
                 train_seconds,
             ]
         )
+        peak_memory = _all_reduce([devices.peak_memory_bytes(self.device)], op="max")[0]
         return {
             "train_loss": totals[0] / totals[1],
             "val_loss": totals[2] / totals[4],
             "val_accuracy": totals[3] / totals[4],
             "samples_per_second": totals[1] / (totals[5] / self.world_size),
+            "peak_memory_mib": peak_memory / 2**20,  # the largest worker's
+            "workers": self.world_size,  # elastic groups change size between restarts
         }
 
-    def snapshot(self, epoch: int) -> bytes:
-        """The training state after ``epoch``, serialised (what a checkpoint stores)."""
-        module: torch.nn.Module = getattr(self.model, "module", self.model)  # unwrap DDP
-        return serialize_state(
-            {
-                "model": module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "epoch": epoch,
-                "seed": self.config.seed,
-            }
+    def snapshot(self, epoch: int) -> dict[str, bytes]:
+        """The training state after ``epoch`` as checkpoint files; empty on ranks other than 0.
+
+        Every worker must call it: under FSDP, gathering the full state is a collective.
+        """
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        distributed = dist.is_available() and dist.is_initialized()
+        model_state, optimizer_state = get_state_dict(
+            self.model,
+            self.optimizer,
+            options=StateDictOptions(full_state_dict=distributed, cpu_offload=distributed),
         )
+        if self.rank != 0:
+            return {}
+        state = {"model": model_state, "optimizer": optimizer_state}
+        files = distributed_checkpoint.to_files(state)
+        trainer_state = {
+            "epoch": epoch,
+            "seed": self.config.seed,
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+        }
+        files[TRAINER_STATE_FILE] = json.dumps(trainer_state).encode()
+        return files
 
     def committed_metrics(self) -> dict[int, dict[str, float]]:
         """Metrics of every verified epoch before ``first_epoch`` (a resumed trial's history)."""
@@ -344,10 +431,27 @@ class EpochTrainer:
         return history
 
 
+def check_precision(precision: str, device: torch.device) -> None:
+    """Refuse a precision the worker's device cannot train in, before the first step."""
+    import torch
+
+    if precision == "fp16" and device.type == "cpu":
+        raise ConfigurationError(
+            "training.precision",
+            "fp16 needs a GPU (its gradient scaler and kernels are GPU features); "
+            "use --precision bf16 on CPU, or --use-gpu",
+        )
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigurationError(
+            "training.precision",
+            f"{torch.cuda.get_device_name(device)} has no bf16 support; use --precision fp16",
+        )
+
+
 def stop_requested(stop_url: str) -> bool:
     """Whether someone asked this run to stop (a pruned trial); every worker agrees."""
     flag = 1.0 if stop_url and storage.exists(stop_url) else 0.0
-    return _all_reduce_sum([flag])[0] > 0
+    return _all_reduce([flag])[0] > 0
 
 
 def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
@@ -368,7 +472,11 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
         tracking.set_tags(
             tracking.client_for(config.tracking_uri),
             config.run_id,
-            {STARTED_AT_TAG: str(trainer.first_epoch)},
+            {
+                STARTED_AT_TAG: str(trainer.first_epoch),
+                WORLD_SIZE_TAG: str(trainer.world_size),
+                PEAK_MEMORY_TAG: trainer.peak_memory_kind,
+            },
         )
     committer = EpochCommitter(trainer.store, config.retention()) if trainer.rank == 0 else None
     for epoch in range(trainer.first_epoch, config.epochs + 1):
@@ -376,15 +484,13 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
             break
         started = time.perf_counter()
         metrics = trainer.train_epoch(epoch)
+        blocked_since = time.perf_counter()
+        # The snapshot (gathered to rank 0) is the only part that blocks; hashing and writing
+        # happen in the background.
+        files = trainer.snapshot(epoch)
         if committer is not None:
-            blocked_since = time.perf_counter()
-            # Serialising is the snapshot; hashing and writing happen in the background.
             committer.submit(
-                epoch,
-                trainer.snapshot(epoch),
-                metrics,
-                epoch_started=started,
-                blocked_since=blocked_since,
+                epoch, files, metrics, epoch_started=started, blocked_since=blocked_since
             )
     if committer is not None:
         committer.close()
@@ -396,23 +502,44 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
 def fit(
     config: TrainLoopConfig,
     *,
-    workers: int,
-    use_gpu: bool,
-    cpus_per_worker: float,
+    workers: int | tuple[int, int],
+    request: ResourceRequest,
     max_failures: int,
     ray_storage_url: str,
     name: str,
+    collective_timeout_s: int = 1800,
 ) -> None:
-    """Run ``train_loop_per_worker`` on ``workers`` Ray Train workers (DDP; gloo or NCCL)."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    """Run ``train_loop_per_worker`` on Ray Train workers (DDP or FSDP over gloo or NCCL).
 
+    ``workers`` as ``(min, max)`` makes the group elastic: it starts once ``min`` workers can be
+    placed, grows towards ``max`` as resources appear, and after losing a worker restarts from
+    the last checkpoint with the workers still placeable. A collective that waits longer than
+    ``collective_timeout_s`` (a hung or lost peer) fails the group instead of hanging it.
+    """
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from integrations import devices
+
+    use_gpu = request.gpus > 0
+    # Ray Train adds the accelerator resource itself from ``accelerator_type``.
+    resources = {
+        k: v
+        for k, v in request.ray_resources().items()
+        if v and not k.startswith("accelerator_type:")
+    }
     storage_path, storage_filesystem = storage.ray_storage(ray_storage_url)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=asdict(config),
+        torch_config=TorchConfig(
+            backend=devices.collective_backend(use_gpu), timeout_s=collective_timeout_s
+        ),
         scaling_config=ScalingConfig(
-            num_workers=workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus_per_worker}
+            num_workers=workers,  # type: ignore[arg-type]  # Ray's stub omits the elastic tuple
+            use_gpu=use_gpu,
+            resources_per_worker=resources,
+            accelerator_type=request.accelerator_type,
         ),
         run_config=RunConfig(
             name=name,
@@ -436,5 +563,7 @@ def load_trained_model(
     if latest is None:
         raise CheckpointError(f"no verified checkpoint under {checkpoint_url}")
     model = build_model(model_name, input_shape, num_classes, model_options)
-    model.load_state_dict(deserialize_state(latest.files[STATE_FILE])["model"])
+    state = {"model": model.state_dict()}
+    distributed_checkpoint.load_files(latest.files, state)
+    model.load_state_dict(state["model"])
     return model.eval(), latest.epoch

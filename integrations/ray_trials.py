@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from integrations import storage
+from integrations import distributed_checkpoint, storage
 from integrations.checkpoints import CheckpointStore
 from integrations.errors import CheckpointError, PrefectMLError
 from integrations.ray_training import (
@@ -31,8 +31,8 @@ from integrations.ray_training import (
     fit,
     load_shard,
     make_optimizer,
-    serialize_state,
 )
+from integrations.resources import ResourceRequest
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,7 @@ class TrialSpec:
     number: int
     loop: TrainLoopConfig
     workers: int = 1
-    cpus_per_worker: float = 1.0
-    use_gpu: bool = False
+    request: ResourceRequest = ResourceRequest()  # the trial's process, or each of its workers
     ray_storage_url: str = ""
 
 
@@ -80,7 +79,7 @@ class TrialWorker:
             optimizer = make_optimizer(name, model.parameters(), 1e-3, 0.0)
             model(torch.zeros(1, 2)).sum().backward()
             optimizer.step()
-        serialize_state({"model": model.state_dict()})
+        distributed_checkpoint.to_files({"model": model.state_dict()})
         storage.exists(storage.join(Path.cwd().as_uri(), "warm-up"))
         return os.getpid()
 
@@ -161,8 +160,7 @@ class DistributedTrial:
             fit(
                 self._spec.loop,
                 workers=self._spec.workers,
-                use_gpu=self._spec.use_gpu,
-                cpus_per_worker=self._spec.cpus_per_worker,
+                request=self._spec.request,
                 max_failures=0,
                 ray_storage_url=self._spec.ray_storage_url,
                 name=f"trial-{self._spec.number}-{int(time.time())}",
@@ -207,15 +205,13 @@ class DistributedTrial:
             self._thread.join()
 
 
-def start_workers(count: int, *, cpus: float, gpus: float, driver_only: bool) -> list[Any]:
-    """``count`` warm trial actors; ``driver_only`` actors hold no CPU (Ray Train workers do)."""
+def start_workers(count: int, *, request: ResourceRequest, driver_only: bool) -> list[Any]:
+    """``count`` warm trial actors placed with ``request``; ``driver_only`` actors hold nothing
+    (their Ray Train workers hold the request)."""
     import ray
 
-    actor_class = ray.remote(TrialWorker).options(
-        num_cpus=0 if driver_only else cpus,
-        num_gpus=0 if driver_only else gpus,
-        max_restarts=0,
-    )
+    placed = ResourceRequest(cpus=0) if driver_only else request
+    actor_class = ray.remote(TrialWorker).options(**placed.actor_options(), max_restarts=0)
     workers: list[Any] = [actor_class.remote() for _ in range(count)]
-    ray.get([worker.ready.remote(max(1, int(cpus))) for worker in workers])
+    ray.get([worker.ready.remote(max(1, int(request.cpus))) for worker in workers])
     return workers

@@ -24,6 +24,7 @@ from ray import serve
 from ray.serve import Deployment
 
 from integrations.errors import ConfigurationError, DeploymentError
+from integrations.resources import ResourceRequest, placeable
 from integrations.settings import check_port_free
 
 DEPLOYMENT_NAME = "ModelServer"
@@ -308,8 +309,7 @@ class Placement(BaseModel):
     max_replicas: int
     target_ongoing_requests: float
     max_ongoing_requests: int
-    replica_cpus: float
-    replica_gpus: float
+    request: ResourceRequest  # one replica's CPUs, GPUs (fractions share one), GPU type, memory
 
     def deployment_options(self, allow_surge: bool) -> dict[str, Any]:
         scaling: dict[str, Any] = (
@@ -326,7 +326,7 @@ class Placement(BaseModel):
         return {
             **scaling,
             "max_ongoing_requests": self.max_ongoing_requests,
-            "ray_actor_options": {"num_cpus": self.replica_cpus, "num_gpus": self.replica_gpus},
+            "ray_actor_options": self.request.actor_options(),
             "max_surge_percent": 100 if allow_surge else 0,
             # A model that does not load will not load on the 20th try (Ray's default) either;
             # three covers a flaky artifact store and fails a bad version within seconds.
@@ -368,11 +368,9 @@ def deploy(served: ServedModel, options: ReplicaOptions, placement: Placement) -
     import ray
 
     start_http(placement.host, placement.port)
-    room = ray.available_resources()
-    allow_surge = (
-        room.get("CPU", 0.0) >= placement.replica_cpus
-        and room.get("GPU", 0.0) >= placement.replica_gpus
-    )
+    # Free resources summed over the cluster: a surge replica that still finds no single node
+    # with room waits a moment for an old replica to drain, as without surge.
+    allow_surge = placeable(placement.request, [ray.available_resources()]) >= 1
     server = cast(Deployment, ModelServer)  # the decorator made the class a Deployment
     deployment = server.options(**placement.deployment_options(allow_surge))
     try:

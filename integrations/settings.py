@@ -71,6 +71,12 @@ class PrefectMLSettings(BaseSettings):
         title="CPUs for a local Ray",
         description="CPUs a locally started Ray may use; unset uses every core.",
     )
+    check_resources: bool = Field(
+        default=True,
+        title="Check resources at flow start",
+        description="Fail a flow at start when the Ray cluster cannot place its workers, trials "
+        "or replicas; false (an autoscaling cluster that adds nodes on demand) only warns.",
+    )
 
     @cached_property
     def home_dir(self) -> Path:

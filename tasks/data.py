@@ -94,7 +94,7 @@ def inspect_dataset(params: TrainingSections) -> DataSummary:
     workers = (
         params.sweep.trial_workers
         if isinstance(params, CampaignParams)
-        else params.training.workers
+        else params.training.worker_range[1]  # the largest group has the smallest shards
     )
     per_worker = n_train // workers
     if params.training.batch_size > n_train:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 
-from integrations import prefect_server, storage, tracking
+from integrations import devices, prefect_server, storage, tracking
 from integrations.ray_cluster import ray_session
 from integrations.settings import PrefectMLSettings
 
@@ -21,6 +21,8 @@ class Check:
     name: str
     ok: bool
     detail: str
+    # A warning is shown but passes: the system works, just not as the user probably expects.
+    warning: bool = False
 
 
 def _guarded(name: str, probe: Callable[[], str]) -> Check:
@@ -40,14 +42,19 @@ def _versions() -> str:
     return ", ".join(found)
 
 
-def _devices() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        runtime = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
-        return f"{runtime}: {', '.join(names)} (NCCL)"
-    return f"CPU only, {torch.get_num_threads()} threads (gloo)"
+def _devices() -> list[Check]:
+    """The devices row, then one passing row per torch/driver mismatch so that each is seen."""
+    try:
+        runtime = devices.detect_runtime()
+    except Exception as exc:  # same isolation as _guarded: the other checks still run
+        return [Check("devices", False, f"{type(exc).__name__}: {exc}")]
+    return [
+        Check("devices", True, devices.describe(runtime)),
+        *(
+            Check("devices", True, f"WARNING: {warning}", warning=True)
+            for warning in runtime.warnings
+        ),
+    ]
 
 
 def _ray(settings: PrefectMLSettings) -> str:
@@ -84,7 +91,7 @@ def run_checks(settings: PrefectMLSettings) -> list[Check]:
     """Every check, each isolated so that one failure does not hide the others."""
     return [
         _guarded("versions", _versions),
-        _guarded("devices", _devices),
+        *_devices(),
         _guarded("ray", lambda: _ray(settings)),
         _guarded(
             "mlflow",

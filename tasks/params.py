@@ -16,6 +16,7 @@ from pydantic_core import to_jsonable_python
 
 from integrations import storage
 from integrations.catalog import resolve_dataset, resolve_model
+from integrations.resources import GB, RequestFields, ResourceRequest
 
 
 def _factory_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
@@ -30,6 +31,22 @@ def _factory_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
 class _Section(BaseModel):
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, json_schema_extra=_factory_defaults
+    )
+
+
+def _accelerator_field(title: str, placed: str, gpus_field: str) -> Any:
+    return Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        title=title,
+        description=f"Place {placed} only on nodes with this accelerator (Ray's "
+        f"accelerator_type, e.g. H100, A10G, L4); needs {gpus_field}.",
+    )
+
+
+def _memory_field(title: str, reserved_for: str) -> Any:
+    return Field(
+        None, gt=0, title=title, description=f"Heap memory Ray reserves for {reserved_for}."
     )
 
 
@@ -125,18 +142,32 @@ class ModelParams(_Section):
 
 # Training fields that change how a run is executed or stored, not what it computes: changing
 # them resumes the same run, and a campaign cannot tune them.
+# Workers and strategy are here because checkpoints restore under any layout: a run resumed on
+# more or fewer workers, or sharded differently, is the same run.
 OPERATIONAL_FIELDS = {
     "max_failures",
     "cpus_per_worker",
     "keep_checkpoints",
     "best_checkpoint_metric",
+    "workers",
+    "use_gpu",
+    "accelerator_type",
+    "memory_per_worker_gb",
+    "strategy",
+    "gradient_checkpointing",
+    "collective_timeout_s",
 }
 
 
 class TrainingParams(_Section):
     """How to train: workers, epochs, optimiser, fault tolerance."""
 
-    workers: int = Field(2, ge=1, title="Workers", description="Ray Train workers (data-parallel).")
+    workers: int | tuple[int, int] = Field(
+        2,
+        title="Workers",
+        description="Ray Train workers (data-parallel): a number, or a range 'min-max' for "
+        "elastic training that starts with min and carries on after losing workers.",
+    )
     epochs: int = Field(12, ge=1, title="Epochs", description="Passes over the training split.")
     batch_size: int = Field(
         32, ge=1, title="Batch size", description="Samples per step on each worker."
@@ -166,6 +197,33 @@ class TrainingParams(_Section):
     cpus_per_worker: float = Field(
         1.0, gt=0, title="CPUs per worker", description="CPUs Ray reserves for each worker."
     )
+    accelerator_type: str | None = _accelerator_field("GPU type", "workers", "use_gpu")
+    memory_per_worker_gb: float | None = _memory_field("Memory per worker (GB)", "each worker")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        title="Precision",
+        description="Autocast precision: bf16 works on CPU and recent GPUs; fp16 needs a GPU and "
+        "adds a gradient scaler.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        title="Gradient checkpointing",
+        description="Recompute activations in backward instead of keeping them: less memory, "
+        "about one more forward per step.",
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        title="Parallel strategy",
+        description="ddp replicates the model on every worker; fsdp shards parameters, gradients "
+        "and optimiser state across workers (FSDP2).",
+    )
+    collective_timeout_s: int = Field(
+        1800,
+        ge=10,
+        title="Collective timeout (s)",
+        description="How long a collective waits for a lost or hung worker before the group fails "
+        "and restarts from the last checkpoint.",
+    )
     keep_checkpoints: int = Field(
         3,
         ge=1,
@@ -179,6 +237,55 @@ class TrainingParams(_Section):
         description="Validation metric whose best epoch keeps its weights whatever its age; "
         "'none' keeps only the newest.",
     )
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _parse_workers(cls, workers: Any) -> Any:
+        """``"4"``, ``"2-4"`` (a CLI flag) or ``[2, 4]`` (JSON) into an int or a (min, max)."""
+        if isinstance(workers, str):
+            low, _, high = workers.replace(":", "-").partition("-")
+            try:
+                return int(low) if not high else (int(low), int(high))
+            except ValueError:
+                raise ValueError(
+                    f"{workers!r} is neither a worker count nor a range; write 4 or 2-4"
+                ) from None
+        return workers
+
+    @field_validator("workers")
+    @classmethod
+    def _check_workers(cls, workers: int | tuple[int, int]) -> int | tuple[int, int]:
+        low, high = (workers, workers) if isinstance(workers, int) else workers
+        if low < 1 or high < low:
+            raise ValueError(
+                f"needs at least 1 worker, and a range needs max >= min (got {workers}); "
+                "write e.g. 2 or 2-4"
+            )
+        return workers
+
+    @model_validator(mode="after")
+    def _check_training(self) -> TrainingParams:
+        if self.precision == "fp16" and not self.use_gpu:
+            raise ValueError("precision fp16 needs a GPU: set --use-gpu, or use --precision bf16")
+        if self.accelerator_type and not self.use_gpu:
+            raise ValueError("accelerator_type places GPU workers: set --use-gpu as well")
+        return self
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        """(min, max) workers; equal for a fixed count."""
+        if isinstance(self.workers, int):
+            return self.workers, self.workers
+        return self.workers
+
+    def worker_request(self) -> ResourceRequest:
+        """What Ray reserves for each training worker."""
+        return ResourceRequest(
+            cpus=self.cpus_per_worker,
+            gpus=1.0 if self.use_gpu else 0.0,
+            accelerator_type=self.accelerator_type,
+            memory_bytes=_bytes(self.memory_per_worker_gb),
+        )
 
 
 class RegistryParams(_Section):
@@ -358,7 +465,15 @@ class SweepParams(_Section):
     )
     concurrency: int = Field(2, ge=1, title="Concurrency", description="Trials run in parallel.")
     trial_cpus: float = Field(1.0, gt=0, title="CPUs per trial", description="CPUs per trial.")
-    trial_gpus: float = Field(0.0, ge=0, title="GPUs per trial", description="GPUs per trial.")
+    trial_gpus: float = Field(
+        0.0, ge=0, title="GPUs per trial", description="GPUs per trial (per worker with >1)."
+    )
+    trial_accelerator_type: str | None = _accelerator_field(
+        "GPU type per trial", "trials", "trial_gpus"
+    )
+    trial_memory_gb: float | None = _memory_field(
+        "Memory per trial (GB)", "each trial (each worker with >1)"
+    )
     trial_workers: int = Field(
         1,
         ge=1,
@@ -392,6 +507,8 @@ class SweepParams(_Section):
             raise ValueError(f"unknown objective {unknown}; choose from {list(EPOCH_METRICS)}")
         if len(self.objectives) > 1 and "pruner" in self.model_fields_set and self.pruner != "none":
             raise ValueError("pruning needs a single objective; set --pruner none")
+        if self.trial_accelerator_type and not self.trial_gpus:
+            raise ValueError("trial_accelerator_type places GPU trials: set --trial-gpus as well")
         for name, dimension in self.search_space.items():
             _check_searchable(name, dimension)
             if self.sampler == "grid":
@@ -404,6 +521,35 @@ class SweepParams(_Section):
     @property
     def effective_pruner(self) -> str:
         return self.pruner if len(self.objectives) == 1 else "none"
+
+    def trial_request(self) -> ResourceRequest:
+        """What one trial process (or, with several workers, each of its workers) reserves."""
+        return ResourceRequest(
+            cpus=self.trial_cpus,
+            gpus=self.trial_gpus,
+            accelerator_type=self.trial_accelerator_type,
+            memory_bytes=_bytes(self.trial_memory_gb),
+        )
+
+
+WORKER_FIELDS = RequestFields(
+    count="training.workers",
+    cpus="training.cpus_per_worker",
+    gpus="training.use_gpu",
+    accelerator_type="training.accelerator_type",
+    memory="training.memory_per_worker_gb",
+)
+TRIAL_FIELDS = RequestFields(
+    count="sweep.trial_workers",
+    cpus="sweep.trial_cpus",
+    gpus="sweep.trial_gpus",
+    accelerator_type="sweep.trial_accelerator_type",
+    memory="sweep.trial_memory_gb",
+)
+
+
+def _bytes(gigabytes: float | None) -> int | None:
+    return None if gigabytes is None else int(gigabytes * GB)
 
 
 def _check_searchable(name: str, dimension: SearchDimension) -> None:
@@ -487,6 +633,10 @@ class ServingParams(_Section):
     replica_gpus: float = Field(
         0.0, ge=0, title="GPUs per replica", description="GPUs reserved; fractions share a GPU."
     )
+    replica_accelerator_type: str | None = _accelerator_field(
+        "GPU type per replica", "replicas", "replica_gpus"
+    )
+    replica_memory_gb: float | None = _memory_field("Memory per replica (GB)", "each replica")
     max_rows: int = Field(
         1024, ge=1, title="Max rows per request", description="Larger batches get a 413."
     )
@@ -525,12 +675,34 @@ class ServingParams(_Section):
                 f"({self.max_batch_size}), so batches could never fill; raise "
                 "--max-ongoing-requests or lower --max-batch-size"
             )
+        if self.replica_accelerator_type and not self.replica_gpus:
+            raise ValueError(
+                "replica_accelerator_type places GPU replicas: set --replica-gpus as well"
+            )
         return self
+
+    def replica_request(self) -> ResourceRequest:
+        """What one serving replica reserves."""
+        return ResourceRequest(
+            cpus=self.replica_cpus,
+            gpus=self.replica_gpus,
+            accelerator_type=self.replica_accelerator_type,
+            memory_bytes=_bytes(self.replica_memory_gb),
+        )
 
     @property
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         return f"http://{host}:{self.port}{self.route_prefix.rstrip('/')}"
+
+
+REPLICA_FIELDS = RequestFields(
+    count="serving.min_replicas",
+    cpus="serving.replica_cpus",
+    gpus="serving.replica_gpus",
+    accelerator_type="serving.replica_accelerator_type",
+    memory="serving.replica_memory_gb",
+)
 
 
 class ServeModelParams(_Section):

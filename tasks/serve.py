@@ -17,8 +17,10 @@ from pydantic import BaseModel
 from integrations import serving, tracking
 from integrations.errors import ConfigurationError
 from integrations.ray_cluster import ray_session
+from integrations.resources import cluster_nodes
 from integrations.settings import PrefectMLSettings, get_settings
-from tasks.params import ServingParams
+from tasks.params import REPLICA_FIELDS, ServingParams
+from tasks.placement import require_fits
 
 if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
@@ -130,27 +132,21 @@ def placement(params: ServingParams) -> serving.Placement:
                 "max_replicas",
                 "target_ongoing_requests",
                 "max_ongoing_requests",
-                "replica_cpus",
-                "replica_gpus",
             }
-        )
+        ),
+        request=params.replica_request(),
     )
 
 
-def check_fits(params: ServingParams, resources: dict[str, float]) -> None:
+def check_fits(params: ServingParams) -> None:
     """Refuse replicas the cluster can never place, instead of waiting for them forever."""
-    for resource, per_replica, flag in (
-        ("CPU", params.replica_cpus, "--replica-cpus"),
-        ("GPU", params.replica_gpus, "--replica-gpus"),
-    ):
-        needed = per_replica * params.min_replicas
-        have = resources.get(resource, 0.0)
-        if needed > have:
-            raise ConfigurationError(
-                f"serving.replica_{resource.lower()}s",
-                f"{params.min_replicas} replica(s) x {per_replica:g} {resource} need {needed:g} "
-                f"{resource}, the Ray cluster has {have:g}; lower {flag} or --min-replicas",
-            )
+    require_fits(
+        params.replica_request(),
+        params.min_replicas,
+        cluster_nodes(),
+        what="replica(s)",
+        fields=REPLICA_FIELDS,
+    )
 
 
 def smoke_request(url: str, token: str | None) -> SmokeResult:
@@ -211,8 +207,8 @@ def serve_registered_model(
             params.host,
             params.auth_token_env,
         )
-    with ray_session(settings) as resources:
-        check_fits(params, resources)
+    with ray_session(settings):
+        check_fits(params)
         logger.info("Deploying %s v%s to %s", served.name, served.version, params.url)
         serving.deploy(served, replica_options(params, token), placement(params))
         smoke = smoke_request(params.url, token) if params.smoke_test else None

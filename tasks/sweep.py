@@ -33,12 +33,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from integrations import ray_trials, storage, studies, tracking
 from integrations.checkpoints import CheckpointStore
-from integrations.errors import ConfigurationError, PrefectMLError
+from integrations.errors import PrefectMLError
 from integrations.prefect_server import RAY_TAG
 from integrations.ray_cluster import ray_session
+from integrations.resources import cluster_nodes
 from integrations.settings import PrefectMLSettings, get_settings
 from tasks.data import PreparedData
-from tasks.params import CampaignParams, with_trial_values
+from tasks.params import TRIAL_FIELDS, CampaignParams, with_trial_values
+from tasks.placement import require_fits
 from tasks.train import current_flow_run_id, flatten, loop_config
 
 if TYPE_CHECKING:
@@ -441,8 +443,7 @@ class Coordinator:
             number=trial.number,
             loop=config,
             workers=self.sweep.trial_workers,
-            cpus_per_worker=self.sweep.trial_cpus,
-            use_gpu=self.sweep.trial_gpus > 0,
+            request=self.sweep.trial_request(),
             ray_storage_url=self.settings.ray_storage_url,
         )
 
@@ -580,8 +581,8 @@ class Coordinator:
         import ray
 
         remaining = None if self.budget is None else self.budget - self.tally.finished
-        with ray_session(self.settings) as resources:
-            slots = self._slots(resources, remaining)
+        with ray_session(self.settings):
+            slots = self._slots(cluster_nodes(), remaining)
             try:
                 self._drive(self._start_workers(slots), writer)
             finally:
@@ -630,10 +631,7 @@ class Coordinator:
 
     def _start_workers(self, count: int) -> list[Any]:
         workers = ray_trials.start_workers(
-            count,
-            cpus=self.sweep.trial_cpus,
-            gpus=self.sweep.trial_gpus,
-            driver_only=self.sweep.trial_workers > 1,
+            count, request=self.sweep.trial_request(), driver_only=self.sweep.trial_workers > 1
         )
         self.workers.extend(workers)
         return workers
@@ -669,24 +667,17 @@ class Coordinator:
         if not early and self._can_start(deadline):
             self._dispatch(running.worker, writer)
 
-    def _slots(self, resources: dict[str, float], remaining: int | None) -> int:
-        """Parallel trials: what was asked, capped by what one trial needs and the cluster has."""
+    def _slots(self, nodes: list[dict[str, float]], remaining: int | None) -> int:
+        """Parallel trials: what was asked, capped by how many trials the cluster's nodes hold
+        at once (a trial with several workers holds that many copies of the request)."""
         sweep = self.sweep
-        per_trial = {"CPU": sweep.trial_cpus * sweep.trial_workers, "GPU": sweep.trial_gpus}
-        fits = []
-        for resource, need in per_trial.items():
-            if need <= 0:
-                continue
-            have = resources.get(resource, 0.0)
-            if need > have:
-                field_name = "trial_cpus" if resource == "CPU" else "trial_gpus"
-                raise ConfigurationError(
-                    f"sweep.{field_name}",
-                    f"one trial needs {need:g} {resource} but the Ray cluster has {have:g}; "
-                    f"lower --{field_name.replace('_', '-')} or --trial-workers",
-                )
-            fits.append(int(have // need))
-        slots = min([sweep.concurrency, *fits, remaining or sweep.concurrency])
+        what = "trial worker(s)" if sweep.trial_workers > 1 else "trial(s)"
+        copies = require_fits(
+            sweep.trial_request(), sweep.trial_workers, nodes, what=what, fields=TRIAL_FIELDS
+        )
+        # Unenforced (PREFECT_ML_CHECK_RESOURCES=false), nothing may fit yet: run as asked.
+        fits = copies // sweep.trial_workers or sweep.concurrency
+        slots = min([sweep.concurrency, fits, remaining or sweep.concurrency])
         if slots < sweep.concurrency:
             self.logger.warning(
                 "Running %d trials at a time, not %d: that is what the cluster fits or the budget "

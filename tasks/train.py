@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from integrations import ray_training, storage, tracking
+from integrations import catalog, ray_training, storage, tracking
 from integrations.checkpoints import CheckpointStore
 from integrations.errors import CheckpointError, PrefectMLError
 from integrations.prefect_server import RAY_TAG
@@ -148,13 +148,32 @@ def loop_config(
         run_id=run_id,
         keep_checkpoints=params.training.keep_checkpoints,
         best_checkpoint_metric=params.training.best_checkpoint_metric,
+        precision=params.training.precision,
+        gradient_checkpointing=params.training.gradient_checkpointing,
+        strategy=params.training.strategy,
     )
+
+
+def check_checkpointing_hook(params: TrainingSections, data: PreparedData) -> None:
+    """Refuse ``--gradient-checkpointing`` for a model without the hook, before any run starts.
+
+    The model is built on torch's meta device: no memory, no initialisation cost.
+    """
+    import torch
+
+    with torch.device("meta"):
+        model = catalog.build_model(
+            params.model.model, data.sample_shape, data.num_classes, params.model.factory_options()
+        )
+    catalog.check_gradient_checkpointing(model)
 
 
 def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResult:
     """Train on Ray Train workers, resuming the unfinished run with the same identity if any."""
     logger = get_run_logger()
     settings = get_settings()
+    if params.training.gradient_checkpointing:
+        check_checkpointing_hook(params, data)
     client = tracking.client_for(settings.resolved_tracking_uri)
     experiment_id = tracking.ensure_experiment(
         client, params.experiment, settings.mlflow_artifact_root
@@ -199,11 +218,11 @@ def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResu
                     ray_training.fit(
                         config,
                         workers=params.training.workers,
-                        use_gpu=params.training.use_gpu,
-                        cpus_per_worker=params.training.cpus_per_worker,
+                        request=params.training.worker_request(),
                         max_failures=params.training.max_failures,
                         ray_storage_url=settings.ray_storage_url,
                         name=f"{run_id}-{int(time.time())}",
+                        collective_timeout_s=params.training.collective_timeout_s,
                     )
             except Exception as exc:
                 tracking.finish_run(client, run_id, status="FAILED")

@@ -1,4 +1,9 @@
-"""The whole process killed mid-training; the same command resumes from the last checkpoint."""
+"""The whole process killed mid-training; the same command resumes from the last checkpoint.
+
+The first command is issue 7's done-when command (bf16, FSDP over 2 workers, gradient
+checkpointing through a user model's hook); the second resumes the same run on 1 DDP worker:
+the DCP checkpoint restores across strategy and worker count, and the model registers.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from pathlib import Path
 import psutil
 from prefect.settings import PREFECT_API_URL
 
-from integrations import tracking
+from integrations import ray_training, tracking
 from integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
 from tests.helpers import committed_epochs, wait_for
@@ -28,9 +33,11 @@ COMMAND = [
     '{"delay": 0.05}',
     "--epochs",
     str(EPOCHS),
-    "--workers",
-    "2",
+    "--precision",
+    "bf16",
 ]
+FIRST = [*COMMAND, "--strategy", "fsdp", "--gradient-checkpointing", "--workers", "2"]
+SECOND = [*COMMAND, "--strategy", "ddp", "--workers", "1"]
 
 
 def _kill_tree(process: subprocess.Popen[bytes]) -> None:
@@ -55,7 +62,7 @@ def test_killed_process_resumes_from_last_verified_checkpoint(
         "PREFECT_API_URL": str(PREFECT_API_URL.value()),
     }
     log = (tmp_path / "first.log").open("wb")
-    first = subprocess.Popen(COMMAND, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    first = subprocess.Popen(FIRST, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     storage_dir = home.home_dir / "storage"
     try:
         wait_for(lambda: 2 in committed_epochs(storage_dir), 300, "the epoch-2 checkpoint")
@@ -65,7 +72,7 @@ def test_killed_process_resumes_from_last_verified_checkpoint(
     assert killed_at < EPOCHS, "the process must die before training ends"
 
     second = subprocess.run(
-        COMMAND, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
+        SECOND, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
     )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "Resuming MLflow run" in second.stderr + second.stdout
@@ -79,3 +86,10 @@ def test_killed_process_resumes_from_last_verified_checkpoint(
     assert resumed_from >= killed_at >= 2, "resumed from the last checkpoint, not from epoch 0"
     assert tracking.logged_epochs(client, run.info.run_id) == list(range(1, EPOCHS + 1))
     assert run.data.tags["registered_version"] == "1"
+    assert run.data.params["training.strategy"] == "fsdp", "the run began sharded"
+    assert run.data.tags[ray_training.WORLD_SIZE_TAG] == "1", "and finished on one worker"
+    workers = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "workers")}
+    assert workers[1] == 2 and workers[EPOCHS] == 1
+    peaks = client.get_metric_history(run.info.run_id, "peak_memory_mib")
+    assert len(peaks) == EPOCHS and all(p.value > 50 for p in peaks), "each worker's peak RSS"
+    assert run.data.tags[ray_training.PEAK_MEMORY_TAG].startswith("peak process RSS")

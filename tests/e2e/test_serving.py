@@ -242,7 +242,14 @@ def test_a_bearer_token_from_a_prefect_secret_guards_predict_and_named_columns_a
         ({"model_name": "no-such-model"}, "no registered model 'no-such-model'"),
         ({"alias": "staging"}, "no alias @staging"),
         ({"model_version": "99"}, "no version 99; its versions: [1, 2]"),
-        ({"serving": {"replica_cpus": 64}}, "the Ray cluster has 2;"),
+        (
+            {"serving": {"replica_cpus": 64}},
+            "serving.replica_cpus: 1 replica(s) x (64 CPU) asked, the cluster has 2 CPU in total",
+        ),
+        (
+            {"serving": {"replica_gpus": 0.5}},
+            "serving.replica_gpus: 1 replica(s) x (0.25 CPU, 0.5 GPU) asked, the cluster has 0 GPU",
+        ),
     ],
 )
 def test_a_missing_model_alias_version_or_impossible_replica_fails_before_deploying(

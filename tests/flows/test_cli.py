@@ -6,9 +6,11 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from flows.cli import app
+from integrations import devices
 from integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
 from tests.helpers import free_port
@@ -31,6 +33,22 @@ def test_flags_mirror_parameter_names(command: str) -> None:
         "--no-normalize",
     ):
         assert flag in result.output
+
+
+def test_gpu_layer_flags_parse_into_the_training_section() -> None:
+    from flows.cli import parse_parameters
+    from tasks.params import TrainModelParams
+
+    usage = CliRunner().invoke(app, ["train", "--help"]).output
+    for flag in ("--precision", "--strategy", "--gradient-checkpointing", "--accelerator-type"):
+        assert flag in usage
+    params = parse_parameters(
+        TrainModelParams,
+        {"workers": "1-3", "precision": "bf16", "strategy": "fsdp", "gradient_checkpointing": True},
+    )
+    training = params.training
+    assert training.worker_range == (1, 3) and training.strategy == "fsdp"
+    assert training.precision == "bf16" and training.gradient_checkpointing
 
 
 def test_invalid_flags_exit_2_naming_each_field(home: PrefectMLSettings) -> None:
@@ -75,10 +93,15 @@ def test_bad_json_option_is_a_usage_error() -> None:
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_doctor_reports_every_system(home: PrefectMLSettings) -> None:
-    result = CliRunner().invoke(app, ["doctor"])
+    result = CliRunner(env={"COLUMNS": "400"}).invoke(app, ["doctor"])
     assert result.exit_code == 0, result.output
     for check in ("versions", "devices", "ray", "mlflow", "storage", "HAProxy ingress"):
         assert check in result.output
+    runtime = devices.detect_runtime()
+    devices_row = next(line for line in result.output.splitlines() if "│ devices" in line)
+    assert f"{runtime.kind}: " in devices_row
+    assert f"torch {torch.__version__}" in result.output
+    assert result.output.count("WARNING: ") == len(runtime.warnings)
     assert "server http://127.0.0.1:" in result.output  # the test harness's Prefect server
     assert "FAIL" not in result.output
 

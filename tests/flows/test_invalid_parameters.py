@@ -10,6 +10,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+from flows.sweep import hpo_campaign
 from flows.train import train_model
 from integrations.settings import PrefectMLSettings
 
@@ -53,7 +54,7 @@ def test_parameter_errors_fail_the_flow_before_any_task(
 
 
 def test_data_errors_fail_in_inspection_before_anything_is_written(
-    home: PrefectMLSettings, tmp_path: Path
+    home: PrefectMLSettings, tmp_path: Path, ray_cluster: None
 ) -> None:
     csv = tmp_path / "flowers.csv"
     pd.DataFrame({"petal": [1.0, 2.0] * 20, "kind": ["a", "b"] * 20}).to_csv(csv, index=False)
@@ -72,6 +73,40 @@ def test_data_errors_fail_in_inspection_before_anything_is_written(
         assert state.is_failed()
         assert expected in str(state.result(raise_on_failure=False))
         assert _task_names(str(state.state_details.flow_run_id)) == ["inspect-data"]
+    _assert_nothing_written(home)
+
+
+@pytest.mark.parametrize(
+    ("flow", "parameters", "field", "expected"),
+    [
+        (
+            train_model,
+            {"training": {"use_gpu": True, "accelerator_type": "H100"}},
+            "training.accelerator_type",
+            "the cluster has 0 H100 GPUs",
+        ),
+        (
+            hpo_campaign,
+            {"sweep": {"trial_gpus": 1}},
+            "sweep.trial_gpus",
+            "the cluster has 0 GPU in total",
+        ),
+    ],
+)
+def test_requests_the_cluster_cannot_place_fail_the_flow_before_any_task(
+    home: PrefectMLSettings,
+    ray_cluster: None,
+    flow: Any,
+    parameters: dict[str, Any],
+    field: str,
+    expected: str,
+) -> None:
+    """The local Ray has 2 CPUs and no GPU: the check fails in seconds instead of pending."""
+    state = flow(params=parameters, return_state=True)
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    assert message.startswith(f"{field}: ") and expected in message
+    assert _task_names(str(state.state_details.flow_run_id)) == []
     _assert_nothing_written(home)
 
 

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import io
 import json
 import logging
 import pickle
@@ -11,13 +10,11 @@ import torch
 
 from integrations import storage
 from integrations.checkpoints import MANIFEST, CheckpointStore, RetentionPolicy
+from integrations.distributed_checkpoint import load_files, to_files
 from integrations.errors import CheckpointError
-from integrations.ray_training import (
-    METRICS_FILE,
-    STATE_FILE,
-    deserialize_state,
-    serialize_state,
-)
+from integrations.ray_training import METRICS_FILE
+
+STATE_FILE = "__0_0.distcp"
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -29,8 +26,8 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStore:
 
 
 def _save(store: CheckpointStore, epoch: int) -> str:
-    state = {"model": {"w": torch.full((3,), float(epoch))}, "epoch": epoch}
-    return store.save(epoch, {STATE_FILE: serialize_state(state), "note.txt": b"epoch %d" % epoch})
+    files = to_files({"model": {"w": torch.full((3,), float(epoch))}})
+    return store.save(epoch, {**files, "note.txt": b"epoch %d" % epoch})
 
 
 def test_latest_returns_the_newest_verified_checkpoint(store: CheckpointStore) -> None:
@@ -38,7 +35,9 @@ def test_latest_returns_the_newest_verified_checkpoint(store: CheckpointStore) -
         _save(store, epoch)
     latest = store.latest()
     assert latest is not None and latest.epoch == 3
-    assert deserialize_state(latest.files[STATE_FILE])["epoch"] == 3
+    state = {"model": {"w": torch.zeros(3)}}
+    load_files(latest.files, state)
+    assert state["model"]["w"].tolist() == [3.0, 3.0, 3.0]
     assert store.epochs() == [1, 2, 3]
 
 
@@ -77,7 +76,7 @@ def test_damaged_checkpoint_is_skipped_with_a_warning(
 
 def _save_with_loss(store: CheckpointStore, epoch: int, val_loss: float) -> None:
     metrics = json.dumps({"val_loss": val_loss}).encode()
-    store.save(epoch, {STATE_FILE: serialize_state({"epoch": epoch}), METRICS_FILE: metrics})
+    store.save(epoch, {STATE_FILE: b"weights %d" % epoch, METRICS_FILE: metrics})
 
 
 def test_retention_keeps_the_last_k_and_the_best_and_the_history_of_all(
@@ -136,8 +135,16 @@ class _Payload:
         return (print, ("arbitrary code ran",))
 
 
-def test_states_are_never_unpickled_as_arbitrary_objects() -> None:
-    buffer = io.BytesIO()
-    torch.save({"model": _Payload()}, buffer)
-    with pytest.raises(pickle.UnpicklingError):
-        deserialize_state(buffer.getvalue())
+@pytest.mark.parametrize("poisoned", ["metadata", "value"])
+def test_checkpoints_are_never_unpickled_as_arbitrary_objects(
+    poisoned: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DCP unpickles its metadata and ``torch.load``s non-tensor values; neither may run code."""
+    if poisoned == "metadata":
+        files = to_files({"model": {"w": torch.zeros(3)}, "step": 7})
+        files[".metadata"] = pickle.dumps(_Payload())
+    else:  # a non-tensor value is stored as a torch.save'd blob in the data file
+        files = to_files({"model": {"w": torch.zeros(3)}, "step": _Payload()})
+    with pytest.raises(CheckpointError, match="not allowed|Unsupported global"):
+        load_files(files, {"model": {"w": torch.zeros(3)}, "step": 0})
+    assert "arbitrary code ran" not in capsys.readouterr().out

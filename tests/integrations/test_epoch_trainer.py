@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from integrations.checkpoints import CheckpointStore
-from integrations.ray_training import METRICS_FILE, STATE_FILE
+from integrations.ray_training import METRICS_FILE
 from tests.helpers import blob_trainer
 
 
@@ -17,7 +17,7 @@ def test_a_resumed_trainer_reports_each_verified_epoch_under_its_own_number(
     first = blob_trainer(url)
     for epoch in (1, 2, 3):
         metrics = first.train_epoch(epoch)
-        files = {STATE_FILE: first.snapshot(epoch), METRICS_FILE: json.dumps(metrics).encode()}
+        files = {**first.snapshot(epoch), METRICS_FILE: json.dumps(metrics).encode()}
         CheckpointStore(url).save(epoch, files)
     broken = tmp_path / "trial" / "epoch-000002" / METRICS_FILE
     broken.write_bytes(broken.read_bytes()[:-3])  # a torn write

@@ -18,11 +18,13 @@ from s3fs import S3FileSystem
 from integrations import storage
 from integrations.checkpoints import CheckpointStore
 from integrations.errors import CheckpointError, ConfigurationError, EnvironmentCheckError
-from integrations.ray_training import METRICS_FILE, STATE_FILE, EpochCommitter
+from integrations.ray_training import METRICS_FILE, EpochCommitter
 from tests.helpers import blob_trainer, wait_for
 from tests.s3 import TEST_BUCKET, FaultyProxy, MotoS3
 
 MIB = 2**20
+
+STATE_FILE = "__0_0.distcp"  # the data file of a one-writer DCP checkpoint
 
 
 def _objects(moto_s3: MotoS3) -> dict[str, int]:

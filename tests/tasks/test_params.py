@@ -18,7 +18,14 @@ from tasks.params import (
 @pytest.mark.parametrize(
     ("given", "field", "message"),
     [
-        ({"training": {"workers": 0}}, "training.workers", "greater than or equal to 1"),
+        ({"training": {"workers": 0}}, "training.workers", "needs at least 1 worker"),
+        ({"training": {"workers": "4-2"}}, "training.workers", "max >= min (got (4, 2))"),
+        ({"training": {"workers": "two"}}, "training.workers", "write 4 or 2-4"),
+        ({"training": {"precision": "fp16"}}, "training", "fp16 needs a GPU: set --use-gpu"),
+        ({"training": {"precision": "int8"}}, "training.precision", "'fp32', 'bf16' or 'fp16'"),
+        ({"training": {"strategy": "zero3"}}, "training.strategy", "'ddp' or 'fsdp'"),
+        ({"training": {"accelerator_type": "H100"}}, "training", "set --use-gpu as well"),
+        ({"training": {"collective_timeout_s": 1}}, "training.collective_timeout_s", "10"),
         ({"training": {"epochs": -1}}, "training.epochs", "greater than or equal to 1"),
         ({"training": {"lr": 0}}, "training.lr", "greater than 0"),
         ({"training": {"lr": math.nan}}, "training.lr", "finite number"),
@@ -47,13 +54,50 @@ def test_defaults_are_valid_and_json_schema_has_titles() -> None:
     assert all("description" in field for field in training.values())
 
 
-def test_run_key_ignores_fault_tolerance_but_not_hyperparameters() -> None:
+def test_run_key_ignores_fault_tolerance_and_layout_but_not_hyperparameters() -> None:
+    """A run resumed on other workers or another strategy is the same run: its checkpoints
+    restore under any layout. Precision changes what is computed, so it is a new run."""
     base = TrainModelParams()
-    same = TrainModelParams.model_validate({"training": {"max_failures": 9}})
-    other = TrainModelParams.model_validate({"training": {"lr": 0.1}})
+    same = TrainModelParams.model_validate(
+        {
+            "training": {
+                "max_failures": 9,
+                "workers": "1-4",
+                "strategy": "fsdp",
+                "gradient_checkpointing": True,
+                "collective_timeout_s": 60,
+            }
+        }
+    )
+    for change in ({"lr": 0.1}, {"precision": "bf16"}):
+        other = TrainModelParams.model_validate({"training": change})
+        assert base.run_key("fp") != other.run_key("fp"), change
     assert base.run_key("fp") == same.run_key("fp")
-    assert base.run_key("fp") != other.run_key("fp")
     assert base.run_key("fp") != base.run_key("fp2")
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"), [(3, (3, 3)), ("3", (3, 3)), ("1-4", (1, 4)), ([2, 4], (2, 4))]
+)
+def test_workers_is_a_count_or_an_elastic_range(given: Any, expected: tuple[int, int]) -> None:
+    training = TrainModelParams.model_validate({"training": {"workers": given}}).training
+    assert training.worker_range == expected
+
+
+def test_worker_request_carries_gpu_type_and_memory() -> None:
+    training = TrainModelParams.model_validate(
+        {
+            "training": {
+                "use_gpu": True,
+                "accelerator_type": "H100",
+                "memory_per_worker_gb": 8,
+                "cpus_per_worker": 4,
+            }
+        }
+    ).training
+    request = training.worker_request()
+    assert (request.cpus, request.gpus, request.accelerator_type) == (4, 1, "H100")
+    assert request.memory_bytes == 8 * 10**9
 
 
 @pytest.mark.parametrize(

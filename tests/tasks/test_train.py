@@ -1,4 +1,4 @@
-"""Training on a real local Ray: data-parallel workers, checkpoints, a worker killed mid-epoch."""
+"""Training on a real local Ray: an elastic worker group, checkpoints, a worker killed mid-epoch."""
 
 from __future__ import annotations
 
@@ -38,16 +38,19 @@ def _train_workers() -> list[psutil.Process]:
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_killed_worker_resumes_from_last_checkpoint_and_logs_each_epoch_once(
+def test_elastic_group_trains_on_what_the_cluster_has_and_carries_on_after_losing_a_worker(
     home: PrefectMLSettings,
 ) -> None:
+    """Workers 1-3 on a 2-CPU Ray: training starts on the 2 workers the cluster has instead of
+    waiting for a third (a fixed 3 is refused before any compute). A worker killed after epoch 2
+    makes the group restart from the last checkpoint and finish; each epoch is logged once."""
     params = TrainModelParams.model_validate(
         {
             "model": {
                 "model": "tests.fixtures.user_code:slow_model",
                 "model_options": {"delay": 0.04},
             },
-            "training": {"epochs": EPOCHS, "workers": 2, "max_failures": 2},
+            "training": {"epochs": EPOCHS, "workers": "1-3", "max_failures": 2},
         }
     )
     outcome: dict[str, TrainResult | BaseException] = {}
@@ -63,7 +66,7 @@ def test_killed_worker_resumes_from_last_checkpoint_and_logs_each_epoch_once(
     storage_dir = home.home_dir / "storage"
     wait_for(lambda: 2 in committed_epochs(storage_dir), 240, "the epoch-2 checkpoint")
     victims = _train_workers()
-    assert len(victims) == 2, victims
+    assert len(victims) == 2, "the group started with the 2 workers the cluster has room for"
     os.kill(victims[-1].pid, signal.SIGKILL)
     thread.join(timeout=400)
 
@@ -75,6 +78,9 @@ def test_killed_worker_resumes_from_last_checkpoint_and_logs_each_epoch_once(
     tags = client.get_run(result.run_id).data.tags
     restarted_at = int(tags[ray_training.STARTED_AT_TAG])
     assert 3 <= restarted_at <= EPOCHS, "the new worker group resumed from a checkpoint"
+    assert tags[ray_training.WORLD_SIZE_TAG] == "2"
+    workers = {m.step: m.value for m in client.get_metric_history(result.run_id, "workers")}
+    assert workers == {e: 2 for e in range(1, EPOCHS + 1)}
     assert all(f"checkpoint.epoch_{e:04d}" in tags for e in range(1, EPOCHS + 1))
     assert committed_epochs(storage_dir) == list(range(1, EPOCHS + 1))
     assert result.epoch_metrics["val_accuracy"] > 0.5

@@ -1,0 +1,228 @@
+"""What one Ray-backed copy (training worker, trial, serving replica) asks for, and whether the
+cluster can place it.
+
+A request the cluster can never satisfy does not fail in Ray: the actor stays pending forever.
+So every flow checks its requests against the nodes' totals at start and names the parameter
+to change instead. Ray places each copy on one node, so the check packs per node, not per total.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from integrations.errors import ConfigurationError
+
+# Ray's own names: a node with GPUs of type T carries the resource "accelerator_type:T" (value 1),
+# and Ray (``ray._common.utils.resources_from_ray_options``, ``ScalingConfig.accelerator_type``)
+# turns ``accelerator_type=T`` into a request of 0.001 of it, which pins a copy to such a node.
+ACCELERATOR_PREFIX = "accelerator_type:"
+ACCELERATOR_SHARE = 0.001
+# Ray counts resources in fixed point with four decimals; comparing in those units makes
+# 0.7 GPU hold 7 copies of 0.1, as Ray does, not 6 (float division says 6.999...).
+_UNITS = 10_000
+GB = 10**9  # memory parameters (``*_memory_gb``, ``memory_per_worker_gb``) are decimal GB
+
+
+def _units(amount: float) -> int:
+    return round(amount * _UNITS)
+
+
+def _amount(value: float) -> str:
+    return f"{value:g}"
+
+
+def _gb(memory_bytes: float) -> str:
+    return f"{memory_bytes / GB:.3g} GB"
+
+
+@dataclass(frozen=True)
+class ResourceRequest:
+    """What one copy of a Ray-backed step reserves: CPUs, GPUs (fractions share a GPU), the GPU
+    type and memory."""
+
+    cpus: float = 1.0
+    gpus: float = 0.0
+    accelerator_type: str | None = None  # e.g. "H100", "A10G": Ray's accelerator_type:<T>
+    memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.cpus < 0 or self.gpus < 0 or (self.memory_bytes or 0) < 0:
+            raise ValueError(f"a resource request cannot be negative: {self}")
+
+    def ray_resources(self) -> dict[str, float]:
+        """The request as Ray's resource dict, the form node totals and placement groups use."""
+        resources: dict[str, float] = {}
+        if self.cpus:
+            resources["CPU"] = self.cpus
+        if self.gpus:
+            resources["GPU"] = self.gpus
+        if self.memory_bytes:
+            resources["memory"] = float(self.memory_bytes)
+        if self.accelerator_type:
+            resources[ACCELERATOR_PREFIX + self.accelerator_type] = ACCELERATOR_SHARE
+        return resources
+
+    def actor_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``ray.remote(...).options`` and Serve's ``ray_actor_options``."""
+        options: dict[str, Any] = {"num_cpus": self.cpus, "num_gpus": self.gpus}
+        if self.memory_bytes:
+            options["memory"] = self.memory_bytes
+        if self.accelerator_type:
+            options["accelerator_type"] = self.accelerator_type
+        return options
+
+    def describe(self) -> str:
+        """For messages: ``1 CPU, 1 GPU (H100), 4 GB``."""
+        parts = [f"{_amount(self.cpus)} CPU"]
+        if self.gpus or self.accelerator_type:
+            kind = f" ({self.accelerator_type})" if self.accelerator_type else ""
+            parts.append(f"{_amount(self.gpus)} GPU{kind}")
+        if self.memory_bytes:
+            parts.append(_gb(self.memory_bytes))
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class RequestFields:
+    """The parameters (dotted names) that set each part of a request, so that an error names
+    the one to change; CLI flags mirror the last part."""
+
+    count: str
+    cpus: str
+    gpus: str
+    accelerator_type: str
+    memory: str
+
+
+def cluster_nodes() -> list[dict[str, float]]:
+    """Total resources of each alive node; Ray must be initialised."""
+    import ray
+
+    return [
+        {name: float(value) for name, value in node["Resources"].items()}
+        for node in ray.nodes()
+        if node.get("Alive")
+    ]
+
+
+def _per_node(resources: dict[str, float], node: dict[str, float]) -> int | None:
+    """Copies of ``resources`` one node holds at once; None when it asks for nothing."""
+    fits = [
+        _units(node.get(name, 0.0)) // _units(need)
+        for name, need in resources.items()
+        if _units(need) > 0
+    ]
+    return min(fits) if fits else None
+
+
+def placeable(request: ResourceRequest, nodes: Sequence[dict[str, float]]) -> int:
+    """How many copies of ``request`` the nodes hold at once, each copy on one node.
+
+    A request that asks for nothing fits without bound (:data:`UNBOUNDED`).
+    """
+    resources = request.ray_resources()
+    if not any(_units(need) > 0 for need in resources.values()):
+        return UNBOUNDED
+    return sum(
+        min(_units(node.get(name, 0.0)) // _units(need) for name, need in resources.items())
+        for node in nodes
+    )
+
+
+UNBOUNDED = 2**62
+
+
+def _total(nodes: Sequence[dict[str, float]], name: str) -> float:
+    return sum(node.get(name, 0.0) for node in nodes)
+
+
+def _largest(nodes: Sequence[dict[str, float]], name: str) -> float:
+    return max((node.get(name, 0.0) for node in nodes), default=0.0)
+
+
+def _gpu_types(nodes: Sequence[dict[str, float]]) -> list[str]:
+    names = {name for node in nodes for name in node if name.startswith(ACCELERATOR_PREFIX)}
+    return sorted(name.removeprefix(ACCELERATOR_PREFIX) for name in names)
+
+
+def _flag(field: str) -> str:
+    return "--" + field.rsplit(".", 1)[-1].replace("_", "-")
+
+
+def _show(name: str, value: float) -> str:
+    return f"{_gb(value)} memory" if name == "memory" else f"{_amount(value)} {name}"
+
+
+def check_fits(
+    request: ResourceRequest,
+    count: int,
+    nodes: Sequence[dict[str, float]],
+    *,
+    what: str,
+    fields: RequestFields,
+) -> int:
+    """Raise a ConfigurationError naming the parameter to change when fewer than ``count``
+    copies of ``request`` fit at once; else return how many fit.
+
+    Args:
+        request: one copy's resources.
+        count: copies that must run at the same time (workers of one run, minimum replicas).
+        nodes: each node's total resources (:func:`cluster_nodes`).
+        what: the copies' noun for the message, e.g. ``"worker(s)"``.
+        fields: the parameters that set the request.
+    """
+    fits = placeable(request, nodes)
+    if fits >= count:
+        return fits
+    asked = f"{count} {what} x ({request.describe()}) asked"
+    elsewhere = (
+        "or use a cluster that has them (PREFECT_ML_RAY_ADDRESS; for an autoscaling cluster "
+        "set PREFECT_ML_CHECK_RESOURCES=false)"
+    )
+    kind = request.accelerator_type
+    eligible = [n for n in nodes if not kind or n.get(ACCELERATOR_PREFIX + kind, 0.0) > 0]
+    if kind and not eligible:
+        types = ", ".join(_gpu_types(nodes)) or "none"
+        raise ConfigurationError(
+            fields.accelerator_type,
+            f"{asked}, the cluster has 0 {kind} GPUs (node GPU types: {types}); set "
+            f"{_flag(fields.accelerator_type)} to a type the cluster has or unset it, {elsewhere}",
+        )
+    # The first resource that alone cannot hold ``count`` copies is the one to name.
+    short = [
+        (name, field)
+        for name, need, field in (
+            ("GPU", request.gpus, fields.gpus),
+            ("memory", request.memory_bytes or 0, fields.memory),
+            ("CPU", request.cpus, fields.cpus),
+        )
+        if _units(need) > 0
+        and sum(_units(n.get(name, 0.0)) // _units(need) for n in eligible) < count
+    ]
+    if short:
+        name, field = short[0]
+        on_kind = f" on {kind} nodes" if kind else ""
+        problem = (
+            f"the cluster has {_show(name, _total(eligible, name))} in total{on_kind}, "
+            f"the largest node {_show(name, _largest(eligible, name))}"
+        )
+    else:  # each resource alone would do, but no node has them all together
+        field = fields.cpus
+        listed = "; ".join(_node_summary(n) for n in nodes[:8]) + ("; ..." if nodes[8:] else "")
+        problem = f"only {fits} fit at once, each on one node with all of it (nodes: {listed})"
+    raise ConfigurationError(
+        field,
+        f"{asked}, {problem}; ask for less ({_flag(field)}, {_flag(fields.count)}) {elsewhere}",
+    )
+
+
+def _node_summary(node: dict[str, float]) -> str:
+    parts = [f"{_amount(node.get('CPU', 0.0))} CPU", f"{_amount(node.get('GPU', 0.0))} GPU"]
+    types = _gpu_types([node])
+    if types:
+        parts[-1] += f" ({', '.join(types)})"
+    if node.get("memory"):
+        parts.append(_gb(node["memory"]))
+    return ", ".join(parts)

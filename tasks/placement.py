@@ -1,0 +1,77 @@
+"""The flow-start check that the Ray cluster can place every worker, trial and replica a flow
+asks for: an impossible request fails in seconds, naming the parameter, instead of leaving Ray
+actors pending forever."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from integrations.errors import ConfigurationError
+from integrations.ray_cluster import ray_session
+from integrations.resources import RequestFields, ResourceRequest, check_fits, cluster_nodes
+from integrations.settings import get_settings
+from tasks.params import (
+    REPLICA_FIELDS,
+    TRIAL_FIELDS,
+    WORKER_FIELDS,
+    CampaignParams,
+    TrainingSections,
+)
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
+
+
+def require_fits(
+    request: ResourceRequest,
+    count: int,
+    nodes: Sequence[dict[str, float]],
+    *,
+    what: str,
+    fields: RequestFields,
+) -> int:
+    """:func:`check_fits` as the settings want it: an error, or with
+    ``PREFECT_ML_CHECK_RESOURCES=false`` (an autoscaling cluster) a warning. Returns how many
+    copies fit now."""
+    try:
+        return check_fits(request, count, nodes, what=what, fields=fields)
+    except ConfigurationError as exc:
+        if get_settings().check_resources:
+            raise
+        _logger().warning("%s (not enforced: PREFECT_ML_CHECK_RESOURCES=false)", exc)
+        return 0
+
+
+def check_placement(params: TrainingSections) -> None:
+    """Check a training, campaign or pipeline flow's requests against the cluster's nodes:
+    the minimum training workers, one campaign trial, and the minimum serving replicas.
+
+    A campaign alone trains no final model, so its training section places nothing.
+    """
+    sweep = getattr(params, "sweep", None)
+    serving = getattr(params, "serving", None)
+    requests: list[tuple[ResourceRequest, int, str, RequestFields]] = []
+    if not isinstance(params, CampaignParams):
+        training = params.training
+        requests.append(
+            (training.worker_request(), training.worker_range[0], "worker(s)", WORKER_FIELDS)
+        )
+    if sweep is not None:
+        what = "trial worker(s)" if sweep.trial_workers > 1 else "trial(s)"
+        requests.append((sweep.trial_request(), sweep.trial_workers, what, TRIAL_FIELDS))
+    if serving is not None:
+        requests.append(
+            (serving.replica_request(), serving.min_replicas, "replica(s)", REPLICA_FIELDS)
+        )
+    with ray_session(get_settings()):
+        nodes = cluster_nodes()
+        for request, count, what, fields in requests:
+            require_fits(request, count, nodes, what=what, fields=fields)

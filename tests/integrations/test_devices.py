@@ -1,0 +1,176 @@
+"""Device runtime detection, backend/device choice and per-epoch peak memory, on real torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from integrations import devices
+from tests.conftest import REPO_ROOT
+
+MiB = 2**20
+GiB = 2**30
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the CPU-only answers")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cpu_only
+def test_cpu_machine_detects_cpu_and_gloo() -> None:
+    runtime = devices.detect_runtime()
+    assert (runtime.kind, runtime.backend, runtime.nccl_version) == ("cpu", "gloo", "")
+    assert runtime.torch_version == torch.__version__
+    assert runtime.runtime_version == (torch.version.cuda or torch.version.hip or "")
+    assert runtime.devices and "CPU" in runtime.devices[0]
+    text = devices.describe(runtime)
+    assert text.startswith("cpu: ") and f"torch {torch.__version__}" in text and "gloo" in text
+
+
+@cpu_only
+def test_gpu_request_without_gpu_falls_back_to_gloo_and_cpu() -> None:
+    assert devices.collective_backend(True) == "gloo"
+    assert devices.collective_backend(False) == "gloo"
+    assert devices.training_device(True, local_rank=1) == torch.device("cpu")
+    assert devices.training_device(False) == torch.device("cpu")
+
+
+def test_cpu_only_torch_on_a_gpu_machine_says_install_a_cuda_build() -> None:
+    found = devices.mismatch_warnings(
+        torch_version="2.13.0+cpu",
+        built_cuda=None,
+        built_hip=None,
+        cuda_usable=False,
+        driver="570.86",
+        nvidia_gpus=2,
+        driver_cuda="12.8",
+    )
+    assert len(found) == 1
+    assert "lists 2 GPU(s)" in found[0] and "install a CUDA build of torch" in found[0]
+
+
+def test_cuda_torch_that_cannot_use_the_gpu_blames_driver_or_runtime() -> None:
+    found = devices.mismatch_warnings(
+        torch_version="2.13.0+cu126",
+        built_cuda="12.6",
+        built_hip=None,
+        cuda_usable=False,
+        driver="570.86",
+        nvidia_gpus=1,
+        driver_cuda="12.8",
+    )
+    assert len(found) == 1
+    assert "CUDA 12.6" in found[0] and "driver (570.86)" in found[0]
+    assert "driver/runtime problem" in found[0]
+
+
+@pytest.mark.parametrize(
+    ("driver_cuda", "warned"), [("12.2", True), ("12.6", False), ("13.0", False)]
+)
+def test_driver_older_than_torch_runtime_is_warned(driver_cuda: str, warned: bool) -> None:
+    found = devices.mismatch_warnings(
+        torch_version="2.13.0+cu126",
+        built_cuda="12.6",
+        built_hip=None,
+        cuda_usable=True,
+        driver="535.1",
+        nvidia_gpus=1,
+        driver_cuda=driver_cuda,
+    )
+    assert bool(found) is warned
+    if warned:
+        assert f"supports CUDA up to {driver_cuda}" in found[0] and "upgrade the driver" in found[0]
+
+
+def test_matching_cuda_stack_has_no_warnings() -> None:
+    assert not devices.mismatch_warnings(
+        torch_version="2.13.0+cu126",
+        built_cuda="12.6",
+        built_hip=None,
+        cuda_usable=True,
+        driver="570.86",
+        nvidia_gpus=8,
+        driver_cuda="12.8",
+    )
+
+
+# Runs in its own process so nothing else pytest allocates can move the process's peak RSS.
+_CPU_PEAK_PROBE = """
+import gc, json
+import numpy as np
+import torch
+from integrations import devices
+
+cpu = torch.device("cpu")
+devices.reset_peak_memory(cpu)
+before = devices.peak_memory_bytes(cpu)
+block = np.ones(200 * 2**20 // 8)  # np.ones writes every page, so all of it is resident
+during = devices.peak_memory_bytes(cpu)
+del block
+gc.collect()
+devices.reset_peak_memory(cpu)
+after = devices.peak_memory_bytes(cpu)
+print(json.dumps({"before": before, "during": during, "after": after,
+                  "kind": devices.peak_memory_kind(cpu)}))
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc")
+def test_cpu_peak_rss_tracks_an_allocation_and_resets_once_it_is_freed() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _CPU_PEAK_PROBE],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    peak = json.loads(done.stdout.splitlines()[-1])
+    assert peak["kind"] == "peak process RSS"
+    assert peak["during"] - peak["before"] >= 190 * MiB
+    assert peak["after"] < peak["during"] - 150 * MiB
+
+
+@pytest.mark.parametrize(
+    ("device", "kind"),
+    [
+        ("cpu", "peak process RSS"),
+        ("cuda", "max CUDA memory allocated"),
+        ("mps", "MPS driver memory"),
+    ],
+)
+def test_peak_memory_kind_names_what_was_measured(device: str, kind: str) -> None:
+    assert devices.peak_memory_kind(torch.device(device)).startswith(kind)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_machine_detects_cuda_and_nccl() -> None:
+    runtime = devices.detect_runtime()
+    expected_kind = "rocm" if torch.version.hip else "cuda"
+    assert (runtime.kind, runtime.backend) == (expected_kind, "nccl")
+    assert len(runtime.devices) == torch.cuda.device_count()
+    assert runtime.nccl_version and runtime.runtime_version
+    assert runtime.torch_version == torch.__version__
+    assert devices.collective_backend(True) == "nccl"
+    assert devices.collective_backend(False) == "gloo"
+    assert devices.training_device(True) == torch.device("cuda", 0)
+    assert devices.describe(runtime).startswith(f"{expected_kind}: ")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_peak_memory_tracks_a_1_gib_allocation() -> None:
+    cuda = devices.training_device(True)
+    devices.reset_peak_memory(cuda)
+    before = devices.peak_memory_bytes(cuda)
+    block = torch.ones(GiB, dtype=torch.uint8, device=cuda)
+    assert devices.peak_memory_bytes(cuda) - before >= GiB
+    del block
+    devices.reset_peak_memory(cuda)
+    assert devices.peak_memory_bytes(cuda) < before + GiB
+    assert devices.peak_memory_kind(cuda) == "max CUDA memory allocated"

@@ -1,0 +1,264 @@
+"""DDP and FSDP on gloo, mixed precision and gradient checkpointing, without Ray.
+
+Worker groups are real ``torch.distributed`` process groups (spawned processes on loopback),
+so these tests run the exact code Ray Train workers run, minus Ray's start-up.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from integrations import catalog, ray_training
+from integrations.errors import ConfigurationError
+from integrations.ray_training import EpochCommitter, EpochTrainer, TrainLoopConfig, shard_bounds
+from tests.fixtures.user_code import blobs
+from tests.helpers import free_port
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _config(checkpoint_url: str, **overrides: Any) -> TrainLoopConfig:
+    values: dict[str, Any] = {
+        "splits_url": "",
+        "input_shape": [6],
+        "num_classes": 3,
+        "model": "mlp",
+        "model_options": {"hidden": 16, "depth": 2, "dropout": 0.0},
+        "epochs": 3,
+        "batch_size": 8,
+        "lr": 0.01,
+        "optimizer": "adam",
+        "weight_decay": 0.0,
+        "scheduler": "cosine",
+        "seed": 3,
+        "checkpoint_url": checkpoint_url,
+        "tracking_uri": "",
+        "run_id": "",
+    }
+    return TrainLoopConfig(**{**values, **overrides})
+
+
+def _shards(rank: int, world_size: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    features, labels = blobs(rows=96, features=6)
+    start, stop = shard_bounds(len(labels), rank, world_size)
+    shard = (features[start:stop].astype(np.float32), labels[start:stop].astype(np.int64))
+    return {"train": shard, "val": shard}
+
+
+def _full_state(trainer: EpochTrainer) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    distributed = torch.distributed.is_initialized()
+    options = StateDictOptions(full_state_dict=distributed, cpu_offload=distributed)
+    state = get_model_state_dict(trainer.model, options=options)
+    return {name: tensor.detach().clone() for name, tensor in state.items()}  # not live views
+
+
+def _group_worker(
+    rank: int, world_size: int, port: int, config: TrainLoopConfig, epochs: int, out: str
+) -> None:
+    """One member of a gloo group: restore, train ``epochs`` more epochs, commit each."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        trainer = EpochTrainer(
+            config,
+            rank=rank,
+            world_size=world_size,
+            prepare_model=DistributedDataParallel,
+            shards=_shards(rank, world_size),
+        )
+        restored = _full_state(trainer)
+        committer = EpochCommitter(trainer.store) if rank == 0 else None
+        history = []
+        for epoch in range(trainer.first_epoch, trainer.first_epoch + epochs):
+            metrics = trainer.train_epoch(epoch)
+            files = trainer.snapshot(epoch)
+            history.append(metrics)
+            if committer is not None:
+                committer.submit(epoch, files, metrics, epoch_started=0.0, blocked_since=0.0)
+        final = _full_state(trainer)
+        if committer is not None:
+            committer.close()
+            kind = type(trainer.model).__name__
+            torch.save({"restored": restored, "final": final}, f"{out}.pt")
+            report = {"first_epoch": trainer.first_epoch, "history": history, "wrapper": kind}
+            Path(f"{out}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_group(
+    world_size: int, config: TrainLoopConfig, epochs: int, out: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    mp.start_processes(
+        _group_worker,
+        args=(world_size, free_port(), config, epochs, str(out)),
+        nprocs=world_size,
+        start_method="spawn",
+    )
+    report = json.loads(out.with_suffix(".json").read_text())
+    return report, torch.load(out.with_suffix(".pt"), weights_only=True)
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+
+
+def test_fsdp_trains_like_ddp_and_its_checkpoint_restores_under_other_layouts(
+    tmp_path: Path,
+) -> None:
+    """FSDP2 on gloo computes what DDP computes; its DCP checkpoint restores into 3 DDP workers
+    and into one unwrapped process, with the same weights, optimiser and schedule."""
+    fsdp_url, ddp_url = (tmp_path / "fsdp").as_uri(), (tmp_path / "ddp").as_uri()
+    fsdp, fsdp_state = _run_group(2, _config(fsdp_url, strategy="fsdp"), 2, tmp_path / "fsdp")
+    ddp, ddp_state = _run_group(2, _config(ddp_url, strategy="ddp"), 2, tmp_path / "ddp")
+
+    assert fsdp["wrapper"].startswith("FSDP") and ddp["wrapper"] == "DistributedDataParallel"
+    for sharded, replicated in zip(fsdp["history"], ddp["history"], strict=True):
+        assert sharded["train_loss"] == pytest.approx(replicated["train_loss"], rel=1e-5)
+    _assert_same_weights(fsdp_state["final"], ddp_state["final"])
+
+    # Two FSDP workers wrote epoch 2; three DDP workers resume it and train epoch 3.
+    resumed, resumed_state = _run_group(3, _config(fsdp_url), 1, tmp_path / "resumed")
+    assert resumed["first_epoch"] == 3
+    _assert_same_weights(resumed_state["restored"], fsdp_state["final"])
+    assert resumed["history"][0]["train_loss"] < fsdp["history"][0]["train_loss"]
+
+    # One unwrapped process (a campaign trial, evaluation) reads the same checkpoint.
+    single = EpochTrainer(_config(fsdp_url), shards=_shards(0, 1))
+    assert single.first_epoch == 4
+    _assert_same_weights(_full_state(single), resumed_state["final"])
+    assert single.scheduler.last_epoch == 3, "the LR schedule resumed where it stopped"
+    model, epoch = ray_training.load_trained_model(
+        fsdp_url, "mlp", [6], 3, _config("").model_options
+    )
+    assert epoch == 3
+    _assert_same_weights(model.state_dict(), resumed_state["final"])
+
+
+def test_checkpoints_are_distributed_checkpoint_directories(tmp_path: Path) -> None:
+    trainer = EpochTrainer(_config(tmp_path.as_uri()), shards=_shards(0, 1))
+    files = trainer.snapshot(1)
+    assert ".metadata" in files and any(name.endswith(".distcp") for name in files)
+    state = json.loads(files[ray_training.TRAINER_STATE_FILE])
+    assert state["epoch"] == 1 and state["scaler"] is None
+
+
+def test_bf16_autocast_trains_on_cpu_and_reports_peak_memory(tmp_path: Path) -> None:
+    trainer = EpochTrainer(_config(tmp_path.as_uri(), precision="bf16"), shards=_shards(0, 1))
+    with ray_training.precision_context("bf16", trainer.device):
+        logits = trainer.model(trainer.train_features[:4])
+    assert logits.dtype == torch.bfloat16
+    first = trainer.train_epoch(1)
+    last = trainer.train_epoch(2)
+    assert last["train_loss"] < first["train_loss"]
+    assert last["val_accuracy"] > 0.9
+    assert first["peak_memory_mib"] > 10, "the worker's peak RSS, in MiB"
+
+
+def test_fp16_is_refused_on_cpu_with_the_fix_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="training.precision.*--precision bf16"):
+        EpochTrainer(_config(tmp_path.as_uri(), precision="fp16"), shards=_shards(0, 1))
+
+
+@pytest.mark.parametrize(
+    ("model", "shape", "options"),
+    [
+        ("mlp", (6,), {"hidden": 32, "depth": 4, "dropout": 0.2}),
+        ("cnn", (1, 8, 8), {"channels": 4, "dropout": 0.2}),
+    ],
+)
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(
+    model: str, shape: tuple[int, ...], options: dict[str, Any]
+) -> None:
+    torch.manual_seed(0)
+    plain = catalog.build_model(model, shape, 3, options)
+    checkpointed = catalog.enable_gradient_checkpointing(copy.deepcopy(plain))
+    features, labels = torch.randn(16, *shape), torch.randint(0, 3, (16,))
+    losses = []
+    for network in (plain, checkpointed):
+        torch.manual_seed(1)  # the same dropout masks; recomputation replays them
+        loss = torch.nn.functional.cross_entropy(network.train()(features), labels)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert plain.state_dict().keys() == checkpointed.state_dict().keys()
+
+
+def test_gradient_checkpointing_calls_a_user_models_hook_and_refuses_a_model_without_one() -> None:
+    from tests.fixtures.user_code import SlowLinear
+
+    hooked = SlowLinear(4, 2, delay=0.0)
+    catalog.enable_gradient_checkpointing(hooked)
+    assert hooked.checkpointing
+    plain = torch.nn.Linear(4, 2)
+    with pytest.raises(ConfigurationError, match="training.gradient_checkpointing.*"):
+        catalog.enable_gradient_checkpointing(plain)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_fp16_on_cuda_scales_the_loss_and_checkpoints_the_scale(tmp_path: Path) -> None:
+    trainer = EpochTrainer(
+        _config(tmp_path.as_uri(), precision="fp16"),
+        device=torch.device("cuda"),
+        shards=_shards(0, 1),
+    )
+    assert trainer.scaler.is_enabled()
+    first, last = trainer.train_epoch(1), trainer.train_epoch(2)
+    assert last["train_loss"] < first["train_loss"]
+    files = trainer.snapshot(2)
+    assert json.loads(files[ray_training.TRAINER_STATE_FILE])["scaler"]["scale"] > 0
+
+
+def _nccl_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from integrations import devices
+
+    backend = devices.collective_backend(use_gpu=True)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    value = torch.ones(1, device="cuda") * (rank + 1)
+    dist.all_reduce(value)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"backend": backend, "sum": value.item()}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_nccl_all_reduce_on_gpus(tmp_path: Path) -> None:
+    out = tmp_path / "nccl.json"
+    world_size = min(2, torch.cuda.device_count())  # NCCL refuses two ranks on one GPU
+    os.environ.setdefault("NCCL_DEBUG", "WARN")
+    mp.start_processes(
+        _nccl_worker,
+        args=(world_size, free_port(), str(out)),
+        nprocs=world_size,
+        start_method="spawn",
+    )
+    expected = world_size * (world_size + 1) / 2
+    assert json.loads(out.read_text()) == {"backend": "nccl", "sum": expected}
