@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/training.py
 	$(VENV)/bin/python benchmarks/sweep.py
 	$(VENV)/bin/python benchmarks/checkpoints.py
+	$(VENV)/bin/python benchmarks/precision.py
 	# The serving benchmark's load generator is wrk (Debian package).
 	command -v wrk >/dev/null || apt-get install -y wrk
 	$(VENV)/bin/python benchmarks/serving.py

@@ -172,7 +172,7 @@ def test_the_train_form_on_the_server_has_titles_enums_defaults_and_refuses_bad_
         for bad, field, words in [
             ({"training": {"epochs": 0}}, "params.training.epochs", "less than the minimum"),
             ({"training": {"optimizer": "adamx"}}, "params.training.optimizer", "is not one of"),
-            ({"training": {"workers": "two"}}, "params.training.workers", "is not of type"),
+            ({"training": {"batch_size": "two"}}, "params.training.batch_size", "is not of type"),
             ({"training": {"wokers": 2}}, "params.training", "wokers"),
         ]:
             response = client.post(
