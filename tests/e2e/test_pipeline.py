@@ -238,8 +238,9 @@ def test_the_pipeline_with_a_sweep_runs_on_s3_with_mlflow_artifacts_in_s3(
     assert any(k.startswith("mlartifacts/") and "confusion_matrix.png" in k for k in keys)
     assert not (home.home_dir / "storage").exists()
     # Retention kept one checkpoint's weights (the last); every epoch kept its metrics.
-    state_files = sorted(k for k in keys if k.startswith(run_prefix) and k.endswith("/state.pt"))
-    assert state_files == [f"{run_prefix}epoch-000003/state.pt"]
+    data_file = "/__0_0.distcp"  # the DCP data file of a checkpoint
+    state_files = sorted(k for k in keys if k.startswith(run_prefix) and k.endswith(data_file))
+    assert state_files == [f"{run_prefix}epoch-000003/__0_0.distcp"]
 
 
 def _bucket_keys(moto_s3: MotoS3) -> Iterator[str]:
