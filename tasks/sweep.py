@@ -278,6 +278,18 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+@dataclass(frozen=True)
+class TrialEnd:
+    """What the study is told when a trial ends, fixed at that moment (the study thread reads it
+    later): values only for a COMPLETE trial, the epochs not yet reported, the error."""
+
+    trial: optuna.trial.Trial
+    state: str
+    values: tuple[float, ...] | None
+    reports: tuple[Any, ...]
+    error: str | None
+
+
 @dataclass
 class RunningTrial:
     trial: optuna.trial.Trial
@@ -497,19 +509,13 @@ class Coordinator:
         error: str | None = None,
     ) -> None:
         """Record a trial's end: counted here at once, told to the study in the background."""
-        from optuna.trial import TrialState
-
-        trial, reports = running.trial, list(running.unreported)
+        trial = running.trial
+        told = (
+            tuple(values[n] for n in self.names) if state == "COMPLETE" and values else None
+        )
+        end = TrialEnd(trial, state, told, tuple(running.unreported), error)
         running.unreported.clear()
-
-        def tell() -> None:
-            self._report_values(trial, reports)
-            if error:
-                trial.set_user_attr(studies.ERROR_ATTR, error[:2000])
-            told = [values[n] for n in self.names] if values else None
-            self.study.tell(trial, told, state=TrialState[state])
-
-        self.study_writes.append(self.study_thread.submit(tell))
+        self.study_writes.append(self.study_thread.submit(self._tell, end))
         if state == "PRUNED" and running.last_metrics:  # its value: the last one it reported
             values = {self.names[0]: float(running.last_metrics[self.names[0]])}
         summary = TrialSummary(
@@ -519,6 +525,16 @@ class Coordinator:
         self._count(state, summary)
         if state == "FAIL":
             self.logger.warning("Trial %d failed: %s", trial.number, error)
+
+    def _tell(self, end: TrialEnd) -> None:
+        """On the study thread: what was fixed when the trial ended, nothing read later."""
+        from optuna.trial import TrialState
+
+        self._report_values(end.trial, list(end.reports))
+        if end.error:
+            end.trial.set_user_attr(studies.ERROR_ATTR, end.error[:2000])
+        told = list(end.values) if end.values is not None else None
+        self.study.tell(end.trial, told, state=TrialState[end.state])
 
     def _report_values(self, trial: optuna.trial.Trial, reports: list[Any]) -> None:
         if len(self.names) == 1:
