@@ -34,3 +34,7 @@ class EnvironmentCheckError(PrefectMLError):
 
 class DeploymentError(PrefectMLError):
     """A serving application did not come up (a replica failed to load or start)."""
+
+
+class CampaignFailedError(PrefectMLError):
+    """A campaign spent its budget and no trial completed; running it again concludes the same."""

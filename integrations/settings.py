@@ -66,10 +66,38 @@ class PrefectMLSettings(BaseSettings):
         description="Bound on botocore's retries (5xx, throttling, connection resets) with "
         "exponential backoff and jitter; errors past it are raised.",
     )
+    task_retries: int = Field(
+        default=2,
+        ge=0,
+        le=10,
+        title="Retries of a failed step",
+        description="How many times a data, training or campaign step that failed on a "
+        "transient error is tried again; each retry resumes where the failed attempt stopped. "
+        "Bad parameters and refused credentials are never retried. Read when the flows are "
+        "imported (a deployment's or worker's environment).",
+    )
+    task_retry_delay_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=3600,
+        title="First retry delay (s)",
+        description="Wait before the first retry; each further retry waits twice as long, "
+        "give or take half (jitter).",
+    )
     local_ray_cpus: int | None = Field(
         default=None,
         title="CPUs for a local Ray",
         description="CPUs a locally started Ray may use; unset uses every core.",
+    )
+    lease_expiry_s: float = Field(
+        default=60.0,
+        ge=1.0,
+        le=3600.0,
+        title="Lease expiry (seconds)",
+        description="A training run or campaign has one writer, which renews a lease in the "
+        "storage; a writer on another host that has not renewed it for this long (by the "
+        "storage's clock) is presumed dead and taken over. A dead writer on this host is "
+        "taken over at once.",
     )
     check_resources: bool = Field(
         default=True,

@@ -105,6 +105,17 @@ def join(url: str, *parts: str) -> str:
     return "/".join([url.rstrip("/"), *(check_key(p).strip("/") for p in parts)])
 
 
+def lease_url(root_url: str) -> str:
+    """The lease folder of whatever lives under ``root_url`` (a campaign's checkpoint root)."""
+    return join(root_url, "lease")
+
+
+def training_lease_url(storage_url: str, run_key: str) -> str:
+    """The lease folder of the training run with identity ``run_key``; it exists before the
+    run's MLflow id (and so its checkpoint folder) is known."""
+    return join(storage_url, "leases", "training", run_key)
+
+
 def check_url(url: str, field: str) -> str:
     """A user-given base URL without traversal segments (``s3://b/a/../c`` is refused)."""
     _scheme, _, rest = url.rpartition("://")
@@ -189,6 +200,66 @@ def exists(url: str) -> bool:
 def remove(url: str) -> None:
     fs, path = filesystem(url)
     fs.rm(path)
+
+
+def create_exclusive(url: str, data: bytes) -> bool:
+    """Write ``data`` at ``url`` only if nothing is there; False if something already is.
+
+    Of writers racing for one URL exactly one gets True, and no reader sees a partial object:
+    locally a complete staging file is hard-linked into place (``link`` refuses an existing
+    name); on S3 a PUT with ``If-None-Match: *``.
+    """
+    fs, path = filesystem(url)
+    if is_local(url):
+        fs.makedirs(fs._parent(path), exist_ok=True)
+        staging = f"{path}.tmp-{uuid.uuid4().hex}"
+        with open(staging, "wb") as handle:
+            handle.write(data)
+        try:
+            os.link(staging, path)
+        except FileExistsError:
+            return False
+        finally:
+            os.remove(staging)
+        return True
+    try:
+        with fs.open(path, "xb") as handle:
+            handle.write(data)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if not _refused_as_existing(exc):
+            raise
+        return False
+    return True
+
+
+def _refused_as_existing(exc: OSError) -> bool:
+    """Whether an object store refused a conditional PUT because the object exists (412), or
+    because another conditional write to it was in flight (409)."""
+    text = f"{exc} {exc.__cause__}"
+    return any(m in text for m in ("PreconditionFailed", "ConditionalRequestConflict", "412"))
+
+
+def modified_time(url: str) -> float:
+    """When the object at ``url`` was last written, by the storage's clock (POSIX seconds)."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(path)
+    return float(fs.modified(path).timestamp())
+
+
+def storage_clock(url: str) -> float:
+    """The storage's clock now: the modified time of a probe object written under ``url``.
+
+    Processes on different hosts compare times written by the storage itself, never their own
+    clocks, so clock skew between hosts does not matter.
+    """
+    probe = join(url, f".clock-{uuid.uuid4().hex}")
+    write_bytes(probe, b"")
+    try:
+        return modified_time(probe)
+    finally:
+        remove(probe)
 
 
 def list_names(url: str) -> list[str]:

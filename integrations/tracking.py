@@ -37,9 +37,18 @@ _INITIALISED: set[str] = set()
 
 def client_for(tracking_uri: str) -> MlflowClient:
     from mlflow import MlflowClient
+    from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException
 
     if not tracking_uri.startswith("sqlite:///") or tracking_uri in _INITIALISED:
-        return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        try:
+            return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        except UnsupportedModelRegistryStoreURIException:
+            # A wrong scheme stays wrong: a configuration error, which is never retried.
+            raise ConfigurationError(
+                "PREFECT_ML_MLFLOW_TRACKING_URI",
+                f"{tracking_uri!r} is not an MLflow tracking URI; use sqlite:///<file>, "
+                "postgresql://... or the http(s) address of an MLflow server",
+            ) from None
     # MLflow creates a new SQLite database's tables when a client first opens it; two processes
     # doing it at once collide ("table already exists"). A file lock makes one of them wait.
     import fcntl

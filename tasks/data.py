@@ -16,6 +16,7 @@ from integrations.catalog import DatasetArrays, load_dataset
 from integrations.errors import ConfigurationError
 from integrations.settings import get_settings
 from tasks.params import CampaignParams, DataParams, TrainingSections
+from tasks.retries import transient_retries
 
 FORMAT_VERSION = "1"
 
@@ -163,7 +164,7 @@ def splits_present(prepared: PreparedData) -> bool:
     return storage.exists(storage.join(prepared.splits_url, "meta.json"))
 
 
-@task(name="inspect-data", cache_policy=NO_CACHE)
+@task(name="inspect-data", cache_policy=NO_CACHE, **transient_retries())
 def inspect_data(params: TrainingSections) -> DataSummary:
     return inspect_dataset(params)
 
@@ -174,7 +175,12 @@ def _preprocess_cache_key(_context: object, parameters: dict[str, object]) -> st
     return f"preprocess-{parameters['fingerprint']}-{where}"
 
 
-@task(name="preprocess", cache_key_fn=_preprocess_cache_key, persist_result=True)
+@task(
+    name="preprocess",
+    cache_key_fn=_preprocess_cache_key,
+    persist_result=True,
+    **transient_retries(),
+)
 def preprocess(data: DataParams, fingerprint: str) -> PreparedData:
     """Prefect caches this on the fingerprint: the same data and recipe are prepared once."""
     return preprocess_dataset(data, fingerprint, get_settings().resolved_storage_url)

@@ -33,7 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from integrations import ray_trials, storage, studies, tracking
 from integrations.checkpoints import CheckpointStore
-from integrations.errors import PrefectMLError
+from integrations.errors import CampaignFailedError
 from integrations.prefect_server import RAY_TAG
 from integrations.ray_cluster import ray_session
 from integrations.resources import cluster_nodes
@@ -41,6 +41,7 @@ from integrations.settings import PrefectMLSettings, get_settings
 from tasks.data import PreparedData
 from tasks.params import TRIAL_FIELDS, CampaignParams, with_trial_values
 from tasks.placement import require_fits
+from tasks.retries import transient_retries
 from tasks.train import current_flow_run_id, flatten, loop_config
 
 if TYPE_CHECKING:
@@ -744,7 +745,7 @@ class Coordinator:
         studies.release(self.study)
         if not best:
             tracking.finish_run(client, parent, "FAILED")
-            raise PrefectMLError(
+            raise CampaignFailedError(
                 f"campaign {self.sweep.campaign}: no trial completed "
                 f"({tally.failed} failed, {tally.pruned} pruned). "
                 f"First failure: {tally.first_error}"
@@ -797,7 +798,12 @@ artifacts of the campaign's MLflow run `{result.parent_run_id}`.
 """
 
 
-@task(name="hpo-campaign", cache_policy=NO_CACHE, tags=[RAY_TAG, "campaign"])
+@task(
+    name="hpo-campaign",
+    cache_policy=NO_CACHE,
+    tags=[RAY_TAG, "campaign"],
+    **transient_retries(),
+)
 def campaign(params: CampaignParams, data: PreparedData) -> CampaignResult:
     result = run_campaign(params, data)
     uri = get_settings().resolved_tracking_uri

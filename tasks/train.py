@@ -22,6 +22,7 @@ from integrations.ray_cluster import ray_session
 from integrations.settings import get_settings
 from tasks.data import PreparedData
 from tasks.params import TrainingSections, TrainModelParams
+from tasks.retries import transient_retries
 
 if TYPE_CHECKING:
     import torch
@@ -260,6 +261,6 @@ def trained_model(
     return model
 
 
-@task(name="train", cache_policy=NO_CACHE, tags=[RAY_TAG, "training"])
+@task(name="train", cache_policy=NO_CACHE, tags=[RAY_TAG, "training"], **transient_retries())
 def train(params: TrainModelParams, data: PreparedData) -> TrainResult:
     return train_distributed(params, data)

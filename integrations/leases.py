@@ -1,0 +1,287 @@
+"""One writer per training run and per campaign: a lease held in the storage, renewed by a
+heartbeat, taken over when its holder is dead.
+
+A lease folder holds generations, ``gen-000001.json``, ``gen-000002.json``, ... Taking the lease
+is creating the next generation exclusively (:func:`storage.create_exclusive`), so of two
+processes racing for it exactly one wins. The holder renews by rewriting its own generation and
+stops holding when a later one appears (it was presumed dead and taken over). Only the newest
+generation counts; it is free when it is released, or when its holder is dead:
+
+- on this host (same host name, boot and PID namespace): its process is gone, or its PID now
+  belongs to another process (a different start time), so a rerun after SIGKILL starts at once;
+- anywhere: it has not been renewed for the expiry (``PREFECT_ML_LEASE_EXPIRY_S``), measured
+  as the storage's clock now minus the time the storage wrote the record. Another host's clock
+  is never compared with ours.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from integrations import storage
+from integrations.errors import ConfigurationError, PrefectMLError
+from integrations.settings import get_settings
+
+logger = logging.getLogger(__name__)
+
+_GENERATION = re.compile(r"^gen-(\d{6,})\.json$")
+_ATTEMPTS = 5  # generations created by others between our look and our create, before we give up
+
+
+class LeaseHeldError(ConfigurationError):
+    """Another live process holds the lease; the message names it and says what to do."""
+
+
+class LeaseLostError(PrefectMLError):
+    """Another process took the lease over while we held it (we were presumed dead)."""
+
+
+def _process_space() -> str:
+    """Where a PID means the same process as here: this boot of this kernel, this PID namespace."""
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(os.readlink(path) if path.endswith("/pid") else Path(path).read_text())
+        except OSError:
+            parts.append("?")
+    return "/".join(part.strip() for part in parts)
+
+
+def _process_start(pid: int) -> str:
+    """The start time of process ``pid`` in clock ticks since boot ("" where unknown): a PID
+    reused by another process (after a container restart) has another start time."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the command name may hold spaces
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """One generation's content. ``written_at`` is the writer's own clock, for people only:
+    liveness uses the time the storage wrote the record."""
+
+    holder: str
+    host: str
+    pid: int
+    process_space: str
+    process_start: str
+    what: str
+    written_at: float
+    released: bool = False
+
+    @classmethod
+    def mine(cls, holder: str, what: str) -> LeaseRecord:
+        return cls(
+            holder=holder,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            process_space=_process_space(),
+            process_start=_process_start(os.getpid()),
+            what=what,
+            written_at=time.time(),
+        )
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> LeaseRecord:
+        return cls(**json.loads(data))
+
+    def dead_on_this_host(self) -> bool:
+        """Whether the holder ran here and its process is gone (or its PID is another's now)."""
+        if self.host != socket.gethostname() or self.process_space != _process_space():
+            return False
+        if not _pid_alive(self.pid):
+            return True
+        start = _process_start(self.pid)
+        return bool(start and self.process_start and start != self.process_start)
+
+
+class Lease:
+    """The right to write one run or campaign, held by one process at a time.
+
+    Usage::
+
+        with Lease(url, what="training run 1a2b", field="experiment") as lease:
+            ...  # write; stop when ``lease.lost`` turns true
+
+    Entering takes the lease (or raises :class:`LeaseHeldError`) and starts a heartbeat thread
+    that renews it every ``expiry_s / 6``; leaving (also on an exception) releases it, so a
+    Prefect retry in the same process takes it again at once.
+
+    Args:
+        url: the lease folder (``file://`` or ``s3://``), e.g. :func:`storage.lease_url`.
+        what: what the lease guards, as the refusal message names it.
+        field: the parameter a refused user would change (``LeaseHeldError.field``).
+        expiry_s: how long an unrenewed lease stays held; default ``PREFECT_ML_LEASE_EXPIRY_S``.
+    """
+
+    def __init__(self, url: str, *, what: str, field: str, expiry_s: float | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.what, self.field = what, field
+        self.expiry_s = expiry_s if expiry_s is not None else get_settings().lease_expiry_s
+        self.generation = 0  # ours, once held
+        self._record = LeaseRecord.mine(uuid.uuid4().hex, what)
+        self._lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._renewed_at = 0.0  # time.monotonic() of the last successful renewal
+
+    @property
+    def lost(self) -> bool:
+        """True once another process took the lease over, or we could not renew it for the
+        expiry (others may have presumed us dead): the holder must stop writing."""
+        return self._lost.is_set()
+
+    @property
+    def superseded_url(self) -> str:
+        """The URL whose existence means our lease was taken over (the next generation), for
+        processes that must stop with us but cannot see this object, such as training workers."""
+        return self._generation_url(self.generation + 1)
+
+    def _generation_url(self, generation: int) -> str:
+        return storage.join(self.url, f"gen-{generation:06d}.json")
+
+    def __enter__(self) -> Lease:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def acquire(self) -> Lease:
+        """Take the lease, or raise :class:`LeaseHeldError` if a live process holds it."""
+        generation = 0
+        for _ in range(_ATTEMPTS):
+            generation, record = self._newest()
+            if record is not None and (age := self._held_for(generation, record)) is not None:
+                raise self._held_error(generation, record, age)
+            if self._claim(generation + 1):
+                generation += 1
+                self.generation = generation
+                self._renewed_at = time.monotonic()
+                self._lost.clear()
+                self._stop.clear()
+                self._thread = threading.Thread(
+                    target=self._heartbeat, name=f"lease {self.what}", daemon=True
+                )
+                self._thread.start()
+                return self
+        raise PrefectMLError(
+            f"{self.what}: {_ATTEMPTS} other processes took the lease ({self.url}) one after "
+            "another while this one tried; run the command again"
+        )
+
+    def release(self) -> None:
+        """Stop renewing and mark our generation released (unless it was taken over)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        if self.lost:
+            return
+        try:
+            released = LeaseRecord(**{**asdict(self._record), "released": True})
+            storage.write_bytes(self._generation_url(self.generation), released.to_bytes())
+        except Exception as exc:  # the lease then expires on its own; keep the caller's error
+            logger.warning("Could not release the lease on %s (%s); it expires", self.what, exc)
+
+    def renew(self) -> bool:
+        """Rewrite our generation (the heartbeat), then check that no later one exists;
+        whether we still hold the lease."""
+        if self.lost:
+            return False
+        self._record = LeaseRecord(**{**asdict(self._record), "written_at": time.time()})
+        storage.write_bytes(self._generation_url(self.generation), self._record.to_bytes())
+        if storage.exists(self.superseded_url):
+            self._lose(f"another process took it over ({self.superseded_url})")
+            return False
+        self._renewed_at = time.monotonic()
+        return True
+
+    def ensure_held(self) -> None:
+        """Raise :class:`LeaseLostError` if the lease was lost."""
+        if self.lost:
+            raise LeaseLostError(
+                f"{self.what}: another process took over its lease ({self.url}) because this "
+                f"one had not renewed it for {self.expiry_s:.0f}s and was presumed dead; this "
+                "process stopped writing. The other process carries on; check its progress "
+                "before running this command again."
+            )
+
+    def _lose(self, why: str) -> None:
+        self._lost.set()
+        logger.error("Lost the lease on %s: %s; stop writing", self.what, why)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.expiry_s / 6):
+            try:
+                if not self.renew():
+                    return
+            except Exception as exc:
+                silent = time.monotonic() - self._renewed_at
+                logger.warning("Could not renew the lease on %s: %s", self.what, exc)
+                if silent > self.expiry_s:
+                    self._lose(f"not renewed for {silent:.0f}s; it may have been taken over")
+                    return
+
+    def _claim(self, generation: int) -> bool:
+        """Create ``generation`` exclusively; whether it is ours."""
+        url = self._generation_url(generation)
+        if storage.create_exclusive(url, self._record.to_bytes()):
+            return True
+        # A create whose reply was lost and was retried finds its own record.
+        return self._read(generation) == self._record
+
+    def _read(self, generation: int) -> LeaseRecord | None:
+        try:
+            return LeaseRecord.from_bytes(storage.read_bytes(self._generation_url(generation)))
+        except FileNotFoundError:
+            return None
+
+    def _newest(self) -> tuple[int, LeaseRecord | None]:
+        """The newest generation and its record (0 and None for an empty folder)."""
+        names = (_GENERATION.match(name) for name in storage.list_names(self.url))
+        newest = max((int(m.group(1)) for m in names if m), default=0)
+        return newest, self._read(newest) if newest else None
+
+    def _held_for(self, generation: int, record: LeaseRecord) -> float | None:
+        """How long ago (by the storage's clock) a live holder last renewed ``generation``;
+        None when it is free: released, its holder dead on this host, or expired."""
+        if record.released or record.dead_on_this_host():
+            return None
+        written = storage.modified_time(self._generation_url(generation))
+        age = storage.storage_clock(self.url) - written
+        return age if age <= self.expiry_s else None
+
+    def _held_error(self, generation: int, record: LeaseRecord, age: float) -> LeaseHeldError:
+        return LeaseHeldError(
+            self.field,
+            f"{self.what} is being written by process {record.pid} on {record.host} "
+            f"(lease {self.url}, generation {generation}; last heartbeat {age:.0f}s ago by the "
+            f"storage's clock, held for {self.expiry_s - age:.0f}s more unless renewed). Wait "
+            "for it to finish, or stop that process; a process that died is taken over at once "
+            f"on its own host, or {self.expiry_s:.0f}s after its last heartbeat from elsewhere.",
+        )

@@ -1,0 +1,172 @@
+"""The lease contract, on local disk and on the S3 server: one holder, refusals that name it,
+takeover of a dead holder (at once on this host, after expiry by the storage's clock elsewhere)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from prefect import flow, task
+
+from integrations import storage
+from integrations.errors import ConfigurationError
+from integrations.leases import Lease, LeaseHeldError, LeaseLostError, LeaseRecord
+from tests.helpers import wait_for
+
+
+@pytest.fixture(params=["local", "s3"])
+def lease_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A lease folder on local disk and on the S3 server."""
+    if request.param == "s3":
+        return storage.lease_url(storage.join(request.getfixturevalue("s3_bucket"), "run"))
+    return storage.lease_url((tmp_path / "run").as_uri())
+
+
+def _lease(url: str, expiry_s: float = 60.0) -> Lease:
+    return Lease(url, what="training run abc", field="experiment", expiry_s=expiry_s)
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def _write_record(url: str, generation: int, **changes: object) -> LeaseRecord:
+    """A record as another process would have written it (ours, with ``changes``)."""
+    record = dataclasses.replace(LeaseRecord.mine("someone-else", "training run abc"), **changes)
+    record_url = storage.join(url, f"gen-{generation:06d}.json")
+    assert storage.create_exclusive(record_url, record.to_bytes())
+    return record
+
+
+def _wait_older_than(url: str, generation: int, seconds: float) -> None:
+    """Until the storage's clock says ``generation`` was written more than ``seconds`` ago."""
+    record_url = storage.join(url, f"gen-{generation:06d}.json")
+    wait_for(
+        lambda: storage.storage_clock(url) - storage.modified_time(record_url) > seconds,
+        30,
+        f"generation {generation} to age {seconds}s by the storage's clock",
+    )
+
+
+def test_second_holder_is_refused_naming_host_pid_and_age(lease_url: str) -> None:
+    with _lease(lease_url) as first:
+        with pytest.raises(LeaseHeldError) as refused:
+            _lease(lease_url).acquire()
+        assert not first.lost
+    message = str(refused.value)
+    assert isinstance(refused.value, ConfigurationError) and refused.value.field == "experiment"
+    assert f"process {os.getpid()} on {socket.gethostname()}" in message
+    assert "training run abc" in message and "last heartbeat 0s ago" in message
+    assert "held for 60s more" in message and "stop that process" in message
+
+
+def test_released_lease_is_taken_again_at_once(lease_url: str) -> None:
+    lease = _lease(lease_url)
+    with lease:
+        pass
+    with lease:  # a Prefect retry in the same process re-enters the same way
+        assert lease.generation == 2
+    with _lease(lease_url) as other:
+        assert other.generation == 3
+
+
+def test_prefect_retry_of_a_failed_task_takes_the_lease_again(lease_url: str) -> None:
+    attempts: list[int] = []
+
+    @task(retries=1, retry_delay_seconds=0)
+    def write_once() -> int:
+        with _lease(lease_url) as lease:
+            attempts.append(lease.generation)
+            if len(attempts) == 1:
+                raise OSError("transient")
+            return lease.generation
+
+    @flow
+    def writer() -> int:
+        return write_once()
+
+    assert writer() == 2
+    assert attempts == [1, 2]
+
+
+def test_dead_process_on_this_host_is_taken_over_at_once(lease_url: str) -> None:
+    _write_record(lease_url, 1, pid=_dead_pid())
+    with _lease(lease_url) as lease:
+        assert lease.generation == 2
+
+
+def test_reused_pid_with_another_start_time_is_taken_over(lease_url: str) -> None:
+    """Our own (live) PID, started at another time: a container restart reused the PID."""
+    _write_record(lease_url, 1, process_start="12345")
+    with _lease(lease_url) as lease:
+        assert lease.generation == 2
+
+
+def test_live_process_on_this_host_with_a_stale_heartbeat_is_taken_over(lease_url: str) -> None:
+    """An existing PID is not enough: a holder that stopped renewing (a stopped process)
+    expires like any other."""
+    _write_record(lease_url, 1)
+    with pytest.raises(LeaseHeldError):
+        _lease(lease_url, expiry_s=1).acquire()
+    _wait_older_than(lease_url, 1, 1)
+    with _lease(lease_url, expiry_s=1) as lease:
+        assert lease.generation == 2
+
+
+@pytest.mark.parametrize("skew_s", [-10 * 365 * 86400, 10 * 365 * 86400], ids=["past", "future"])
+def test_another_hosts_record_is_judged_by_the_storage_clock(lease_url: str, skew_s: int) -> None:
+    """The other host's own clock (``written_at``, years off) does not matter: a record the
+    storage wrote just now is held, one it wrote longer ago than the expiry is free."""
+    _write_record(lease_url, 1, host="elsewhere", pid=1, written_at=time.time() + skew_s)
+    with pytest.raises(LeaseHeldError, match="process 1 on elsewhere"):
+        _lease(lease_url, expiry_s=1).acquire()
+    _wait_older_than(lease_url, 1, 1)
+    with _lease(lease_url, expiry_s=1) as lease:
+        assert lease.generation == 2
+
+
+class _PausedBeforeClaim(Lease):
+    """A lease that lets ``rival`` take the lease between judging it free and claiming it."""
+
+    def __init__(self, url: str, rival: Lease) -> None:
+        super().__init__(url, what="training run abc", field="experiment")
+        self.rival = rival
+
+    def _claim(self, generation: int) -> bool:
+        if not self.rival.generation:
+            self.rival.acquire()
+        return super()._claim(generation)
+
+
+def test_two_racers_for_a_dead_lease_exactly_one_wins(lease_url: str) -> None:
+    _write_record(lease_url, 1, pid=_dead_pid())
+    winner = _lease(lease_url)
+    loser = _PausedBeforeClaim(lease_url, winner)
+    try:
+        with pytest.raises(LeaseHeldError, match=f"process {os.getpid()} "):
+            loser.acquire()  # judged generation 1 dead, but the winner created generation 2
+        assert winner.generation == 2 and not winner.lost
+        assert storage.list_names(lease_url) == ["gen-000001.json", "gen-000002.json"]
+    finally:
+        winner.release()
+
+
+def test_a_lost_lease_is_noticed(lease_url: str) -> None:
+    with _lease(lease_url, expiry_s=1.2) as lease:
+        assert lease.renew()
+        assert not storage.exists(lease.superseded_url)
+        _write_record(lease_url, lease.generation + 1, host="elsewhere")  # presumed us dead
+        wait_for(lambda: lease.lost, 30, "the heartbeat to notice the takeover")
+        assert not lease.renew()
+        with pytest.raises(LeaseLostError, match="another process took over"):
+            lease.ensure_held()
+    newest = LeaseRecord.from_bytes(storage.read_bytes(lease.superseded_url))
+    assert newest.host == "elsewhere" and not newest.released, "a lost lease is not released"
