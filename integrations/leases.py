@@ -222,7 +222,10 @@ class Lease:
         return True
 
     def ensure_held(self) -> None:
-        """Raise :class:`LeaseLostError` if the lease was lost."""
+        """Raise :class:`LeaseLostError` if the lease was lost, asking the storage now rather
+        than waiting for the next heartbeat."""
+        if not self.lost and storage.exists(self.superseded_url):
+            self._lose(f"another process took it over ({self.superseded_url})")
         if self.lost:
             raise LeaseLostError(
                 f"{self.what}: another process took over its lease ({self.url}) because this "

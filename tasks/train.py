@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from integrations import catalog, ray_training, storage, tracking
 from integrations.checkpoints import CheckpointStore
 from integrations.errors import CheckpointError, PrefectMLError
+from integrations.leases import Lease
 from integrations.prefect_server import RAY_TAG
 from integrations.ray_cluster import ray_session
 from integrations.settings import get_settings
@@ -61,11 +63,20 @@ class EpochRecorder:
     Workers only commit checkpoints, each holding its epoch's metrics; this driver-side poller
     turns verified checkpoints into the run's metric history. The checkpoint store is the source
     of truth, so epochs that a killed process committed but never logged are logged on resume,
-    and no epoch is logged twice (this is the run's only metric writer).
+    and no epoch is logged twice (this is the run's only metric writer: with ``lease``, it stops
+    logging once the lease is lost to another driver).
     """
 
-    def __init__(self, tracking_uri: str, run_id: str, checkpoint_url: str, epochs: int) -> None:
+    def __init__(
+        self,
+        tracking_uri: str,
+        run_id: str,
+        checkpoint_url: str,
+        epochs: int,
+        lease: Lease | None = None,
+    ) -> None:
         self._client = tracking.client_for(tracking_uri)
+        self._lease = lease
         self._run_id, self._epochs = run_id, epochs
         self._store = CheckpointStore(checkpoint_url)
         self._logged = set(tracking.logged_epochs(self._client, run_id))
@@ -104,6 +115,8 @@ class EpochRecorder:
 
     def record_new_epochs(self) -> None:
         for epoch in self._store.epochs():
+            if self._lease is not None and self._lease.lost:
+                return
             if epoch in self._logged:
                 continue
             try:
@@ -169,12 +182,32 @@ def check_checkpointing_hook(params: TrainingSections, data: PreparedData) -> No
     catalog.check_gradient_checkpointing(model)
 
 
+def training_lease(params: TrainModelParams, fingerprint: str) -> Lease:
+    """The lease that makes this process the only driver of the run with this identity."""
+    run_key = params.run_key(fingerprint)
+    return Lease(
+        storage.training_lease_url(get_settings().resolved_storage_url, run_key),
+        what=f"training run {run_key} (experiment {params.experiment!r})",
+        field="experiment",
+    )
+
+
 def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResult:
-    """Train on Ray Train workers, resuming the unfinished run with the same identity if any."""
-    logger = get_run_logger()
-    settings = get_settings()
+    """Train on Ray Train workers, resuming the unfinished run with the same identity if any.
+
+    The run's lease is taken first: a second driver of the same run is refused before it
+    reopens the MLflow run or touches its uploads, and is released on the way out (a Prefect
+    retry in this process takes it again).
+    """
     if params.training.gradient_checkpointing:
         check_checkpointing_hook(params, data)
+    with training_lease(params, data.fingerprint) as lease:
+        return _train_holding(params, data, lease)
+
+
+def _train_holding(params: TrainModelParams, data: PreparedData, lease: Lease) -> TrainResult:
+    logger = get_run_logger()
+    settings = get_settings()
     client = tracking.client_for(settings.resolved_tracking_uri)
     experiment_id = tracking.ensure_experiment(
         client, params.experiment, settings.mlflow_artifact_root
@@ -194,6 +227,7 @@ def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResu
         settings.resolved_storage_url, "checkpoints", experiment_id, run_id
     )
     # A writer killed mid-upload leaves an incomplete multipart upload: invisible, but billed.
+    # Only the lease holder writes here, so every incomplete upload is a dead writer's.
     if aborted := storage.abort_incomplete_uploads(checkpoint_url):
         logger.info("Aborted %d incomplete upload(s) left in %s", aborted, checkpoint_url)
     store = CheckpointStore(checkpoint_url)
@@ -209,8 +243,10 @@ def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResu
         tracking_uri=settings.resolved_tracking_uri,
         run_id=run_id,
     )
+    # Workers stop at the next epoch boundary once another driver took the lease over.
+    config = replace(config, stop_url=lease.superseded_url)
     recorder = EpochRecorder(
-        settings.resolved_tracking_uri, run_id, checkpoint_url, params.training.epochs
+        settings.resolved_tracking_uri, run_id, checkpoint_url, params.training.epochs, lease
     )
     with recorder:  # also logs epochs a killed process committed but never logged
         if resumed_from < params.training.epochs:
@@ -226,11 +262,13 @@ def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResu
                         collective_timeout_s=params.training.collective_timeout_s,
                     )
             except Exception as exc:
+                lease.ensure_held()  # the run is the new driver's to mark
                 tracking.finish_run(client, run_id, status="FAILED")
                 raise PrefectMLError(
                     f"training run {run_id} failed: {exc}. Run the same command again to "
                     "resume from its last verified checkpoint."
                 ) from exc
+    lease.ensure_held()
     final = store.latest()
     if final is None or final.epoch < params.training.epochs:
         raise PrefectMLError(

@@ -1,16 +1,20 @@
-"""Training on a real local Ray: an elastic worker group, checkpoints, a worker killed mid-epoch."""
+"""Training on a real local Ray: an elastic worker group, checkpoints, a worker killed mid-epoch,
+a driver whose lease another driver took over."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
+from pathlib import Path
 
 import psutil
 import pytest
 from prefect import flow
 
-from integrations import ray_training, tracking
+from integrations import ray_training, storage, tracking
+from integrations.leases import LeaseLostError, LeaseRecord
 from integrations.settings import PrefectMLSettings
 from tasks.data import inspect_dataset, preprocess_dataset
 from tasks.params import TrainModelParams
@@ -37,6 +41,23 @@ def _train_workers() -> list[psutil.Process]:
     return found
 
 
+def _train_in_thread(
+    params: TrainModelParams,
+) -> tuple[threading.Thread, dict[str, TrainResult | BaseException]]:
+    """``train_flow(params)`` started in a thread; its result or error lands in ``["result"]``."""
+    outcome: dict[str, TrainResult | BaseException] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = train_flow(params)
+        except BaseException as exc:  # surfaced by the test's assertions
+            outcome["result"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
 @pytest.mark.usefixtures("ray_cluster")
 def test_elastic_group_trains_on_what_the_cluster_has_and_carries_on_after_losing_a_worker(
     home: PrefectMLSettings,
@@ -53,16 +74,7 @@ def test_elastic_group_trains_on_what_the_cluster_has_and_carries_on_after_losin
             "training": {"epochs": EPOCHS, "workers": "1-3", "max_failures": 2},
         }
     )
-    outcome: dict[str, TrainResult | BaseException] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = train_flow(params)
-        except BaseException as exc:  # surfaced by the assertion below
-            outcome["result"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    thread, outcome = _train_in_thread(params)
     storage_dir = home.home_dir / "storage"
     wait_for(lambda: 2 in committed_epochs(storage_dir), 240, "the epoch-2 checkpoint")
     victims = _train_workers()
@@ -84,3 +96,42 @@ def test_elastic_group_trains_on_what_the_cluster_has_and_carries_on_after_losin
     assert all(f"checkpoint.epoch_{e:04d}" in tags for e in range(1, EPOCHS + 1))
     assert committed_epochs(storage_dir) == list(range(1, EPOCHS + 1))
     assert result.epoch_metrics["val_accuracy"] > 0.5
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_driver_whose_lease_is_taken_over_stops_at_the_next_epoch_boundary(
+    home: PrefectMLSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another host takes the lease over while epoch 1 trains (the model waits for a gate file
+    until then): the workers stop before epoch 2, and the driver raises instead of going on or
+    marking the run FAILED (the new driver carries it on)."""
+    monkeypatch.setenv("PREFECT_ML_LEASE_EXPIRY_S", "3")
+    gate = tmp_path / "gate"
+    params = TrainModelParams.model_validate(
+        {
+            "model": {
+                "model": "tests.fixtures.user_code:slow_model",
+                "model_options": {"gate": str(gate)},
+            },
+            "training": {"epochs": EPOCHS, "workers": 1},
+        }
+    )
+    thread, outcome = _train_in_thread(params)
+    try:
+        leases = home.home_dir / "storage" / "leases" / "training"
+        wait_for((tmp_path / "gate.waiting").exists, 240, "epoch 1 to start")
+        taken_over = next(leases.glob("*/gen-000001.json")).with_name("gen-000002.json")
+        record = LeaseRecord.mine("new-driver", "training run")
+        elsewhere = dataclasses.replace(record, host="elsewhere", pid=1)
+        assert storage.create_exclusive(taken_over.as_uri(), elsewhere.to_bytes())
+    finally:
+        gate.touch()
+        thread.join(timeout=400)
+
+    error = outcome["result"]
+    assert isinstance(error, LeaseLostError), error
+    assert "another process took over its lease" in str(error)
+    assert committed_epochs(home.home_dir / "storage") == [1], "stopped after epoch 1"
+    client = tracking.client_for(home.resolved_tracking_uri)
+    (run,) = client.search_runs(["1"])
+    assert run.info.status == "RUNNING", "left for the driver that took it over"
