@@ -2,19 +2,16 @@
 
 The study is the campaign: every trial's parameters, intermediate values and final state live in
 it, so a campaign killed at any moment is resumed by opening the study again. Only one process —
-the campaign's coordinator — writes to a study; :func:`claim` enforces that with an owner record
-in the study's user attributes, which also makes stale owners (dead processes) detectable.
+the campaign's coordinator, holding the campaign's lease (:mod:`integrations.leases`) — writes
+to a study.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +24,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-OWNER_ATTR = "prefect_ml.coordinator"
 PARENT_RUN_ATTR = "prefect_ml.mlflow_parent_run_id"
 OBJECTIVES_ATTR = "prefect_ml.objectives"
 # Trial user attributes.
@@ -37,7 +33,6 @@ ERROR_ATTR = "prefect_ml.error"
 ATTEMPT_ATTR = "prefect_ml.attempt"  # 1 for a first attempt; retries count up
 MAX_ATTEMPTS = 3
 NOT_STARTED_ATTR = "prefect_ml.not_started"  # asked ahead, never run: the campaign ended first
-OWNER_STALE_SECONDS = 60.0
 OPEN_ATTEMPTS = 4
 
 
@@ -177,56 +172,6 @@ def check_search_space(study: optuna.Study, space: dict[str, Any]) -> None:
                 ) from None
         if set(space) <= set(trial.distributions):
             return  # a trial covering every dimension was checked; later ones match it
-
-
-@dataclass(frozen=True)
-class Owner:
-    """The coordinator process that writes to a study."""
-
-    host: str
-    pid: int
-    heartbeat: float
-
-    @classmethod
-    def this_process(cls) -> Owner:
-        return cls(socket.gethostname(), os.getpid(), time.time())
-
-    def is_alive(self) -> bool:
-        if self.host == socket.gethostname():
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                return True
-            return True
-        return time.time() - self.heartbeat < OWNER_STALE_SECONDS
-
-
-def claim(study: optuna.Study) -> Owner:
-    """Make this process the study's only writer; refuse if a live coordinator holds it."""
-    recorded = study.user_attrs.get(OWNER_ATTR)
-    me = Owner.this_process()
-    if recorded:
-        current = Owner(**recorded)
-        if (current.host, current.pid) != (me.host, me.pid) and current.is_alive():
-            raise ConfigurationError(
-                "sweep.campaign",
-                f"campaign '{study.study_name}' is being run by process {current.pid} on "
-                f"{current.host}; wait for it to finish or stop it before resuming",
-            )
-    heartbeat(study, me)
-    return me
-
-
-def heartbeat(study: optuna.Study, owner: Owner) -> None:
-    study.set_user_attr(
-        OWNER_ATTR, {"host": owner.host, "pid": owner.pid, "heartbeat": time.time()}
-    )
-
-
-def release(study: optuna.Study) -> None:
-    study.set_user_attr(OWNER_ATTR, None)
 
 
 def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.trial.Trial) -> bool:

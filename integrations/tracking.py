@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import math
 import os
+import queue
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -347,6 +350,8 @@ CAMPAIGN_PARENT_TAG = "prefect_ml.campaign_parent"  # on the campaign's parent r
 TRIAL_TAG = "prefect_ml.trial_number"
 TRIAL_STATE_TAG = "prefect_ml.trial_state"
 ERROR_TAG = "prefect_ml.error"
+WORKER_TAG = "prefect_ml.worker_pid"  # the process that trained a trial (warm workers are reused)
+RESUMED_TAG = "prefect_ml.resumed_from_epoch"  # a retried trial continued from this checkpoint
 
 
 def campaign_parent_run(
@@ -438,3 +443,76 @@ def end_trial_run(
     if error:
         client.log_text(run_id, error, "error.txt")
     finish_run(client, run_id, TRIAL_STATUS.get(state, "FAILED"))
+
+
+class TrackingWriter:
+    """A campaign's only MLflow writer: one FIFO thread, so tracking never holds a trial worker
+    idle. Callers hand it plain values; the trial numbers' run ids are its own state (read
+    through :meth:`run_ids`, a copy). A failed write is recorded in :attr:`errors`: the study,
+    not MLflow, is the campaign's source of truth."""
+
+    def __init__(
+        self, client: MlflowClient, experiment_id: str, parent_run_id: str, campaign_key: str
+    ) -> None:
+        self.client, self.experiment_id = client, experiment_id
+        self.parent_run_id, self.campaign_key = parent_run_id, campaign_key
+        self.errors: list[str] = []
+        self._run_ids: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="mlflow-writer", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                job()
+            except Exception as exc:  # recorded; the study stays the source of truth
+                self.errors.append(repr(exc))
+
+    def run_ids(self) -> dict[int, str]:
+        with self._lock:
+            return dict(self._run_ids)
+
+    def _run_id(self, number: int) -> str:
+        with self._lock:
+            return self._run_ids[number]
+
+    def known_run(self, number: int, run_id: str) -> None:
+        """A trial's run that already exists (found on resume)."""
+        with self._lock:
+            self._run_ids[number] = run_id
+
+    def trial_started(self, number: int, params: dict[str, Any]) -> None:
+        def start() -> None:
+            run_id = start_trial_run(
+                self.client,
+                self.experiment_id,
+                self.parent_run_id,
+                self.campaign_key,
+                number,
+                params,
+            )
+            self.known_run(number, run_id)
+
+        self._queue.put(start)
+
+    def tags(self, number: int, tags: dict[str, str]) -> None:
+        self._queue.put(lambda: set_tags(self.client, self._run_id(number), tags))
+
+    def epoch(self, number: int, epoch: int, metrics: dict[str, float], checkpoint: str) -> None:
+        self._queue.put(
+            lambda: log_epoch(self.client, self._run_id(number), epoch, metrics, checkpoint)
+        )
+
+    def trial_ended(
+        self, number: int, state: str, values: dict[str, float], error: str | None
+    ) -> None:
+        self._queue.put(
+            lambda: end_trial_run(self.client, self._run_id(number), state, values, error)
+        )
+
+    def close(self) -> None:
+        """Write everything queued, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join()

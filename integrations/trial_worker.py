@@ -1,4 +1,5 @@
-"""Campaign trials on warm Ray actors: one actor per parallel slot, reused trial after trial.
+"""The campaign's trial worker: a warm process (a Ray actor, see :mod:`integrations.trial_pool`)
+that trains trial after trial.
 
 An actor imports torch once and keeps each dataset split it has read, so a trial costs its own
 epochs and almost nothing else. The coordinator drives a trial one epoch at a time
@@ -16,7 +17,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -59,7 +59,8 @@ class EpochReport:
 
 
 class TrialWorker:
-    """A warm process that trains trials; becomes a Ray actor through :func:`start_workers`."""
+    """A warm process that trains trials; :class:`~integrations.trial_pool.RayTrialPool` runs
+    it as a Ray actor."""
 
     def __init__(self) -> None:
         self._shards: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
@@ -203,15 +204,3 @@ class DistributedTrial:
         if self._thread.is_alive():
             storage.write_bytes(self._spec.loop.stop_url, b"pruned")
             self._thread.join()
-
-
-def start_workers(count: int, *, request: ResourceRequest, driver_only: bool) -> list[Any]:
-    """``count`` warm trial actors placed with ``request``; ``driver_only`` actors hold nothing
-    (their Ray Train workers hold the request)."""
-    import ray
-
-    placed = ResourceRequest(cpus=0) if driver_only else request
-    actor_class = ray.remote(TrialWorker).options(**placed.actor_options(), max_restarts=0)
-    workers: list[Any] = [actor_class.remote() for _ in range(count)]
-    ray.get([worker.ready.remote(max(1, int(request.cpus))) for worker in workers])
-    return workers

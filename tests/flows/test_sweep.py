@@ -1,11 +1,19 @@
-"""``hpo_campaign`` on a real local Ray, Optuna on SQLite and MLflow on SQLite."""
+"""``hpo_campaign`` on a real local Ray, Optuna on SQLite and MLflow on SQLite.
+
+The campaign's decisions (budget, pruning, failure streaks, retries, stop_at, resume) are
+tested on a fake pool in ``tests/tasks/test_campaign_coordinator.py``; these tests cover what
+only the real systems show: MLflow records and artifacts, Ray's errors translated, a killed
+worker process, a distributed trial stopped at an epoch boundary, the campaign's lease.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import optuna
 import pytest
@@ -15,9 +23,12 @@ from prefect.client.orchestration import get_client
 
 from flows.sweep import hpo_campaign
 from integrations import studies, tracking
+from integrations.leases import Lease
 from integrations.settings import PrefectMLSettings
+from integrations.tracking import RESUMED_TAG, WORKER_TAG
+from tasks.campaign.identity import CampaignIdentity
 from tasks.params import CampaignParams
-from tasks.sweep import RESUMED_TAG, WORKER_TAG, CampaignResult
+from tasks.sweep import CampaignResult
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -34,6 +45,14 @@ def _params(campaign: str, epochs: int = 3, **sweep: Any) -> CampaignParams:
 
 def _study(home: PrefectMLSettings, campaign: str) -> optuna.Study:
     return optuna.load_study(study_name=campaign, storage=home.resolved_optuna_storage)
+
+
+def _identity(home: PrefectMLSettings, campaign: str) -> CampaignIdentity:
+    return CampaignIdentity.of(campaign, home.resolved_optuna_storage, home.resolved_storage_url)
+
+
+def _trial_dir(home: PrefectMLSettings, campaign: str, root_trial: int) -> Path:
+    return Path(urlparse(_identity(home, campaign).trial_url(root_trial)).path)
 
 
 def _runs(home: PrefectMLSettings, result: CampaignResult) -> tuple[Any, dict[int, Any]]:
@@ -78,9 +97,9 @@ def test_campaign_records_every_trial_and_continues_by_name(home: PrefectMLSetti
         "plots/parallel_coordinate.png",
         "plots/intermediate_values.png",
     } <= plots
-    storage_dir = home.home_dir / "storage" / "campaigns" / "digits-a"
     for trial in trials:
-        assert (storage_dir / f"trial-{trial.number:05d}/epoch-000003/MANIFEST.json").exists()
+        checkpoint = _trial_dir(home, "digits-a", trial.number) / "epoch-000003/MANIFEST.json"
+        assert checkpoint.exists()
     assert {
         "campaign-digits-a-leaderboard",
         "campaign-digits-a-summary",
@@ -116,11 +135,10 @@ def _prefill(home: PrefectMLSettings, campaign: str, good: int) -> None:
         )
 
 
-@pytest.mark.parametrize("trial_workers", [1, 2])
-def test_a_hopeless_trial_is_pruned_and_stops_training(
-    home: PrefectMLSettings, trial_workers: int
+def test_a_hopeless_distributed_trial_is_pruned_and_stops_training(
+    home: PrefectMLSettings,
 ) -> None:
-    campaign = f"prune-{trial_workers}"
+    campaign, trial_workers = "prune-distributed", 2
     _prefill(home, campaign, good=4)
     params = _params(
         campaign,
@@ -145,7 +163,7 @@ def test_a_hopeless_trial_is_pruned_and_stops_training(
     pruned = _study(home, campaign).trials[-1]
     assert pruned.state == TrialState.PRUNED
     # It stopped at the epoch where the pruner said so, not after all four epochs.
-    trial_dir = home.home_dir / "storage" / "campaigns" / campaign / f"trial-{pruned.number:05d}"
+    trial_dir = _trial_dir(home, campaign, pruned.number)
     committed = sorted(p.parent.name for p in trial_dir.glob("epoch-*/MANIFEST.json"))
     assert committed and "epoch-000004" not in committed
     _parent, runs = _runs(home, result)
@@ -155,26 +173,6 @@ def test_a_hopeless_trial_is_pruned_and_stops_training(
 
 
 PICKY = "tests.fixtures.user_code:picky_model"
-
-
-def test_a_failing_trial_is_recorded_and_the_campaign_goes_on(home: PrefectMLSettings) -> None:
-    params = _params(
-        "picky",
-        epochs=2,
-        n_trials=2,
-        sampler="grid",
-        search_space={"hidden": {"type": "categorical", "choices": [16, 64]}},
-    ).model_copy(update={"model": CampaignParams().model.model_copy(update={"model": PICKY})})
-
-    result = hpo_campaign(params)
-
-    assert (result.complete, result.failed) == (1, 1)
-    failed = next(t for t in _study(home, "picky").trials if t.state == TrialState.FAIL)
-    assert failed.params == {"hidden": 64}
-    assert "picky_model refuses hidden=64" in failed.user_attrs[studies.ERROR_ATTR]
-    run = _runs(home, result)[1][failed.number]
-    assert run.info.status == "FAILED"
-    assert "picky_model refuses hidden=64" in run.data.tags[tracking.ERROR_TAG]
 
 
 def test_a_campaign_where_every_trial_fails_shows_the_first_failure(
@@ -193,14 +191,22 @@ def test_a_campaign_where_every_trial_fails_shows_the_first_failure(
     message = str(state.result(raise_on_failure=False))
     assert "no trial completed (3 failed" in message
     assert "First failure: trial" in message and "picky_model refuses hidden=" in message
+    failed = _study(home, "all-fail").trials[0]
+    assert "picky_model refuses hidden=" in failed.user_attrs[studies.ERROR_ATTR]
+    client = tracking.client_for(home.resolved_tracking_uri)
+    [parent] = client.search_runs(["1"], f"tags.`{tracking.CAMPAIGN_PARENT_TAG}` != ''")
+    assert parent.info.status == "FAILED"
+    run = tracking.trial_runs(client, "1", parent.info.run_id)[failed.number]
+    assert run.info.status == "FAILED"
+    assert "picky_model refuses hidden=" in run.data.tags[tracking.ERROR_TAG]
 
 
 def test_several_objectives_give_a_pareto_front(home: PrefectMLSettings) -> None:
     result = hpo_campaign(
         _params(
             "pareto",
-            epochs=2,
-            n_trials=3,
+            epochs=1,
+            n_trials=2,
             pruner="none",
             objectives={"val_accuracy": "maximize", "val_loss": "minimize"},
         )
@@ -244,7 +250,7 @@ def test_a_trial_whose_worker_dies_runs_again_from_its_checkpoint(
     campaign = threading.Thread(target=lambda: outcome.append(hpo_campaign(params)))
     campaign.start()
     client = tracking.client_for(home.resolved_tracking_uri)
-    first_epoch = home.home_dir / "storage/campaigns/worker-dies/trial-00000/epoch-000001"
+    first_epoch = _trial_dir(home, "worker-dies", 0) / "epoch-000001"
 
     def worker_of_trial_0() -> str | None:
         runs = client.search_runs(["1"], f"tags.`{tracking.TRIAL_TAG}` = '0'")
@@ -269,3 +275,19 @@ def test_a_trial_whose_worker_dies_runs_again_from_its_checkpoint(
     assert int(runs[retry.number].data.tags[WORKER_TAG]) != killed
     assert int(runs[retry.number].data.tags[RESUMED_TAG]) >= 1, "resumed from its checkpoint"
     assert runs[0].info.status == "FAILED"
+
+
+def test_a_second_coordinator_on_a_running_campaign_is_refused(home: PrefectMLSettings) -> None:
+    """One writer per campaign: while another process holds its lease (here: this one, as
+    another coordinator), a run is refused before it touches the study, naming the holder."""
+    lease = Lease(_identity(home, "held").lease_url, what="campaign 'held'", field="x")
+
+    with lease:
+        state = hpo_campaign(_params("held", n_trials=2), return_state=True)
+
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    assert f"campaign 'held' is being written by process {os.getpid()} on " in message
+    assert "last heartbeat" in message and "s ago" in message
+    with pytest.raises(KeyError):
+        _study(home, "held")  # not even created

@@ -1,9 +1,7 @@
-"""Optuna studies: storage kinds, recovery of interrupted trials, single-writer claim."""
+"""Optuna studies: storage kinds, recovery of interrupted trials."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import optuna
@@ -71,17 +69,3 @@ def test_interrupted_trials_fail_and_are_queued_again_with_their_parameters(
     assert studies.root_trial(retry) == left_running.number
     study.tell(retry, 0.8)
     assert studies.recover_interrupted(study) == []  # nothing is retried twice
-
-
-def test_a_live_coordinator_keeps_the_study_and_a_dead_one_does_not(tmp_path: Path) -> None:
-    study = _open(f"sqlite:///{tmp_path}/o.db")
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        studies.heartbeat(study, studies.Owner(studies.Owner.this_process().host, other.pid, 0.0))
-        with pytest.raises(ConfigurationError, match=f"being run by process {other.pid}"):
-            studies.claim(study)
-    finally:
-        other.kill()
-        other.wait()
-    owner = studies.claim(study)  # the process is gone: its claim is stale
-    assert study.user_attrs[studies.OWNER_ATTR]["pid"] == owner.pid

@@ -1,0 +1,153 @@
+"""The campaign's trial pool: warm trial workers on Ray, addressed by slot, and what they return.
+
+The coordinator sees slots (0..size-1) and outcomes, never Ray: each slot runs at most one call
+at a time (``begin`` a trial, ``advance`` it one epoch), :meth:`TrialPool.wait` hands back the
+finished calls, and Ray's errors become our outcome types here, at the boundary —
+``RayActorError`` (the process died: OOM killer, lost node) is :class:`WorkerLost`,
+``RayTaskError`` (the trial's code raised) is :class:`TrialError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from integrations.resources import ResourceRequest
+from integrations.trial_worker import EpochReport, TrialSpec, TrialWorker
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+
+@dataclass(frozen=True)
+class Epochs:
+    """The epochs a call trained (or read back from the trial's checkpoints)."""
+
+    reports: tuple[EpochReport, ...]
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """The slot's process died; the trial is not to blame. :meth:`TrialPool.replace` the slot."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class TrialError:
+    """The trial's own code raised: the trial failed, its worker is fine."""
+
+    error: str
+
+
+Outcome = Epochs | WorkerLost | TrialError
+
+
+class TrialPool(Protocol):
+    """Warm workers that run one trial each, driven one call at a time per slot."""
+
+    @property
+    def size(self) -> int:
+        """How many slots (trials at once)."""
+        ...
+
+    def begin(self, slot: int, spec: TrialSpec) -> None:
+        """Start ``spec`` on ``slot`` (resuming its checkpoints); its first epochs come back."""
+        ...
+
+    def advance(self, slot: int) -> None:
+        """Train the next epoch of the trial running on ``slot``."""
+        ...
+
+    def wait(self, timeout: float) -> list[tuple[int, Outcome]]:
+        """The calls that finished within ``timeout`` seconds (maybe none), by slot."""
+        ...
+
+    def replace(self, slot: int) -> None:
+        """A fresh worker in the slot of one that died."""
+        ...
+
+    def finish(self) -> None:
+        """Let every worker end its trial (flush its last checkpoint); no call is pending."""
+        ...
+
+
+class RayTrialPool:
+    """:class:`TrialPool` over warm Ray actors; closing it kills them, freeing their CPUs."""
+
+    def __init__(self, size: int, *, request: ResourceRequest, driver_only: bool) -> None:
+        """``size`` actors placed with ``request``; ``driver_only`` actors hold nothing (their
+        Ray Train workers hold the request)."""
+        self._request = request
+        self._placed = ResourceRequest(cpus=0) if driver_only else request
+        self._pending: dict[Any, int] = {}  # ObjectRef -> slot
+        self._workers: list[Any] = self._start(size)
+
+    @property
+    def size(self) -> int:
+        return len(self._workers)
+
+    def _start(self, count: int) -> list[Any]:
+        import ray
+
+        actor_class = ray.remote(TrialWorker).options(
+            **self._placed.actor_options(), max_restarts=0
+        )
+        workers: list[Any] = [actor_class.remote() for _ in range(count)]
+        ray.get([worker.ready.remote(max(1, int(self._request.cpus))) for worker in workers])
+        return workers
+
+    def begin(self, slot: int, spec: TrialSpec) -> None:
+        self._pending[self._workers[slot].begin.remote(spec)] = slot
+
+    def advance(self, slot: int) -> None:
+        self._pending[self._workers[slot].advance.remote()] = slot
+
+    def wait(self, timeout: float) -> list[tuple[int, Outcome]]:
+        import ray
+
+        if not self._pending:
+            return []
+        ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=timeout)
+        return [(self._pending.pop(ref), self._outcome(ref)) for ref in ready]
+
+    @staticmethod
+    def _outcome(ref: Any) -> Outcome:
+        import ray
+
+        try:
+            return Epochs(tuple(ray.get(ref)))
+        except ray.exceptions.RayActorError as exc:
+            return WorkerLost(f"its worker process died: {exc}")
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            return TrialError(f"{type(cause).__name__}: {cause}")
+
+    def replace(self, slot: int) -> None:
+        import ray
+
+        ray.kill(self._workers[slot])
+        self._workers[slot] = self._start(1)[0]
+
+    def finish(self) -> None:
+        import ray
+
+        ray.get([worker.finish.remote() for worker in self._workers])
+
+    def close(self) -> None:
+        import ray
+
+        for worker in self._workers:
+            ray.kill(worker)
+        self._workers, self._pending = [], {}
+
+    def __enter__(self) -> RayTrialPool:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,37 @@
+"""One name for a campaign everywhere it leaves state: the study, MLflow and storage."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from integrations import storage
+
+
+@dataclass(frozen=True)
+class CampaignIdentity:
+    """A campaign is its name *in one Optuna storage*: the same name in two storages is two
+    campaigns, so the MLflow key and the checkpoint root both carry the storage's hash (two
+    homes with the default storage sharing one bucket do not share ``campaigns/default``)."""
+
+    name: str  # the Optuna study
+    key: str  # the MLflow parent run's and trial runs' campaign tag
+    checkpoint_root: str  # every trial's checkpoints, under trial-NNNNN/
+
+    @classmethod
+    def of(cls, name: str, optuna_storage: str, storage_url: str) -> CampaignIdentity:
+        digest = hashlib.sha256(optuna_storage.encode()).hexdigest()[:8]
+        return cls(
+            name=name,
+            key=f"{name}@{digest}",
+            checkpoint_root=storage.join(storage_url, "campaigns", digest, name),
+        )
+
+    @property
+    def lease_url(self) -> str:
+        """The folder of the lease that makes one process at a time run this campaign."""
+        return storage.lease_url(self.checkpoint_root)
+
+    def trial_url(self, root_trial: int) -> str:
+        """The checkpoints of a trial and of its retries (they share the first's number)."""
+        return storage.join(self.checkpoint_root, f"trial-{root_trial:05d}")

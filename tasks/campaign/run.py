@@ -1,0 +1,345 @@
+"""A campaign from start to end: open its study, attach MLflow, run the pool, conclude.
+
+This wires the parts — :class:`CampaignIdentity`, the :class:`Coordinator`'s decisions, a
+:class:`~integrations.trial_pool.RayTrialPool`, the MLflow
+:class:`~integrations.tracking.TrackingWriter` and the :class:`CampaignView` — and owns nothing
+else. The study, not MLflow, is the source of truth: on start the MLflow runs are reconciled
+with it, so a process killed between the two leaves nothing wrong.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from prefect import get_run_logger
+
+from integrations import storage, studies, tracking
+from integrations.errors import CampaignFailedError
+from integrations.leases import Lease
+from integrations.ray_cluster import ray_session
+from integrations.resources import cluster_nodes
+from integrations.settings import PrefectMLSettings, get_settings
+from integrations.tracking import TrackingWriter
+from integrations.trial_pool import RayTrialPool
+from integrations.trial_worker import TrialSpec
+from tasks.campaign.coordinator import CampaignRules, Coordinator
+from tasks.campaign.identity import CampaignIdentity
+from tasks.campaign.results import (
+    LEADERBOARD_SIZE,
+    CampaignResult,
+    leaderboard,
+    trial_summary,
+)
+from tasks.campaign.view import CampaignView, short
+from tasks.data import PreparedData
+from tasks.params import TRIAL_FIELDS, CampaignParams, SweepParams, with_trial_values
+from tasks.placement import require_fits
+from tasks.train import current_flow_run_id, flatten, loop_config
+
+if TYPE_CHECKING:
+    import logging
+
+    import optuna
+
+
+@dataclass(frozen=True)
+class TrialPlanner:
+    """What a trial trains with: its parameters over the campaign's, its checkpoints."""
+
+    params: CampaignParams
+    data: PreparedData
+    identity: CampaignIdentity
+    settings: PrefectMLSettings
+
+    def mlflow_params(self, values: dict[str, Any]) -> dict[str, Any]:
+        """A trial's MLflow params: every value it trained with, and which ones were tuned."""
+        return {**flatten(with_trial_values(self.params, values)), "trial.tuned": sorted(values)}
+
+    def __call__(self, trial: optuna.trial.Trial) -> tuple[TrialSpec, dict[str, Any]]:
+        tuned = with_trial_values(self.params, trial.params)
+        checkpoint_url = self.identity.trial_url(studies.root_trial(trial))
+        config = loop_config(
+            tuned,
+            self.data,
+            checkpoint_url=checkpoint_url,
+            tracking_uri=self.settings.resolved_tracking_uri,
+            run_id="",
+        )
+        # Per attempt: a retried trial must not see the marker of an attempt that was pruned.
+        config = replace(config, stop_url=storage.join(checkpoint_url, f"STOP-{trial.number}"))
+        sweep = self.params.sweep
+        spec = TrialSpec(
+            number=trial.number,
+            loop=config,
+            workers=sweep.trial_workers,
+            request=sweep.trial_request(),
+            ray_storage_url=self.settings.ray_storage_url,
+        )
+        return spec, self.mlflow_params(trial.params)
+
+
+def open_campaign_study(
+    sweep: SweepParams, epochs: int, settings: PrefectMLSettings
+) -> tuple[optuna.Study, dict[str, Any], int | None]:
+    """The campaign's study, its distributions and its budget (a grid caps it at its size)."""
+    space = {name: d.model_dump() for name, d in sweep.search_space.items()}
+    distributions = studies.distributions(space)
+    grid = (
+        {name: d.grid() for name, d in sweep.search_space.items()}
+        if sweep.sampler == "grid"
+        else None
+    )
+    study = studies.open_study(
+        settings.resolved_optuna_storage,
+        sweep.campaign,
+        dict(sweep.objectives),
+        studies.make_sampler(sweep.sampler, sweep.sampler_seed, grid),
+        studies.make_pruner(sweep.effective_pruner, epochs),
+    )
+    studies.check_search_space(study, distributions)
+    budget = sweep.n_trials
+    if grid is not None:
+        budget = min(budget or studies.grid_size(grid), studies.grid_size(grid))
+    return study, distributions, budget
+
+
+def slots(sweep: SweepParams, remaining: int | None, logger: Any) -> int:
+    """Parallel trials: what was asked, capped by how many trials the cluster's nodes hold
+    at once (a trial with several workers holds that many copies of the request)."""
+    what = "trial worker(s)" if sweep.trial_workers > 1 else "trial(s)"
+    copies = require_fits(
+        sweep.trial_request(), sweep.trial_workers, cluster_nodes(), what=what, fields=TRIAL_FIELDS
+    )
+    # Unenforced (PREFECT_ML_CHECK_RESOURCES=false), nothing may fit yet: run as asked.
+    fits = copies // sweep.trial_workers or sweep.concurrency
+    count = min([sweep.concurrency, fits, remaining or sweep.concurrency])
+    if count < sweep.concurrency:
+        logger.warning(
+            "Running %d trials at a time, not %d: that is what the cluster fits or the budget "
+            "needs",
+            count,
+            sweep.concurrency,
+        )
+    return max(1, count)
+
+
+class CampaignRun:
+    """One run of a campaign (a first one or a resumed one) in this process."""
+
+    def __init__(
+        self, params: CampaignParams, data: PreparedData, settings: PrefectMLSettings
+    ) -> None:
+        self.started = time.monotonic()
+        self.params, self.data, self.settings = params, data, settings
+        self.sweep = sweep = params.sweep
+        self.identity = CampaignIdentity.of(
+            sweep.campaign, settings.resolved_optuna_storage, settings.resolved_storage_url
+        )
+        self.objectives: dict[str, str] = dict(sweep.objectives)
+        self.names = list(self.objectives)
+        self.logger: logging.Logger | logging.LoggerAdapter[logging.Logger]
+        self.logger = get_run_logger()  # type: ignore[assignment]
+        self.planner = TrialPlanner(params, data, self.identity, settings)
+        self.timings: dict[str, float] = {}
+
+    def run(self) -> CampaignResult:
+        """Hold the campaign's lease while its study and MLflow runs are written."""
+        lease = Lease(
+            self.identity.lease_url,
+            what=f"campaign '{self.sweep.campaign}'",
+            field="sweep.campaign",
+        )
+        with lease:
+            return self._run(lease)
+
+    def _run(self, lease: Lease) -> CampaignResult:
+        sweep = self.sweep
+        self.study, distributions, budget = open_campaign_study(
+            sweep, self.params.training.epochs, self.settings
+        )
+        rules = CampaignRules(
+            objectives=self.objectives,
+            budget=budget,
+            max_consecutive_failures=sweep.max_consecutive_failures,
+            stop_at=sweep.stop_at,
+            timeout_seconds=sweep.timeout_seconds,
+        )
+        self.coordinator = Coordinator(
+            self.study, distributions, rules, self.planner, logger=self.logger
+        )
+        self.coordinator.recover()
+        writer = self.attach()
+        try:
+            remaining = self.coordinator.remaining
+            if remaining == 0:
+                self.logger.info(
+                    "Campaign %s already has %d finished trials",
+                    self.identity.key,
+                    self.coordinator.tally.finished,
+                )
+            else:
+                with ray_session(self.settings):
+                    count = slots(self.sweep, remaining, self.logger)
+                    with RayTrialPool(
+                        count,
+                        request=self.sweep.trial_request(),
+                        driver_only=self.sweep.trial_workers > 1,
+                    ) as pool:
+                        self.logger.info(
+                            "Campaign %s: %d parallel trial workers, budget %s trials",
+                            self.identity.key,
+                            pool.size,
+                            self.coordinator.rules.budget or "unlimited",
+                        )
+                        self._run_pool(pool, writer, lease.ensure_held)
+        finally:
+            # Trials still running (an exception above) are left RUNNING: the next run retries them.
+            writer.close()  # every MLflow record written: part of the trials' cost
+        if "setup_seconds" in self.timings:
+            self.timings["trials_seconds"] = time.monotonic() - self.trials_started
+        return self.conclude(writer)
+
+    def _run_pool(
+        self, pool: RayTrialPool, writer: TrackingWriter, check: Callable[[], None]
+    ) -> None:
+        self.trials_started = time.monotonic()
+        self.timings["setup_seconds"] = self.trials_started - self.started
+        view = CampaignView(
+            self.sweep.campaign,
+            self.coordinator.rules.budget,
+            self.coordinator.tally,
+            rows=lambda: leaderboard(self.study, self.objectives, writer.run_ids())[
+                :LEADERBOARD_SIZE
+            ],
+            links=lambda: self._links(writer),
+        )
+        with view:
+            self.coordinator.run(
+                pool, writer, progress=lambda force: view.show(force=force), check=check
+            )
+
+    # --- MLflow ---------------------------------------------------------------------------
+    def attach(self) -> TrackingWriter:
+        """The campaign's parent run (re-attached if it exists) and its writer, reconciled."""
+        client = tracking.client_for(self.settings.resolved_tracking_uri)
+        sweep = self.sweep
+        self.experiment_id = tracking.ensure_experiment(
+            client, self.params.experiment, self.settings.mlflow_artifact_root
+        )
+        parent_run_id, reattached = tracking.campaign_parent_run(
+            client,
+            self.experiment_id,
+            self.identity.key,
+            self.study.user_attrs.get(studies.PARENT_RUN_ATTR),
+            run_name=f"campaign-{sweep.campaign}",
+            params={
+                **flatten(self.params.model_copy(update={"sweep": None})),
+                "sweep.search_space": {
+                    k: v.model_dump(exclude_none=True) for k, v in sweep.search_space.items()
+                },
+                "sweep.objectives": self.objectives,
+                "sweep.sampler": sweep.sampler,
+                "sweep.pruner": sweep.effective_pruner,
+                "data.fingerprint": self.data.fingerprint,
+            },
+            tags={
+                tracking.FLOW_RUN_TAG: current_flow_run_id(),
+                tracking.FINGERPRINT_TAG: self.data.fingerprint,
+                "prefect_ml.optuna_study": sweep.campaign,
+            },
+        )
+        self.study.set_user_attr(studies.PARENT_RUN_ATTR, parent_run_id)
+        if reattached:
+            self.logger.info(
+                "Continuing campaign %s (MLflow run %s)", self.identity.key, parent_run_id
+            )
+        writer = TrackingWriter(client, self.experiment_id, parent_run_id, self.identity.key)
+        self._reconcile(writer)
+        return writer
+
+    def _reconcile(self, writer: TrackingWriter) -> None:
+        """Give each finished trial a terminated nested run, whatever a dead process left."""
+        runs = tracking.trial_runs(writer.client, self.experiment_id, writer.parent_run_id)
+        for trial in self.study.get_trials(deepcopy=False):
+            run = runs.get(trial.number)
+            if run is not None:
+                writer.known_run(trial.number, run.info.run_id)
+            if trial.user_attrs.get(studies.NOT_STARTED_ATTR):
+                continue  # never ran: nothing to record
+            if not trial.state.is_finished() or (run and run.info.status != "RUNNING"):
+                continue
+            if run is None:
+                writer.trial_started(trial.number, self.planner.mlflow_params(trial.params))
+            summary = trial_summary(trial, self.names, {})
+            error = summary.error or (
+                "interrupted: its coordinator process died; the trial runs again"
+                if trial.user_attrs.get(studies.INTERRUPTED_ATTR)
+                else None
+            )
+            writer.trial_ended(trial.number, trial.state.name, summary.values, error)
+
+    def _links(self, writer: TrackingWriter) -> dict[int, str]:
+        uri = self.settings.resolved_tracking_uri
+        return {
+            n: tracking.run_url(uri, self.experiment_id, run_id)
+            for n, run_id in writer.run_ids().items()
+        }
+
+    def conclude(self, writer: TrackingWriter) -> CampaignResult:
+        """Best trial(s) and plots on the parent run; a clear error if nothing completed."""
+        concluding = time.monotonic()
+        client, parent, run_ids = writer.client, writer.parent_run_id, writer.run_ids()
+        best = [trial_summary(t, self.names, run_ids) for t in studies.best_trials(self.study)]
+        tally = self.coordinator.tally
+        if best:
+            tags = {"prefect_ml.best_trials": ",".join(str(b.number) for b in best)}
+            tags.update({f"best.{k}": short(v) for k, v in best[0].params.items()})
+            tracking.set_tags(client, parent, tags)
+            tracking.log_metrics(
+                client, parent, {f"best.{k}": v for k, v in best[0].values.items()}
+            )
+        for name, figure in studies.plots(self.study, self.names).items():
+            tracking.log_figure(client, parent, figure, f"plots/{name}.png")
+        rows = leaderboard(self.study, self.objectives, run_ids)
+        client.log_dict(parent, {"trials": [r.model_dump() for r in rows]}, "leaderboard.json")
+        tracking.log_metrics(
+            client,
+            parent,
+            {
+                "trials_complete": tally.complete,
+                "trials_pruned": tally.pruned,
+                "trials_failed": tally.failed,
+            },
+        )
+        if not best:
+            tracking.finish_run(client, parent, "FAILED")
+            raise CampaignFailedError(
+                f"campaign {self.sweep.campaign}: no trial completed "
+                f"({tally.failed} failed, {tally.pruned} pruned). "
+                f"First failure: {tally.first_error}"
+            )
+        tracking.finish_run(client, parent)
+        if writer.errors:
+            self.logger.warning("Some MLflow writes failed: %s", "; ".join(writer.errors[:3]))
+        return CampaignResult(
+            campaign=self.sweep.campaign,
+            experiment_id=self.experiment_id,
+            parent_run_id=parent,
+            finished=tally.finished,
+            complete=tally.complete,
+            pruned=tally.pruned,
+            failed=tally.failed,
+            best=best,
+            leaderboard=rows[:LEADERBOARD_SIZE],
+            objectives=self.objectives,
+            timings={**self.timings, "conclude_seconds": time.monotonic() - concluding},
+            target_reached_at=tally.target_reached_at,
+        )
+
+
+def run_campaign(params: CampaignParams, data: PreparedData) -> CampaignResult:
+    """Run (or continue) the campaign ``params.sweep.campaign`` until its budget is spent."""
+    return CampaignRun(params, data, get_settings()).run()

@@ -1,0 +1,99 @@
+"""A running campaign as people see it: a rich progress bar here, artifacts in Prefect."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from prefect.artifacts import (
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tasks.campaign.coordinator import Tally
+from tasks.campaign.results import TrialSummary
+
+if TYPE_CHECKING:
+    from uuid import UUID
+
+LEADERBOARD_INTERVAL_S = 3.0
+
+
+class CampaignView:
+    """The live view: a rich progress bar here, progress and leaderboard artifacts in Prefect."""
+
+    def __init__(
+        self,
+        campaign: str,
+        total: int | None,
+        tally: Tally,
+        rows: Callable[[], list[TrialSummary]],
+        links: Callable[[], dict[int, str]],
+    ) -> None:
+        self.campaign, self.total, self.tally = campaign, total, tally
+        self._rows, self._links = rows, links
+        self._progress = Progress(
+            TextColumn(f"[bold]campaign {campaign}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+        )
+        self._bar = self._progress.add_task("trials", total=total, status="")
+        self._artifact_id: UUID = create_progress_artifact(  # type: ignore[assignment]
+            0.0, key=f"campaign-{slug(campaign)}-progress", description=f"campaign {campaign}"
+        )
+        self._last_leaderboard = 0.0
+
+    def __enter__(self) -> CampaignView:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._progress.stop()
+
+    def show(self, *, force: bool) -> None:
+        """The bar now; the artifacts at most every few seconds unless ``force``."""
+        tally = self.tally
+        best = "-" if tally.best is None else f"{tally.best:.4f}"
+        status = (
+            f"best {best}  complete {tally.complete}  pruned {tally.pruned}  failed {tally.failed}"
+        )
+        self._progress.update(self._bar, completed=tally.finished, status=status)
+        now = time.monotonic()
+        if not force and now - self._last_leaderboard < LEADERBOARD_INTERVAL_S:
+            return
+        self._last_leaderboard = now
+        if self.total:
+            update_progress_artifact(
+                self._artifact_id, min(100.0, 100.0 * tally.finished / self.total)
+            )
+        rows, links = self._rows(), self._links()
+        if rows:
+            create_table_artifact(
+                [leaderboard_row(row, links.get(row.number, "")) for row in rows],
+                key=f"campaign-{slug(self.campaign)}-leaderboard",
+                description=f"Top {len(rows)} trials of campaign {self.campaign}",
+            )
+
+
+def slug(name: str) -> str:
+    """A Prefect artifact key from a campaign name (lowercase letters, digits, dashes)."""
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "campaign"
+
+
+def leaderboard_row(row: TrialSummary, link: str) -> dict[str, Any]:
+    return {
+        "trial": row.number,
+        "state": row.state,
+        **{name: round(value, 6) for name, value in row.values.items()},
+        "params": ", ".join(f"{k}={short(v)}" for k, v in sorted(row.params.items())),
+        "mlflow_run": link,
+    }
+
+
+def short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
