@@ -8,17 +8,24 @@ import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import optuna
+import pytest
+from click.testing import CliRunner
 from optuna.trial import TrialState
 from prefect.settings import PREFECT_API_URL
 
+from flows.cli import app
 from integrations import studies, tracking
 from integrations.settings import PrefectMLSettings
-from tasks.sweep import RESUMED_TAG
+from integrations.tracking import RESUMED_TAG
+from tasks.campaign import coordinator
+from tasks.campaign.identity import CampaignIdentity
 from tests.conftest import REPO_ROOT
 from tests.e2e.test_resume_after_kill import _kill_tree
 from tests.helpers import wait_for
+from tests.tasks.test_campaign_coordinator import LateExecutor
 
 N_TRIALS = 8
 SPACE = '{"lr": {"type": "float", "low": 0.001, "high": 0.1, "log": true}}'
@@ -70,12 +77,14 @@ def _trials(home: PrefectMLSettings, campaign: str) -> list[optuna.trial.FrozenT
     return study.get_trials()
 
 
-def _killable(home: PrefectMLSettings, campaign: str) -> bool:
-    """Some trials finished and one is mid-way with a committed checkpoint behind it."""
+def _killable(home: PrefectMLSettings, campaign: str, mid_way_epochs: int = 2) -> bool:
+    """Some trials finished and one is mid-way with committed checkpoints behind it."""
     trials = _trials(home, campaign)
     finished = [t for t in trials if studies.counts_toward_budget(t)]
     mid_way = [
-        t for t in trials if t.state == TrialState.RUNNING and len(t.intermediate_values) >= 2
+        t
+        for t in trials
+        if t.state == TrialState.RUNNING and len(t.intermediate_values) >= mid_way_epochs
     ]
     return len(finished) >= 2 and bool(mid_way)
 
@@ -159,5 +168,56 @@ def test_two_campaigns_share_a_storage_without_cross_talk(
         assert {run.data.tags[tracking.CAMPAIGN_TAG] for run in runs.values()} == {
             parents[0].data.tags[tracking.CAMPAIGN_PARENT_TAG]
         }
-        trial_dirs = sorted(p.name for p in (home.home_dir / "storage/campaigns" / name).iterdir())
-        assert trial_dirs == ["trial-00000", "trial-00001", "trial-00002"]
+        root = CampaignIdentity.of(name, home.resolved_optuna_storage, home.resolved_storage_url)
+        trial_dirs = sorted(p.name for p in Path(urlparse(root.checkpoint_root).path).iterdir())
+        assert trial_dirs == ["lease", "trial-00000", "trial-00001", "trial-00002"]
+
+
+REPRODUCTION = ["sweep", "--campaign", "bar-resume", "--n-trials", "8", "--concurrency", "2"]
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_issue_15_reproduction_resumes_with_pruned_trials_told_late(
+    home: PrefectMLSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 15: killed after 2 finished trials, run again with the same command (default
+    search space): the rerun crashed telling a PRUNED trial with values. The rerun here runs
+    in this process with the ordering that crashed forced: the study writer runs each job only
+    when a later result needs it (every tell after the loop moved on), and every new trial is
+    pruned at its second epoch."""
+    command = [sys.executable, "-m", "flows.cli", *REPRODUCTION, "--epochs", "3"]
+    log = (tmp_path / "first.log").open("wb")
+    first = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=_env(home), stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        wait_for(lambda: _killable(home, "bar-resume", 1), 400, "2 finished trials")
+    finally:
+        _kill_tree(first)
+    left_running = [t.number for t in _trials(home, "bar-resume") if t.state == TrialState.RUNNING]
+    assert left_running, "the process must die with trials running"
+    finished_first = [t for t in _trials(home, "bar-resume") if t.state.is_finished()]
+    assert all(t.state == TrialState.COMPLETE for t in finished_first)
+    monkeypatch.setattr(coordinator, "new_study_writer", LateExecutor)
+    monkeypatch.setattr(
+        studies,
+        "make_pruner",
+        lambda name, epochs: optuna.pruners.ThresholdPruner(lower=2.0, n_warmup_steps=1),
+    )
+
+    second = CliRunner().invoke(app, [*REPRODUCTION, "--epochs", "3"])
+
+    assert second.exit_code == 0, second.output[-3000:]
+    trials = _trials(home, "bar-resume")
+    counted = [t for t in trials if studies.counts_toward_budget(t)]
+    assert len(counted) == 8
+    assert any(t.state == TrialState.PRUNED for t in counted), "the crash's ordering happened"
+    assert all(t.state.is_finished() for t in trials), "nothing left RUNNING or WAITING"
+    assert max(Counter(studies.root_trial(t) for t in counted).values()) == 1
+    for number in left_running:
+        retry = next(t for t in counted if studies.root_trial(t) == number)
+        assert retry.params == trials[number].params
+    parents, runs = _trial_runs(home, "bar-resume")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert sorted(runs) == [t.number for t in trials], "one MLflow run per trial"
+    assert all(run.info.status != "RUNNING" for run in runs.values())
