@@ -6,6 +6,7 @@ run's Ray slot frees itself."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -95,13 +96,16 @@ def test_past_max_failures_the_run_is_failed_and_a_retry_resumes_it_aborting_dea
     monkeypatch.setenv("PREFECT_ML_STORAGE_URL", f"{s3_bucket}/faults")
     crash_dir = tmp_path / "crashes"
     crash_dir.mkdir()
-    epochs = 6
-    model = {"model": "tests.fixtures.faulty_code:crashing_model"}
-    model["model_options"] = {"crash_dir": str(crash_dir)}  # type: ignore[assignment]
-    params = TrainModelParams.model_validate(
-        {"model": model, "training": {"epochs": epochs, "workers": 1, "max_failures": 1}}
-    )
-    data = prepare(params)
+    epochs, batch_size = 8, 64
+    training = {"epochs": epochs, "batch_size": batch_size, "workers": 1, "max_failures": 1}
+    data = prepare(TrainModelParams.model_validate({"training": training}))
+    # Each worker process dies in the middle of its third epoch: by then the first epoch's
+    # checkpoint is committed (an epoch's commit is awaited before the next one starts), so
+    # every attempt moves the run on by at least one epoch.
+    batches = math.ceil(data.rows["train"] / batch_size)
+    options = {"crash_dir": str(crash_dir), "after_batches": 2 * batches + batches // 2}
+    model = {"model": "tests.fixtures.faulty_code:crashing_model", "model_options": options}
+    params = TrainModelParams.model_validate({"model": model, "training": training})
 
     (crash_dir / BUDGET_FILE).write_text("2")  # the first attempt and its one restart crash
     state = train_once(params, data, return_state=True)
@@ -130,7 +134,7 @@ def test_past_max_failures_the_run_is_failed_and_a_retry_resumes_it_aborting_dea
     assert len(list(crash_dir.glob("crash-*"))) == 3
     assert result.run_id == run.info.run_id, "the retry continued the same MLflow run"
     assert result.final_epoch == epochs
-    assert 1 <= result.resumed_from_epoch < epochs, "it resumed from a checkpoint"
+    assert 2 <= result.resumed_from_epoch < epochs, "it resumed from a checkpoint"
     assert tracking.logged_epochs(client, result.run_id) == list(range(1, epochs + 1))
     assert dead_upload not in _incomplete_uploads(moto_s3), "the killed writer's upload aborted"
 
