@@ -13,7 +13,7 @@ from tasks.params import TrainingSections, TrainModelParams
 from tasks.placement import check_placement
 from tasks.register import Registration, register
 from tasks.report import publish_summary
-from tasks.train import TrainResult, train
+from tasks.train import TrainResult, train, training_lease
 
 
 class TrainingOutcome(BaseModel):
@@ -42,9 +42,13 @@ def prepared_data(params: TrainingSections) -> PreparedData:
 def training_chain(params: TrainModelParams) -> TrainingOutcome:
     """The steps shared by ``train_model`` and ``ml_pipeline``; runs inside either flow."""
     data = prepared_data(params)
-    trained = train(params, data)
-    evaluation = evaluate(params, data, trained)
-    registration = register(params, data, trained, evaluation)
+    # One driver per run from training until the run is finished by its registration: a second
+    # identical command started meanwhile would otherwise reopen the RUNNING run and register again.
+    with training_lease(params, data.fingerprint) as lease:
+        trained = train(params, data)
+        evaluation = evaluate(params, data, trained)
+        lease.ensure_held()
+        registration = register(params, data, trained, evaluation)
     publish_summary(data, trained, evaluation, registration)
     return TrainingOutcome(
         data=data, trained=trained, evaluation=evaluation, registration=registration

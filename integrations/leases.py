@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 import uuid
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 _GENERATION = re.compile(r"^gen-(\d{6,})\.json$")
 _ATTEMPTS = 5  # generations created by others between our look and our create, before we give up
+# The leases this call chain holds (a flow holds its run's lease across train, evaluate and
+# register; the train step inside joins it). A context variable, not a process-wide set: another
+# thread or process with the same URL is another driver and is refused.
+_HELD: ContextVar[tuple[Lease, ...]] = ContextVar("prefect_ml_held_leases", default=())
 
 
 class LeaseHeldError(ConfigurationError):
@@ -136,11 +141,23 @@ class Lease:
         what: what the lease guards, as the refusal message names it.
         field: the parameter a refused user would change (``LeaseHeldError.field``).
         expiry_s: how long an unrenewed lease stays held; default ``PREFECT_ML_LEASE_EXPIRY_S``.
+        join: if this call chain already holds the lease at ``url`` (an outer ``with`` of the
+            same folder), share it instead of being refused; entering and leaving then change
+            nothing in the storage.
     """
 
-    def __init__(self, url: str, *, what: str, field: str, expiry_s: float | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        what: str,
+        field: str,
+        expiry_s: float | None = None,
+        join: bool = False,
+    ) -> None:
         self.url = url.rstrip("/")
-        self.what, self.field = what, field
+        self.what, self.field, self.join = what, field, join
+        self._outer: Lease | None = None  # the lease of this call chain we joined
         self.expiry_s = expiry_s if expiry_s is not None else get_settings().lease_expiry_s
         self.generation = 0  # ours, once held
         self._record = LeaseRecord.mine(uuid.uuid4().hex, what)
@@ -153,6 +170,8 @@ class Lease:
     def lost(self) -> bool:
         """True once another process took the lease over, or we could not renew it for the
         expiry (others may have presumed us dead): the holder must stop writing."""
+        if self._outer is not None:
+            return self._outer.lost
         return self._lost.is_set()
 
     @property
@@ -172,6 +191,10 @@ class Lease:
 
     def acquire(self) -> Lease:
         """Take the lease, or raise :class:`LeaseHeldError` if a live process holds it."""
+        held = _HELD.get()
+        if self.join and (outer := next((h for h in held if h.url == self.url), None)):
+            self._outer, self.generation = outer, outer.generation
+            return self
         generation = 0
         for _ in range(_ATTEMPTS):
             generation, record = self._newest()
@@ -187,6 +210,7 @@ class Lease:
                     target=self._heartbeat, name=f"lease {self.what}", daemon=True
                 )
                 self._thread.start()
+                _HELD.set((*held, self))
                 return self
         raise PrefectMLError(
             f"{self.what}: {_ATTEMPTS} other processes took the lease ({self.url}) one after "
@@ -195,8 +219,12 @@ class Lease:
 
     def release(self) -> None:
         """Stop renewing and mark our generation released (unless it was taken over)."""
+        if self._outer is not None:
+            self._outer = None
+            return
         if self._thread is None:
             return
+        _HELD.set(tuple(h for h in _HELD.get() if h is not self))
         self._stop.set()
         self._thread.join()
         self._thread = None
@@ -224,6 +252,9 @@ class Lease:
     def ensure_held(self) -> None:
         """Raise :class:`LeaseLostError` if the lease was lost, asking the storage now rather
         than waiting for the next heartbeat."""
+        if self._outer is not None:
+            self._outer.ensure_held()
+            return
         if not self.lost and storage.exists(self.superseded_url):
             self._lose(f"another process took it over ({self.superseded_url})")
         if self.lost:

@@ -189,6 +189,7 @@ def training_lease(params: TrainModelParams, fingerprint: str) -> Lease:
         storage.training_lease_url(get_settings().resolved_storage_url, run_key),
         what=f"training run {run_key} (experiment {params.experiment!r})",
         field="experiment",
+        join=True,  # the flow holds it from training through registration
     )
 
 

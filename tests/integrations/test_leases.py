@@ -68,6 +68,27 @@ def test_second_holder_is_refused_naming_host_pid_and_age(lease_url: str) -> Non
     assert "held for 60s more" in message and "stop that process" in message
 
 
+def test_a_joining_lease_shares_its_call_chains_hold_and_another_thread_is_refused(
+    lease_url: str,
+) -> None:
+    """A flow holds its run's lease across steps; the train step inside joins it, while the
+    same lease wanted from another thread (another driver in this process) is refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _lease(lease_url) as chain:
+        inner = Lease(lease_url, what="training run abc", field="experiment", join=True)
+        with inner:
+            assert inner.generation == chain.generation == 1
+            assert inner.superseded_url == chain.superseded_url
+        assert not chain.lost  # leaving the inner hold released nothing
+        with ThreadPoolExecutor(1) as other_thread:
+            joined = Lease(lease_url, what="training run abc", field="experiment", join=True)
+            with pytest.raises(LeaseHeldError):
+                other_thread.submit(joined.acquire).result()
+    with _lease(lease_url) as after:  # the outer hold released it
+        assert after.generation == 2
+
+
 def test_released_lease_is_taken_again_at_once(lease_url: str) -> None:
     lease = _lease(lease_url)
     with lease:
