@@ -5,7 +5,7 @@ PYTHON  ?= python3
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench lint clean
+.PHONY: install run test bench chaos lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ bench: $(STAMP)
 	# The serving benchmark's load generator is wrk (Debian package).
 	command -v wrk >/dev/null || apt-get install -y wrk
 	$(VENV)/bin/python benchmarks/serving.py
+
+# Kill the CLI, a checkpoint writer and Ray workers at random moments, rerun, check the invariants
+# (RELIABILITY.md). About 3 hours on 2 cores; CHAOS_ARGS="--kills 5 --seed N" for a short one.
+CHAOS_ARGS ?= --kills 50
+chaos: $(STAMP)
+	$(VENV)/bin/python benchmarks/chaos.py $(CHAOS_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
