@@ -149,56 +149,11 @@ def _stop_tree(process: subprocess.Popen[bytes]) -> None:
 
 
 def _fault_proxy(target_port: int) -> Any:
-    """``tests.s3.FaultyProxy`` in front of ``target_port``, with HEAD answered as S3 does.
-
-    FaultyProxy sets every response's Content-Length to the length of the body it forwards, and
-    a HEAD has none: s3fs sizes a file by HEAD, so every object read through it looks empty
-    (``read_array_rows`` then fails with "EOF: reading magic string"). Here a HEAD gets the
-    upstream's headers unchanged, or one of the same faults (a 503 SlowDown, a reset).
-    """
-    import http.client
-    import socket
-    import struct
-
+    """``tests.s3.FaultyProxy`` in front of ``target_port``, faults off until a scenario sets
+    its rate."""
     from tests.s3 import FaultyProxy
 
-    class Proxy(FaultyProxy):
-        def _handler(self) -> Any:
-            proxy = self
-
-            class Handler(super()._handler()):  # type: ignore[misc]
-                def do_HEAD(self) -> None:
-                    fault = proxy._fault()
-                    if fault == "reset":
-                        self.connection.setsockopt(
-                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
-                        )
-                        self.close_connection = True
-                        self.connection.close()
-                        return
-                    if fault == "slow-down":  # a HEAD answer has no body
-                        self.send_response(503)
-                        self.send_header("Content-Length", "0")
-                        self.end_headers()
-                        return
-                    upstream = http.client.HTTPConnection(
-                        "127.0.0.1", proxy.target_port, timeout=60
-                    )
-                    try:
-                        upstream.request("HEAD", self.path, headers=dict(self.headers))
-                        response = upstream.getresponse()
-                        response.read()
-                        self.send_response(response.status)
-                        for key, value in response.getheaders():
-                            if key.lower() not in ("transfer-encoding", "connection"):
-                                self.send_header(key, value)
-                        self.end_headers()
-                    finally:
-                        upstream.close()
-
-            return Handler
-
-    server = Proxy(target_port, rate=0.0)
+    server = FaultyProxy(target_port, rate=0.0)
     # A killed command leaves requests half-sent; the proxy's server would print each reset.
     server._server.handle_error = lambda *_: None  # type: ignore[method-assign]
     return server

@@ -74,7 +74,12 @@ def evaluate_model(
         "loss": float(torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels))),
     }
     client = tracking.client_for(get_settings().resolved_tracking_uri)
-    tracking.log_metrics(client, trained.run_id, {f"test_{k}": v for k, v in metrics.items()})
+    # A process killed after evaluating and before registration is evaluated again by the rerun
+    # (same checkpoint, same split, same numbers): each test metric is logged once.
+    logged = tracking.run_metrics(client, trained.run_id)
+    fresh = {f"test_{k}": v for k, v in metrics.items() if f"test_{k}" not in logged}
+    if fresh:
+        tracking.log_metrics(client, trained.run_id, fresh)
     figure = confusion_figure(matrix, data.class_names)
     tracking.log_figure(client, trained.run_id, figure, "evaluation/confusion_matrix.png")
     return Evaluation(metrics=metrics, confusion_matrix=matrix.tolist())

@@ -138,11 +138,11 @@ class FaultyProxy:
                     upstream.request(self.command, self.path, body=body, headers=headers)
                     response = upstream.getresponse()
                     payload = response.read()
-                    passed = {
-                        k: v
-                        for k, v in response.getheaders()
-                        if k.lower() not in ("transfer-encoding", "content-length", "connection")
-                    }
+                    # A HEAD's Content-Length is the object's size (its body is empty).
+                    dropped = {"transfer-encoding", "connection"}
+                    if self.command != "HEAD":
+                        dropped.add("content-length")
+                    passed = {k: v for k, v in response.getheaders() if k.lower() not in dropped}
                     self._reply(response.status, passed, payload)
                 finally:
                     upstream.close()
@@ -151,7 +151,8 @@ class FaultyProxy:
                 self.send_response(status)
                 for key, value in headers.items():
                     self.send_header(key, value)
-                self.send_header("Content-Length", str(len(payload)))
+                if not any(key.lower() == "content-length" for key in headers):
+                    self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(payload)

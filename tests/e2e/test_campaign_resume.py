@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 from optuna.trial import TrialState
 from prefect.settings import PREFECT_API_URL
+from sqlalchemy.exc import SQLAlchemyError
 
 from flows.cli import app
 from integrations import studies, tracking
@@ -73,6 +74,8 @@ def _trials(home: PrefectMLSettings, campaign: str) -> list[optuna.trial.FrozenT
     try:
         study = optuna.load_study(study_name=campaign, storage=home.resolved_optuna_storage)
     except KeyError:  # not created yet
+        return []
+    except SQLAlchemyError:  # the campaign is creating the database's tables right now
         return []
     return study.get_trials()
 

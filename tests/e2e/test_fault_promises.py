@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -228,9 +229,22 @@ holder()
 """
 
 
+def _api(method: str, url: str, **options: Any) -> httpx.Response:
+    """A call to the Prefect server, retried while it answers 503 (its SQLite is busy under
+    load; Prefect's own client retries those the same way)."""
+    answers: list[httpx.Response] = []
+
+    def answered() -> bool:
+        answers.append(httpx.request(method, url, timeout=30, **options))
+        return answers[-1].status_code != 503
+
+    wait_for(answered, 120, f"{method} {url} to be answered")
+    answers[-1].raise_for_status()
+    return answers[-1]
+
+
 def _slot_holders(api_url: str) -> list[str]:
-    response = httpx.get(f"{api_url}/concurrency_limits/tag/{RAY_TAG}", timeout=30)
-    response.raise_for_status()
+    response = _api("GET", f"{api_url}/concurrency_limits/tag/{RAY_TAG}")
     return [str(holder) for holder in response.json()["active_slots"]]
 
 
@@ -238,12 +252,11 @@ def test_a_killed_runs_ray_slot_frees_itself(prefect_ui: PrefectUI, tmp_path: Pa
     """A run holding the only Ray slot is SIGKILLed; the next run's task, waiting for the slot,
     starts once the server has revoked the dead run's lease (Prefect's task lease lasts 60 s,
     its repossessor looks every 15 s). ``prefect-ml ui`` is a real server, with its services."""
-    response = httpx.post(
+    _api(
+        "POST",
         f"{prefect_ui.api_url}/concurrency_limits/",
         json={"tag": RAY_TAG, "concurrency_limit": 1},
-        timeout=30,
     )
-    response.raise_for_status()
     env = {**prefect_ui.env, "PREFECT_HOME": str(tmp_path / "prefect")}
 
     def run(name: str, mode: str) -> subprocess.Popen[bytes]:

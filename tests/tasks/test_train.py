@@ -1,5 +1,5 @@
 """Training on a real local Ray: an elastic worker group, checkpoints, a worker killed mid-epoch,
-a driver whose lease another driver took over."""
+a driver whose lease another driver took over, a run evaluated twice."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from integrations import ray_training, storage, tracking
 from integrations.leases import LeaseLostError, LeaseRecord
 from integrations.settings import PrefectMLSettings
 from tasks.data import inspect_dataset, preprocess_dataset
+from tasks.evaluate import Evaluation, evaluate_model
 from tasks.params import TrainModelParams
 from tasks.train import TrainResult, train_distributed
 from tests.helpers import committed_epochs, wait_for
@@ -31,6 +32,15 @@ def train_flow(params: TrainModelParams) -> TrainResult:
         params.data, summary.fingerprint, PrefectMLSettings().resolved_storage_url
     )
     return train_distributed(params, data)
+
+
+@flow
+def evaluate_flow(params: TrainModelParams, trained: TrainResult) -> Evaluation:
+    summary = inspect_dataset(params)
+    data = preprocess_dataset(
+        params.data, summary.fingerprint, PrefectMLSettings().resolved_storage_url
+    )
+    return evaluate_model(params, data, trained)
 
 
 def _train_workers() -> list[psutil.Process]:
@@ -96,6 +106,13 @@ def test_elastic_group_trains_on_what_the_cluster_has_and_carries_on_after_losin
     assert all(f"checkpoint.epoch_{e:04d}" in tags for e in range(1, EPOCHS + 1))
     assert committed_epochs(storage_dir) == list(range(1, EPOCHS + 1))
     assert result.epoch_metrics["val_accuracy"] > 0.5
+
+    # A rerun killed between evaluation and registration evaluates the same run again: its test
+    # metrics stay logged once.
+    evaluations = [evaluate_flow(params, result) for _ in range(2)]
+    assert evaluations[0].metrics == evaluations[1].metrics
+    history = client.get_metric_history(result.run_id, "test_accuracy")
+    assert [m.value for m in history] == [evaluations[0].metrics["accuracy"]]
 
 
 @pytest.mark.usefixtures("ray_cluster")
