@@ -765,6 +765,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=50, help="kills per scenario")
     parser.add_argument("--scenario", choices=SCENARIOS, action="append", help="repeatable")
+    parser.add_argument(
+        "--kills-of",
+        action="append",
+        default=[],
+        metavar="SCENARIO=N",
+        help="kills for one scenario instead of --kills (repeatable)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="replay a run's kill points")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "chaos.json")
     parser.add_argument("--write-checkpoints", metavar="URL", help=argparse.SUPPRESS)
@@ -777,22 +784,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # A SIGTERM (a background job cannot get SIGINT) stops the run and what it started, cleanly.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     scenarios = args.scenario or list(SCENARIOS)
+    kills = {name: args.kills for name in scenarios}
+    for override in args.kills_of:
+        name, _, count = override.partition("=")
+        if name not in kills or not count.isdigit():
+            parser.error(f"--kills-of {override}: expected SCENARIO=N with one of {scenarios}")
+        kills[name] = int(count)
     started = time.monotonic()
     tallies = []
     # Iterations that pass delete their home; those with a violation keep it here to inspect.
     work = Path(tempfile.mkdtemp(prefix=f"prefect-ml-chaos-{seed}-"))
     with services(work, cluster=scenarios != ["upload-kill"]) as shared:
         for name in scenarios:
-            print(f"{name}: {args.kills} kills", flush=True)
+            print(f"{name}: {kills[name]} kills", flush=True)
             rng = random.Random(f"{seed}:{name}")
-            tallies.append(run_scenario(name, shared, rng, args.kills, seed))
+            tallies.append(run_scenario(name, shared, rng, kills[name], seed))
     if any(t.violations for t in tallies):
         print(f"homes of the iterations with violations: {work}")
     else:
         shutil.rmtree(work, ignore_errors=True)
     report = {
         "seed": seed,
-        "kills_per_scenario": args.kills,
+        "kills_per_scenario": kills,
         "minutes": round((time.monotonic() - started) / 60, 1),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "python": platform.python_version(),
