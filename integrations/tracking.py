@@ -60,10 +60,36 @@ def client_for(tracking_uri: str) -> MlflowClient:
     os.makedirs(os.path.dirname(database) or ".", exist_ok=True)
     with open(f"{database}.init-lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(database):
+            _create_sqlite_database(database)
         client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         client.search_registered_models(max_results=1)  # the registry store initialises too
     _INITIALISED.add(tracking_uri)
     return client
+
+
+def _create_sqlite_database(database: str) -> None:
+    """Create MLflow's schema in a temporary file, then move it into place.
+
+    MLflow's migrations (alembic) take many statements; a process killed in between left a
+    half-migrated database on which every later run failed ("table _alembic_tmp_experiments
+    already exists", found by the chaos runs). Built aside and renamed, the database is either
+    absent or whole. Called under the init lock, so leftovers of killed creators can go.
+    """
+    import glob
+
+    import sqlalchemy
+    from mlflow.store.db.utils import _initialize_tables  # what MLflow's own store runs
+
+    for leftover in glob.glob(f"{glob.escape(database)}.creating-*"):
+        os.remove(leftover)
+    staging = f"{database}.creating-{os.getpid()}"
+    engine = sqlalchemy.create_engine(f"sqlite:///{staging}")
+    try:
+        _initialize_tables(engine)
+    finally:
+        engine.dispose()
+    os.replace(staging, database)
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:

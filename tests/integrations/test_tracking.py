@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from integrations import tracking
@@ -53,3 +55,44 @@ def test_unfinished_runs_are_resumed_finished_ones_are_not(home: PrefectMLSettin
         client, experiment, "other-key", run_name="r", params={}, tags={}
     )
     assert other not in (first, fresh) and not resumed
+
+
+_KILLED_MID_MIGRATION = """
+import os, signal, sys
+import mlflow.store.db.utils as db_utils
+from integrations import tracking
+
+def die(*args, **kwargs):  # the moment the chaos run hit: tables created, migrations not done
+    os.kill(os.getpid(), signal.SIGKILL)
+
+db_utils._upgrade_db = die
+tracking.client_for(sys.argv[1])
+"""
+
+
+def test_a_process_killed_while_creating_the_database_leaves_none_behind(
+    tmp_path: Path,
+) -> None:
+    """Killed in the middle of MLflow's migrations of a new SQLite database, a process left a
+    half-migrated file on which every later run failed; now the file appears only when whole."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    database = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{database}"
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_MIGRATION, uri], cwd=REPO_ROOT, check=False
+    )
+    assert killed.returncode == -9
+    assert not database.exists()
+
+    client = tracking.client_for(uri)
+    experiment = tracking.ensure_experiment(client, "after-a-kill", None)
+    run_id, _ = tracking.start_or_resume_run(
+        client, experiment, "key", run_name="r", params={"a": 1}, tags={}
+    )
+    tracking.log_epoch(client, run_id, 1, {"val_loss": 0.5}, "file:///checkpoint")
+    assert tracking.logged_epochs(client, run_id) == [1]
+    assert [p.name for p in tmp_path.iterdir() if ".creating-" in p.name] == []
