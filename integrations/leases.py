@@ -40,6 +40,9 @@ _ATTEMPTS = 5  # generations created by others between our look and our create, 
 # register; the train step inside joins it). A context variable, not a process-wide set: another
 # thread or process with the same URL is another driver and is refused.
 _HELD: ContextVar[tuple[Lease, ...]] = ContextVar("prefect_ml_held_leases", default=())
+# Holder ids of the leases this process holds now. A record of this very process whose holder
+# is not here was left by a hold whose release could not be written (a storage outage): free.
+_HOLDING: set[str] = set()
 
 
 class LeaseHeldError(ConfigurationError):
@@ -113,6 +116,17 @@ class LeaseRecord:
     @classmethod
     def from_bytes(cls, data: bytes) -> LeaseRecord:
         return cls(**json.loads(data))
+
+    def left_by_this_process(self) -> bool:
+        """Written by this very process for a hold it has since ended (its release failed)."""
+        mine = LeaseRecord.mine(self.holder, self.what)
+        same_process = (self.host, self.process_space, self.pid, self.process_start) == (
+            mine.host,
+            mine.process_space,
+            mine.pid,
+            mine.process_start,
+        )
+        return same_process and self.holder not in _HOLDING
 
     def dead_on_this_host(self) -> bool:
         """Whether the holder ran here and its process is gone (or its PID is another's now)."""
@@ -193,6 +207,7 @@ class Lease:
         """Take the lease, or raise :class:`LeaseHeldError` if a live process holds it."""
         held = _HELD.get()
         if self.join and (outer := next((h for h in held if h.url == self.url), None)):
+            outer.ensure_held()  # a lost hold stays lost: its retry must not write again
             self._outer, self.generation = outer, outer.generation
             return self
         generation = 0
@@ -211,6 +226,7 @@ class Lease:
                 )
                 self._thread.start()
                 _HELD.set((*held, self))
+                _HOLDING.add(self._record.holder)
                 return self
         raise PrefectMLError(
             f"{self.what}: {_ATTEMPTS} other processes took the lease ({self.url}) one after "
@@ -225,6 +241,7 @@ class Lease:
         if self._thread is None:
             return
         _HELD.set(tuple(h for h in _HELD.get() if h is not self))
+        _HOLDING.discard(self._record.holder)
         self._stop.set()
         self._thread.join()
         self._thread = None
@@ -251,12 +268,17 @@ class Lease:
 
     def ensure_held(self) -> None:
         """Raise :class:`LeaseLostError` if the lease was lost, asking the storage now rather
-        than waiting for the next heartbeat."""
+        than waiting for the next heartbeat (before a step that must not be done twice)."""
         if self._outer is not None:
             self._outer.ensure_held()
             return
         if not self.lost and storage.exists(self.superseded_url):
             self._lose(f"another process took it over ({self.superseded_url})")
+        self.raise_if_lost()
+
+    def raise_if_lost(self) -> None:
+        """Raise :class:`LeaseLostError` if the heartbeat found the lease lost; no storage call,
+        so a loop may ask every iteration without a storage hiccup stopping it."""
         if self.lost:
             raise LeaseLostError(
                 f"{self.what}: another process took over its lease ({self.url}) because this "
@@ -277,8 +299,10 @@ class Lease:
             except Exception as exc:
                 silent = time.monotonic() - self._renewed_at
                 logger.warning("Could not renew the lease on %s: %s", self.what, exc)
-                if silent > self.expiry_s:
-                    self._lose(f"not renewed for {silent:.0f}s; it may have been taken over")
+                # Stop well before others may take over (at the expiry, by the storage's clock):
+                # two writers must never overlap, even for one heartbeat.
+                if silent > self.expiry_s * 2 / 3:
+                    self._lose(f"not renewed for {silent:.0f}s; it may be taken over")
                     return
 
     def _claim(self, generation: int) -> bool:
@@ -304,7 +328,7 @@ class Lease:
     def _held_for(self, generation: int, record: LeaseRecord) -> float | None:
         """How long ago (by the storage's clock) a live holder last renewed ``generation``;
         None when it is free: released, its holder dead on this host, or expired."""
-        if record.released or record.dead_on_this_host():
+        if record.released or record.dead_on_this_host() or record.left_by_this_process():
             return None
         written = storage.modified_time(self._generation_url(generation))
         age = storage.storage_clock(self.url) - written

@@ -185,6 +185,10 @@ def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
+def log_dict(client: MlflowClient, run_id: str, data: dict[str, Any], artifact_file: str) -> None:
+    client.log_dict(run_id, data, artifact_file)
+
+
 def log_figure(client: MlflowClient, run_id: str, figure: Figure, artifact_file: str) -> None:
     """Log ``figure`` as an image artifact, then release it (pyplot keeps figures alive)."""
     import matplotlib.pyplot as plt

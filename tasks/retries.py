@@ -15,6 +15,7 @@ from prefect.tasks import exponential_backoff
 from pydantic import ValidationError
 
 from integrations.errors import CampaignFailedError, ConfigurationError, EnvironmentCheckError
+from integrations.leases import LeaseLostError
 from integrations.settings import get_settings
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
     ConfigurationError,
     EnvironmentCheckError,
     CampaignFailedError,
+    LeaseLostError,  # another driver carries the run on; this one must not write again
     ValidationError,
 )
 # Spreads the retries of many runs that failed together (an S3 or MLflow outage) over time.

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from integrations.ray_training import EpochTrainer, TrainLoopConfig
 from integrations.settings import PrefectMLSettings
@@ -113,3 +114,15 @@ def blob_trainer(checkpoint_url: str, **config: Any) -> EpochTrainer:
     return EpochTrainer(
         TrainLoopConfig(**{**defaults, **config}), shards={"train": shard, "val": shard}
     )
+
+
+def ray_train_workers() -> list[psutil.Process]:
+    """The live Ray Train worker processes of this session's Ray (not of other Rays here)."""
+    import ray
+    from ray.util.state import list_actors
+
+    actors = list_actors(
+        address=ray.get_runtime_context().gcs_address,
+        filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
+    )
+    return [psutil.Process(actor.pid) for actor in actors]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from integrations import studies
 from integrations.checkpoints import CheckpointStore
+from integrations.leases import LeaseLostError
 from integrations.tracking import RESUMED_TAG, WORKER_TAG
 from integrations.trial_pool import Epochs, Outcome, TrialError, TrialPool, WorkerLost
 from integrations.trial_worker import EpochReport, TrialSpec
@@ -129,7 +130,7 @@ class Coordinator:
         self.tally = Tally()
         self.running: dict[int, RunningTrial] = {}  # slot -> its trial
         self.study_writer = study_writer or new_study_writer()
-        self.study_writes: list[Future[None]] = []
+        self.study_writes: list[Future[TrialEnd]] = []
         self.spare: Future[Asked] | None = None  # the next trial, asked while workers are busy
 
     # --- before the loop ------------------------------------------------------------------
@@ -174,10 +175,15 @@ class Coordinator:
         """
         try:
             self._drive(pool, writer, progress or (lambda force: None), check or (lambda: None))
+        except LeaseLostError:
+            # Another coordinator owns the study now: tell it nothing more (it retries the
+            # trials this one leaves RUNNING), and let the lease error be what is raised.
+            self.study_writer.shutdown(wait=True, cancel_futures=True)
+            raise
         finally:
             self.study_writer.shutdown(wait=True)
-            for write in self.study_writes:
-                write.result()  # a failed write to the study surfaces here
+        for write in self.study_writes:
+            write.result()  # a failed write to the study surfaces here
 
     def _drive(
         self,
@@ -320,17 +326,27 @@ class Coordinator:
         told = tuple(values[n] for n in self.names) if state == "COMPLETE" else None
         end = TrialEnd(trial, state, told, tuple(running.unreported), error)
         running.unreported.clear()
-        self.study_writes.append(self.study_writer.submit(self._tell, end))
+        told_future = self.study_writer.submit(self._tell, end)
+        self.study_writes.append(told_future)
         shown = dict(values)
         if state == "PRUNED" and running.last_metrics:  # its value: the last one it reported
             shown = {self.names[0]: float(running.last_metrics[self.names[0]])}
-        writer.trial_ended(trial.number, state, shown, error)
+
+        def record(told: Future[TrialEnd]) -> None:
+            # MLflow ends the trial's run only once the study has it: a process killed in
+            # between leaves the run RUNNING, which the next run marks interrupted, never a
+            # FINISHED run for an attempt the study retries.
+            if not told.cancelled() and told.exception() is None:
+                writer.trial_ended(trial.number, state, shown, error)
+
+        told_future.add_done_callback(record)
         self._count(trial.number, state, shown, error)
         if state == "FAIL":
             self.logger.warning("Trial %d failed: %s", trial.number, error)
 
-    def _tell(self, end: TrialEnd) -> None:
-        """On the study writer: what was fixed when the trial ended, nothing read later."""
+    def _tell(self, end: TrialEnd) -> TrialEnd:
+        """On the study writer: what was fixed when the trial ended, nothing read later;
+        returns it once the study has it."""
         from optuna.trial import TrialState
 
         self._report(end.trial, end.reports)
@@ -338,6 +354,7 @@ class Coordinator:
             end.trial.set_user_attr(studies.ERROR_ATTR, end.error[:2000])
         told = list(end.values) if end.values is not None else None
         self.study.tell(end.trial, told, state=TrialState[end.state])
+        return end
 
     def _report(self, trial: optuna.trial.Trial, reports: Sequence[EpochReport]) -> None:
         if len(self.names) == 1:

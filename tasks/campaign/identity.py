@@ -20,7 +20,7 @@ class CampaignIdentity:
 
     @classmethod
     def of(cls, name: str, optuna_storage: str, storage_url: str) -> CampaignIdentity:
-        digest = hashlib.sha256(optuna_storage.encode()).hexdigest()[:8]
+        digest = hashlib.sha256(_without_credentials(optuna_storage).encode()).hexdigest()[:8]
         return cls(
             name=name,
             key=f"{name}@{digest}",
@@ -35,3 +35,19 @@ class CampaignIdentity:
     def trial_url(self, root_trial: int) -> str:
         """The checkpoints of a trial and of its retries (they share the first's number)."""
         return storage.join(self.checkpoint_root, f"trial-{root_trial:05d}")
+
+
+def _without_credentials(url: str) -> str:
+    """The database URL without user and password: a rotated password is the same campaign."""
+    if "://" not in url:  # a journal file's path
+        return url
+    from sqlalchemy.engine import URL, make_url
+
+    parsed = make_url(url)
+    return URL.create(
+        parsed.drivername,
+        host=parsed.host,
+        port=parsed.port,
+        database=parsed.database,
+        query=parsed.query,
+    ).render_as_string()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from prefect import get_run_logger
 
 from integrations import storage, studies, tracking
-from integrations.errors import CampaignFailedError
+from integrations.errors import CampaignFailedError, PrefectMLError
 from integrations.leases import Lease
 from integrations.ray_cluster import ray_session
 from integrations.resources import cluster_nodes
@@ -194,7 +194,7 @@ class CampaignRun:
                             pool.size,
                             self.coordinator.rules.budget or "unlimited",
                         )
-                        self._run_pool(pool, writer, lease.ensure_held)
+                        self._run_pool(pool, writer, lease.raise_if_lost)
         finally:
             # Trials still running (an exception above) are left RUNNING: the next run retries them.
             writer.close()  # every MLflow record written: part of the trials' cost
@@ -304,7 +304,9 @@ class CampaignRun:
         for name, figure in studies.plots(self.study, self.names).items():
             tracking.log_figure(client, parent, figure, f"plots/{name}.png")
         rows = leaderboard(self.study, self.objectives, run_ids)
-        client.log_dict(parent, {"trials": [r.model_dump() for r in rows]}, "leaderboard.json")
+        tracking.log_dict(
+            client, parent, {"trials": [r.model_dump() for r in rows]}, "leaderboard.json"
+        )
         tracking.log_metrics(
             client,
             parent,
@@ -316,11 +318,14 @@ class CampaignRun:
         )
         if not best:
             tracking.finish_run(client, parent, "FAILED")
-            raise CampaignFailedError(
+            message = (
                 f"campaign {self.sweep.campaign}: no trial completed "
                 f"({tally.failed} failed, {tally.pruned} pruned). "
                 f"First failure: {tally.first_error}"
             )
+            if self.coordinator.remaining:  # stopped early (a failure streak): a rerun goes on
+                raise PrefectMLError(f"{message}. Trials left in the budget run on a retry.")
+            raise CampaignFailedError(message)
         tracking.finish_run(client, parent)
         if writer.errors:
             self.logger.warning("Some MLflow writes failed: %s", "; ".join(writer.errors[:3]))

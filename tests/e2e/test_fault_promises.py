@@ -30,7 +30,7 @@ from tasks.train import TrainResult, train, train_distributed
 from tests.e2e import test_prefect_ui
 from tests.e2e.test_prefect_ui import PrefectUI, _start
 from tests.fixtures.faulty_code import BUDGET_FILE
-from tests.helpers import committed_epochs, wait_for
+from tests.helpers import committed_epochs, ray_train_workers, wait_for
 from tests.s3 import TEST_BUCKET, MotoS3
 
 pytestmark = pytest.mark.e2e
@@ -140,18 +140,6 @@ def test_past_max_failures_the_run_is_failed_and_a_retry_resumes_it_aborting_dea
     assert dead_upload not in _incomplete_uploads(moto_s3), "the killed writer's upload aborted"
 
 
-def _train_workers() -> list[psutil.Process]:
-    """The live Ray Train worker processes of this session's Ray (not of other Rays here)."""
-    import ray
-    from ray.util.state import list_actors
-
-    actors = list_actors(
-        address=ray.get_runtime_context().gcs_address,
-        filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
-    )
-    return [psutil.Process(actor.pid) for actor in actors]
-
-
 @pytest.mark.usefixtures("ray_cluster")
 def test_a_hung_peer_fails_the_group_after_the_collective_timeout_and_it_restarts(
     home: PrefectMLSettings,
@@ -189,7 +177,7 @@ def test_a_hung_peer_fails_the_group_after_the_collective_timeout_and_it_restart
     stopped: psutil.Process | None = None
     try:
         wait_for(lambda: 1 in committed_epochs(storage_dir), 300, "the epoch-1 checkpoint")
-        workers = _train_workers()
+        workers = ray_train_workers()
         assert len(workers) == 2
         stopped = workers[-1]
         stopped.send_signal(signal.SIGSTOP)

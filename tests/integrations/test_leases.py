@@ -16,7 +16,13 @@ from prefect import flow, task
 
 from integrations import storage
 from integrations.errors import ConfigurationError
-from integrations.leases import Lease, LeaseHeldError, LeaseLostError, LeaseRecord
+from integrations.leases import (
+    Lease,
+    LeaseHeldError,
+    LeaseLostError,
+    LeaseRecord,
+    _process_start,
+)
 from tests.helpers import wait_for
 
 
@@ -134,12 +140,45 @@ def test_reused_pid_with_another_start_time_is_taken_over(lease_url: str) -> Non
 def test_live_process_on_this_host_with_a_stale_heartbeat_is_taken_over(lease_url: str) -> None:
     """An existing PID is not enough: a holder that stopped renewing (a stopped process)
     expires like any other."""
-    _write_record(lease_url, 1)
-    with pytest.raises(LeaseHeldError):
-        _lease(lease_url, expiry_s=1).acquire()
-    _wait_older_than(lease_url, 1, 1)
-    with _lease(lease_url, expiry_s=1) as lease:
-        assert lease.generation == 2
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        _write_record(lease_url, 1, pid=holder.pid, process_start=_process_start(holder.pid))
+        with pytest.raises(LeaseHeldError, match=f"process {holder.pid} "):
+            _lease(lease_url, expiry_s=1).acquire()
+        _wait_older_than(lease_url, 1, 1)
+        with _lease(lease_url, expiry_s=1) as lease:
+            assert lease.generation == 2
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_hold_whose_release_failed_is_taken_again_by_its_own_process(
+    lease_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A storage outage failed the step and the write of its release: the same process's
+    Prefect retry takes the lease again at once instead of being refused by its own record."""
+    first = _lease(lease_url).acquire()
+    with monkeypatch.context() as outage:
+        outage.setattr(storage, "write_bytes", _refuse)
+        first.release()  # logs a warning; the record still says held
+    record = storage.join(lease_url, "gen-000001.json")
+    assert not LeaseRecord.from_bytes(storage.read_bytes(record)).released
+    with _lease(lease_url) as retry:
+        assert retry.generation == 2
+
+
+def _refuse(*_args: object) -> None:
+    raise OSError("503 Service Unavailable")
+
+
+def test_a_lost_hold_cannot_be_joined(lease_url: str) -> None:
+    """A retry of the train step inside a flow whose lease was taken over must not write."""
+    with _lease(lease_url, expiry_s=1.2) as chain:
+        _write_record(lease_url, chain.generation + 1, host="elsewhere")
+        inner = Lease(lease_url, what="training run abc", field="experiment", join=True)
+        with pytest.raises(LeaseLostError):
+            inner.acquire()
 
 
 @pytest.mark.parametrize("skew_s", [-10 * 365 * 86400, 10 * 365 * 86400], ids=["past", "future"])

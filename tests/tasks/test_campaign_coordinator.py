@@ -21,6 +21,7 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
 from integrations import studies, tracking
+from integrations.leases import LeaseLostError
 from integrations.ray_training import TrainLoopConfig
 from integrations.tracking import TrackingWriter
 from integrations.trial_pool import Epochs, Outcome, TrialError, WorkerLost
@@ -117,9 +118,9 @@ class LateExecutor(Executor):
                 future.set_exception(exc)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        if self.lose_held:
+        if cancel_futures or self.lose_held:
             for future, _job in self.held:
-                future.set_result(None)
+                future.cancel()
             self.held.clear()
         self.run_until(None)
 
@@ -247,6 +248,27 @@ def test_a_pruned_trial_is_told_pruned_without_values_however_late_the_study_wri
     assert run.data.metrics["objective.val_accuracy"] == pytest.approx(0.1)
 
 
+def test_a_coordinator_whose_lease_was_lost_tells_the_study_nothing_more(
+    tmp_path: Path, writer: TrackingWriter
+) -> None:
+    """Once another coordinator took the campaign over, ends waiting for the study writer are
+    dropped (the new owner retries those trials) and the lease error is what is raised."""
+    study = study_of(GOOD, GOOD, GOOD, GOOD)
+    campaign = coordinator(study, tmp_path, budget=4, study_writer=LateExecutor())
+
+    told_when_lost: list[int] = []
+
+    def lost() -> None:
+        if campaign.tally.finished >= 2:
+            told_when_lost.append(sum(t.state.is_finished() for t in study.trials))
+            raise LeaseLostError("campaign c: another process took over its lease")
+
+    with pytest.raises(LeaseLostError):
+        campaign.run(FakePool(2), writer, check=lost)
+    told_after = sum(t.state.is_finished() for t in study.trials)
+    assert told_after == told_when_lost[0] < campaign.tally.finished, "nothing told late"
+
+
 def test_failures_in_a_row_stop_the_campaign_with_the_first_error(
     tmp_path: Path, writer: TrackingWriter
 ) -> None:
@@ -324,10 +346,22 @@ def test_a_campaign_resumed_after_its_coordinator_died_finishes_exactly_n_trials
         GOOD, GOOD, BAD, GOOD, BAD, GOOD, BAD, GOOD, pruner=optuna.pruners.MedianPruner(1, 0)
     )
     dying = coordinator(study, tmp_path, budget=8, study_writer=LateExecutor(lose_held=True))
+    dying_writer = TrackingWriter(
+        writer.client, writer.experiment_id, writer.parent_run_id, writer.campaign_key
+    )
     with pytest.raises(Killed):
-        dying.run(FakePool(2, kill_after=2), writer)
+        dying.run(FakePool(2, kill_after=2), dying_writer)
+    dying_writer.close()  # what the dead process had handed to MLflow
     left_running = [t.number for t in study.trials if t.state == TrialState.RUNNING]
     assert left_running
+    # Their ends never reached the study, so MLflow must not show them finished either (the
+    # next campaign run marks those runs interrupted).
+    runs = dying_writer.run_ids()
+    for number in left_running:
+        if number in runs:
+            assert writer.client.get_run(runs[number]).info.status == "RUNNING"
+    for number, run_id in dying_writer.run_ids().items():
+        writer.known_run(number, run_id)
 
     resumed = coordinator(study, tmp_path, budget=8, study_writer=LateExecutor())
     resumed.run(FakePool(2), writer)

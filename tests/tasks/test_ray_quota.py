@@ -25,12 +25,19 @@ def test_ray_heavy_tasks_carry_the_quota_tag() -> None:
     assert RAY_TAG in campaign.tags
 
 
+def _remove_ray_quota() -> None:
+    with get_client(sync_client=True) as client:
+        client.delete_concurrency_limit_by_tag(RAY_TAG)
+
+
 def test_training_waits_until_the_other_run_frees_the_ray_slot(
-    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     """Another flow run holds the only slot; this run's training starts only once it is free."""
     set_ray_quota(1)
     assert ray_quota() == 1
+    # The limit is the session server's: later tests train and run campaigns side by side.
+    request.addfinalizer(_remove_ray_quota)
     # An MLflow URI with no store behind it makes the training body fail at its first line, so
     # the test measures when the body started without training anything.
     monkeypatch.setenv("PREFECT_ML_MLFLOW_TRACKING_URI", "nostore://nowhere")

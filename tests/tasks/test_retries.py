@@ -18,6 +18,7 @@ from integrations.errors import (
     EnvironmentCheckError,
     PrefectMLError,
 )
+from integrations.leases import LeaseLostError
 from integrations.settings import get_settings
 from tasks.data import inspect_data, preprocess
 from tasks.retries import is_transient, transient_retries
@@ -88,6 +89,7 @@ def test_retries_stop_at_the_configured_number() -> None:
         pytest.param(ConfigurationError("training.epochs", "must be positive"), id="parameter"),
         pytest.param(EnvironmentCheckError("S3 refused the credentials"), id="credentials"),
         pytest.param(CampaignFailedError("campaign x: no trial completed"), id="no-trial"),
+        pytest.param(LeaseLostError("training run r: another process took over"), id="lease-lost"),
     ],
 )
 def test_a_permanent_error_is_not_retried(error: PrefectMLError) -> None:

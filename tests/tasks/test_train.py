@@ -9,7 +9,6 @@ import signal
 import threading
 from pathlib import Path
 
-import psutil
 import pytest
 from prefect import flow
 
@@ -20,7 +19,7 @@ from tasks.data import inspect_dataset, preprocess_dataset
 from tasks.evaluate import Evaluation, evaluate_model
 from tasks.params import TrainModelParams
 from tasks.train import TrainResult, train_distributed
-from tests.helpers import committed_epochs, wait_for
+from tests.helpers import committed_epochs, ray_train_workers, wait_for
 
 EPOCHS = 4
 
@@ -41,14 +40,6 @@ def evaluate_flow(params: TrainModelParams, trained: TrainResult) -> Evaluation:
         params.data, summary.fingerprint, PrefectMLSettings().resolved_storage_url
     )
     return evaluate_model(params, data, trained)
-
-
-def _train_workers() -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if any("RayTrainWorker" in part for part in process.info["cmdline"] or []):
-            found.append(process)
-    return found
 
 
 def _train_in_thread(
@@ -87,7 +78,7 @@ def test_elastic_group_trains_on_what_the_cluster_has_and_carries_on_after_losin
     thread, outcome = _train_in_thread(params)
     storage_dir = home.home_dir / "storage"
     wait_for(lambda: 2 in committed_epochs(storage_dir), 240, "the epoch-2 checkpoint")
-    victims = _train_workers()
+    victims = ray_train_workers()
     assert len(victims) == 2, "the group started with the 2 workers the cluster has room for"
     os.kill(victims[-1].pid, signal.SIGKILL)
     thread.join(timeout=400)
