@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,20 @@ EXPECTED_ENTRYPOINTS = {
 }
 
 
+class _RetryingTransport(httpx.HTTPTransport):
+    """Retries a 503, as Prefect's own client does: the server answers it for errors it calls
+    retryable, such as its SQLite database busy on a loaded machine."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        for delay in (0.5, 1.0, 2.0, 4.0, 8.0):
+            response = super().handle_request(request)
+            if response.status_code != 503:
+                return response
+            response.close()
+            time.sleep(delay)
+        return super().handle_request(request)
+
+
 @dataclass(frozen=True)
 class PrefectUI:
     ui_url: str
@@ -50,7 +65,7 @@ class PrefectUI:
     env: dict[str, str]  # what a process needs to use this server and home
 
     def api(self) -> httpx.Client:
-        return httpx.Client(base_url=self.api_url, timeout=30)
+        return httpx.Client(base_url=self.api_url, timeout=30, transport=_RetryingTransport())
 
 
 def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
