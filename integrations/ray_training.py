@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from integrations import distributed_checkpoint, storage, tracking
+from integrations import collectives, distributed_checkpoint, storage, tracking
 from integrations.catalog import build_model, enable_gradient_checkpointing
 from integrations.checkpoints import CheckpointStore, RetentionPolicy
 from integrations.errors import CheckpointError, ConfigurationError
@@ -123,17 +123,6 @@ def make_scheduler(name: str, optimizer: torch.optim.Optimizer, epochs: int) -> 
     if name == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-
-
-def _all_reduce(values: list[float], op: str = "sum") -> list[float]:
-    """``values`` summed (or maxed) over all workers; unchanged outside a process group."""
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return tensor.tolist()  # type: ignore[no-any-return]
 
 
 def precision_context(precision: str, device: torch.device) -> Any:
@@ -292,6 +281,7 @@ class EpochTrainer:
 
         self.config, self.rank, self.world_size = config, rank, world_size
         self.device = device or torch.device("cpu")
+        collectives.check_group_device(self.device)
         check_precision(config.precision, self.device)
         torch.manual_seed(epoch_seed(config.seed, 0, 0))  # the same initial weights everywhere
         model = build_model(
@@ -355,7 +345,10 @@ class EpochTrainer:
         model.train()
         seed = epoch_seed(config.seed, epoch, self.rank)
         torch.manual_seed(seed)
+        # The order is drawn on the host (the same on every device) and indexes on the device: a
+        # host index would be copied to the GPU, synchronously, twice per step.
         order = torch.from_numpy(np.random.default_rng(seed).permutation(len(self.train_labels)))
+        order = order.to(self.device)
         loss_sum = torch.zeros((), device=self.device)  # summed on device: no host sync per step
         for step in range(math.ceil(len(self.train_labels) / config.batch_size)):
             index = order[step * config.batch_size : (step + 1) * config.batch_size]
@@ -373,17 +366,20 @@ class EpochTrainer:
             val_loss, val_correct, val_rows = evaluate_batches(
                 model, self.val_features, self.val_labels, max(config.batch_size, 256)
             )
-        totals = _all_reduce(
+        totals = collectives.all_reduce(
             [
-                float(loss_sum),
+                loss_sum,
                 len(self.train_labels),
                 val_loss,
                 val_correct,
                 val_rows,
                 train_seconds,
-            ]
+            ],
+            self.device,
         )
-        peak_memory = _all_reduce([devices.peak_memory_bytes(self.device)], op="max")[0]
+        peak_memory = collectives.all_reduce(
+            [devices.peak_memory_bytes(self.device)], self.device, op="max"
+        )[0]
         return {
             "train_loss": totals[0] / totals[1],
             "val_loss": totals[2] / totals[4],
@@ -448,10 +444,9 @@ def check_precision(precision: str, device: torch.device) -> None:
         )
 
 
-def stop_requested(stop_url: str) -> bool:
+def stop_requested(stop_url: str, device: torch.device) -> bool:
     """Whether someone asked this run to stop (a pruned trial); every worker agrees."""
-    flag = 1.0 if stop_url and storage.exists(stop_url) else 0.0
-    return _all_reduce([flag])[0] > 0
+    return collectives.any_worker(bool(stop_url) and storage.exists(stop_url), device)
 
 
 def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
@@ -480,7 +475,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
         )
     committer = EpochCommitter(trainer.store, config.retention()) if trainer.rank == 0 else None
     for epoch in range(trainer.first_epoch, config.epochs + 1):
-        if stop_requested(config.stop_url):
+        if stop_requested(config.stop_url, trainer.device):
             break
         started = time.perf_counter()
         metrics = trainer.train_epoch(epoch)

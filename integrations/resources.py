@@ -147,7 +147,8 @@ def _gpu_types(nodes: Sequence[dict[str, float]]) -> list[str]:
     return sorted(name.removeprefix(ACCELERATOR_PREFIX) for name in names)
 
 
-def _flag(field: str) -> str:
+def flag_of(field: str) -> str:
+    """The CLI flag of a parameter (``training.accelerator_type`` -> ``--accelerator-type``)."""
     return "--" + field.rsplit(".", 1)[-1].replace("_", "-")
 
 
@@ -188,7 +189,8 @@ def check_fits(
         raise ConfigurationError(
             fields.accelerator_type,
             f"{asked}, the cluster has 0 {kind} GPUs (node GPU types: {types}); set "
-            f"{_flag(fields.accelerator_type)} to a type the cluster has or unset it, {elsewhere}",
+            f"{flag_of(fields.accelerator_type)} to a type the cluster has or unset it, "
+            f"{elsewhere}",
         )
     # The first resource that alone cannot hold ``count`` copies is the one to name.
     short = [
@@ -214,8 +216,24 @@ def check_fits(
         problem = f"only {fits} fit at once, each on one node with all of it (nodes: {listed})"
     raise ConfigurationError(
         field,
-        f"{asked}, {problem}; ask for less ({_flag(field)}, {_flag(fields.count)}) {elsewhere}",
+        f"{asked}, {problem}; ask for less ({flag_of(field)}, {flag_of(fields.count)}) {elsewhere}",
     )
+
+
+def mixed_gpu_types(
+    request: ResourceRequest, count: int, nodes: Sequence[dict[str, float]]
+) -> list[str]:
+    """The GPU types a group of ``count`` copies of ``request`` could be spread over, when that
+    is more than one; else ``[]``.
+
+    A data-parallel group steps together, at the pace of its slowest GPU: on a cluster of H100
+    and T4 nodes, unpinned workers land on both. A request pinned to one type, a single copy and
+    a CPU request cannot mix.
+    """
+    if count < 2 or request.gpus <= 0 or request.accelerator_type:
+        return []
+    types = _gpu_types([node for node in nodes if node.get("GPU", 0.0) > 0])
+    return types if len(types) > 1 else []
 
 
 def _node_summary(node: dict[str, float]) -> str:

@@ -14,6 +14,7 @@ dtype, finiteness and batch size each get a 4xx with a message, never a 5xx.
 import hashlib
 import hmac
 import json
+from dataclasses import asdict
 from typing import Annotated, Any, cast
 
 import numpy as np
@@ -24,6 +25,7 @@ from ray import serve
 from ray.serve import Deployment
 
 from integrations.errors import ConfigurationError, DeploymentError
+from integrations.inference import InferencePrecision, Predictor, serving_device
 from integrations.resources import ResourceRequest, placeable
 from integrations.settings import check_port_free
 
@@ -80,7 +82,7 @@ class ServedModel(BaseModel):
 
 
 class ReplicaOptions(BaseModel):
-    """Per-replica behaviour: request limits, authentication and batching."""
+    """Per-replica behaviour: request limits, authentication, batching and its device."""
 
     max_rows: int
     max_body_bytes: int
@@ -89,6 +91,8 @@ class ReplicaOptions(BaseModel):
     max_batch_size: int = 32
     batch_wait_timeout_s: float = 0.005
     torch_threads: int = 1
+    gpus: float = 0.0  # what the replica reserved: > 0 computes on its GPU
+    inference_precision: InferencePrecision = "fp32"
 
 
 def token_digest(token: str) -> str:
@@ -185,7 +189,12 @@ class ModelServer:
             loaded.eval()
         except NotImplementedError:
             pass  # MLflow 3's default pt2 format: an exported module, fixed in eval mode already
-        self.model = loaded
+        self.predictor = Predictor(
+            loaded,
+            self.served.sample_shape,
+            serving_device(self.limits.gpus, torch.cuda.is_available()),
+            self.limits.inference_precision,
+        )
         example = Model.load(local).load_input_example(local)
         self.input_example = np.asarray(example).reshape(-1, self.served.width)[:2].tolist()
         self.identity = ModelIdentity(
@@ -208,18 +217,10 @@ class ModelServer:
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    def _forward(self, matrix: np.ndarray) -> np.ndarray:
-        import torch
-
-        samples = torch.from_numpy(matrix).reshape(-1, *self.served.sample_shape)
-        with torch.inference_mode():
-            logits = self.model(samples)
-            return torch.softmax(logits.float(), dim=1).numpy()
-
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
     async def forward_batch(self, matrices: list[np.ndarray]) -> list[np.ndarray]:
         """Requests that arrive together go through the model as one matrix."""
-        probabilities = self._forward(np.concatenate(matrices))
+        probabilities = self.predictor.probabilities(np.concatenate(matrices))
         return np.split(probabilities, np.cumsum([len(m) for m in matrices])[:-1])
 
     @api.get("/healthz", summary="Liveness: the replica is up and its model is loaded")
@@ -250,6 +251,7 @@ class ModelServer:
                 "max_batch_size": self.limits.max_batch_size,
                 "batch_wait_timeout_s": self.limits.batch_wait_timeout_s,
             },
+            "device": asdict(self.predictor.describe()),
             "input_example": {"inputs": self.input_example},
         }
 
@@ -286,7 +288,7 @@ class ModelServer:
         if self.limits.batching:
             probabilities = await self.forward_batch(matrix)
         else:
-            probabilities = self._forward(matrix)
+            probabilities = self.predictor.probabilities(matrix)
         labels = self.served.class_names
         indices = probabilities.argmax(axis=1).tolist()
         predictions = [labels[i] if labels else str(i) for i in indices]

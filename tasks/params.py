@@ -152,6 +152,7 @@ OPERATIONAL_FIELDS = {
     "workers",
     "use_gpu",
     "accelerator_type",
+    "allow_mixed_gpu_types",
     "memory_per_worker_gb",
     "strategy",
     "gradient_checkpointing",
@@ -198,6 +199,12 @@ class TrainingParams(_Section):
         1.0, gt=0, title="CPUs per worker", description="CPUs Ray reserves for each worker."
     )
     accelerator_type: str | None = _accelerator_field("GPU type", "workers", "use_gpu")
+    allow_mixed_gpu_types: bool = Field(
+        False,
+        title="Allow mixed GPU types",
+        description="Let one worker group span GPUs of different types (it then runs at the "
+        "slowest GPU's pace); otherwise such a cluster needs --accelerator-type.",
+    )
     memory_per_worker_gb: float | None = _memory_field("Memory per worker (GB)", "each worker")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
@@ -636,6 +643,12 @@ class ServingParams(_Section):
     replica_accelerator_type: str | None = _accelerator_field(
         "GPU type per replica", "replicas", "replica_gpus"
     )
+    inference_precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        title="Inference precision",
+        description="Autocast dtype of the forward pass on a GPU replica (bf16/fp16 need "
+        "--replica-gpus); probabilities are returned as float32 either way.",
+    )
     replica_memory_gb: float | None = _memory_field("Memory per replica (GB)", "each replica")
     max_rows: int = Field(
         1024, ge=1, title="Max rows per request", description="Larger batches get a 413."
@@ -678,6 +691,11 @@ class ServingParams(_Section):
         if self.replica_accelerator_type and not self.replica_gpus:
             raise ValueError(
                 "replica_accelerator_type places GPU replicas: set --replica-gpus as well"
+            )
+        if self.inference_precision != "fp32" and not self.replica_gpus:
+            raise ValueError(
+                f"inference_precision {self.inference_precision} needs a GPU replica: set "
+                "--replica-gpus, or keep --inference-precision fp32"
             )
         return self
 

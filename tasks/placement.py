@@ -9,7 +9,14 @@ from collections.abc import Sequence
 
 from integrations.errors import ConfigurationError
 from integrations.ray_cluster import ray_session
-from integrations.resources import RequestFields, ResourceRequest, check_fits, cluster_nodes
+from integrations.resources import (
+    RequestFields,
+    ResourceRequest,
+    check_fits,
+    cluster_nodes,
+    flag_of,
+    mixed_gpu_types,
+)
 from integrations.settings import get_settings
 from tasks.params import (
     REPLICA_FIELDS,
@@ -50,6 +57,33 @@ def require_fits(
         return 0
 
 
+def require_one_gpu_type(
+    request: ResourceRequest,
+    count: int,
+    nodes: Sequence[dict[str, float]],
+    *,
+    what: str,
+    fields: RequestFields,
+    allowed: bool,
+) -> None:
+    """Refuse a GPU group that Ray could spread over GPU types, unless ``allowed`` (a warning)."""
+    types = mixed_gpu_types(request, count, nodes)
+    if not types:
+        return
+    problem = (
+        f"{count} {what} with GPUs could land on nodes of different GPU types "
+        f"({', '.join(types)}); the group would train at the pace of its slowest GPU"
+    )
+    if allowed:
+        _logger().warning("%s (allowed: --allow-mixed-gpu-types)", problem)
+        return
+    raise ConfigurationError(
+        fields.accelerator_type,
+        f"{problem}; set {flag_of(fields.accelerator_type)} to one of them, or "
+        "--allow-mixed-gpu-types to accept it",
+    )
+
+
 def check_placement(params: TrainingSections) -> None:
     """Check a training, campaign or pipeline flow's requests against the cluster's nodes:
     the minimum training workers, one campaign trial, and the minimum serving replicas.
@@ -59,14 +93,19 @@ def check_placement(params: TrainingSections) -> None:
     sweep = getattr(params, "sweep", None)
     serving = getattr(params, "serving", None)
     requests: list[tuple[ResourceRequest, int, str, RequestFields]] = []
+    groups: list[tuple[ResourceRequest, int, str, RequestFields]] = []  # data-parallel groups
+    training = params.training
     if not isinstance(params, CampaignParams):
-        training = params.training
         requests.append(
             (training.worker_request(), training.worker_range[0], "worker(s)", WORKER_FIELDS)
+        )
+        groups.append(
+            (training.worker_request(), training.worker_range[1], "worker(s)", WORKER_FIELDS)
         )
     if sweep is not None:
         what = "trial worker(s)" if sweep.trial_workers > 1 else "trial(s)"
         requests.append((sweep.trial_request(), sweep.trial_workers, what, TRIAL_FIELDS))
+        groups.append((sweep.trial_request(), sweep.trial_workers, what, TRIAL_FIELDS))
     if serving is not None:
         requests.append(
             (serving.replica_request(), serving.min_replicas, "replica(s)", REPLICA_FIELDS)
@@ -75,3 +114,12 @@ def check_placement(params: TrainingSections) -> None:
         nodes = cluster_nodes()
         for request, count, what, fields in requests:
             require_fits(request, count, nodes, what=what, fields=fields)
+        for request, count, what, fields in groups:
+            require_one_gpu_type(
+                request,
+                count,
+                nodes,
+                what=what,
+                fields=fields,
+                allowed=training.allow_mixed_gpu_types,
+            )

@@ -117,6 +117,8 @@ def replica_options(params: ServingParams, token: str | None) -> serving.Replica
         max_batch_size=params.max_batch_size,
         batch_wait_timeout_s=params.batch_wait_timeout_s,
         torch_threads=max(1, int(params.replica_cpus)),
+        gpus=params.replica_gpus,
+        inference_precision=params.inference_precision,
     )
 
 

@@ -7,14 +7,16 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import psutil
 
 from integrations.ray_training import EpochTrainer, TrainLoopConfig
 from integrations.settings import PrefectMLSettings
 from tests.fixtures.user_code import blobs
+
+if TYPE_CHECKING:
+    import psutil
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -118,6 +120,7 @@ def blob_trainer(checkpoint_url: str, **config: Any) -> EpochTrainer:
 
 def ray_train_workers() -> list[psutil.Process]:
     """The live Ray Train worker processes of this session's Ray (not of other Rays here)."""
+    import psutil
     import ray
     from ray.util.state import list_actors
 

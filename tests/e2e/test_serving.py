@@ -100,6 +100,8 @@ def test_predictions_match_the_registered_model_and_the_run_is_documented(served
     assert metadata["dataset_fingerprint"] == "fingerprint-0"
     assert metadata["input_schema"]["features"] == 64
     assert metadata["classes"] == [str(c) for c in range(10)]
+    # No GPU reserved: the replica computes on the CPU, in fp32.
+    assert metadata["device"] == {"type": "cpu", "name": "CPU", "precision": "fp32"}
     openapi = httpx.get(f"{served.url}/openapi.json").json()
     request_schema = openapi["paths"]["/predict"]["post"]["requestBody"]["content"]
     assert "inputs" in request_schema["application/json"]["schema"]["properties"]

@@ -9,8 +9,14 @@ import pytest
 from integrations.errors import ConfigurationError
 from integrations.resources import ResourceRequest
 from integrations.settings import PrefectMLSettings
-from tasks.params import REPLICA_FIELDS, CampaignParams, PipelineParams, TrainModelParams
-from tasks.placement import check_placement, require_fits
+from tasks.params import (
+    REPLICA_FIELDS,
+    WORKER_FIELDS,
+    CampaignParams,
+    PipelineParams,
+    TrainModelParams,
+)
+from tasks.placement import check_placement, require_fits, require_one_gpu_type
 
 
 def test_requests_that_fit_pass_and_each_section_is_checked(
@@ -56,3 +62,51 @@ def test_with_the_check_off_an_impossible_request_only_warns(
     assert fits == 0
     assert "serving.replica_accelerator_type: 1 replica(s)" in caplog.text
     assert "not enforced" in caplog.text
+
+
+# Ray's view of a cluster with two GPU types: each GPU node carries "accelerator_type:<T>".
+MIXED_GPU_NODES = [
+    {"CPU": 8.0, "GPU": 2.0, "accelerator_type:H100": 1.0},
+    {"CPU": 8.0, "GPU": 2.0, "accelerator_type:T4": 1.0},
+    {"CPU": 4.0},
+]
+
+
+def test_a_gpu_group_that_could_span_gpu_types_is_refused_unless_pinned_or_allowed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    group = ResourceRequest(cpus=1, gpus=1)
+    with pytest.raises(ConfigurationError) as caught:
+        require_one_gpu_type(
+            group, 4, MIXED_GPU_NODES, what="worker(s)", fields=WORKER_FIELDS, allowed=False
+        )
+    assert caught.value.field == "training.accelerator_type"
+    assert "different GPU types (H100, T4)" in str(caught.value)
+    assert "--accelerator-type" in str(caught.value) and "--allow-mixed-gpu-types" in str(
+        caught.value
+    )
+    # Pinned to one type, one worker, CPU workers, or one GPU type in the cluster: nothing mixes.
+    for request, count, nodes in [
+        (ResourceRequest(cpus=1, gpus=1, accelerator_type="H100"), 4, MIXED_GPU_NODES),
+        (group, 1, MIXED_GPU_NODES),
+        (ResourceRequest(cpus=1), 4, MIXED_GPU_NODES),
+        (group, 4, MIXED_GPU_NODES[:1] + MIXED_GPU_NODES[2:]),
+    ]:
+        require_one_gpu_type(
+            request, count, nodes, what="worker(s)", fields=WORKER_FIELDS, allowed=False
+        )
+    logger = logging.getLogger("tasks.placement")
+    logger.addHandler(caplog.handler)
+    try:
+        require_one_gpu_type(
+            group, 4, MIXED_GPU_NODES, what="worker(s)", fields=WORKER_FIELDS, allowed=True
+        )
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "slowest GPU" in caplog.text and "allowed: --allow-mixed-gpu-types" in caplog.text
+
+
+def test_allowing_mixed_gpu_types_resumes_the_same_run() -> None:
+    pinned = TrainModelParams(training={"use_gpu": True})
+    mixed = TrainModelParams(training={"use_gpu": True, "allow_mixed_gpu_types": True})
+    assert mixed.run_key("fingerprint") == pinned.run_key("fingerprint")
