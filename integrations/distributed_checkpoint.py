@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import pickle
 import tempfile
@@ -22,32 +23,58 @@ from typing import Any
 from integrations.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
-_SAFE_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # maps a layout's name to torch's layout object
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib._local", "PosixPath"),
-    ("pathlib._local", "WindowsPath"),
-}
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+# Exact (module, name) pairs, compared before anything is looked up. Pickle protocol 4 resolves
+# dotted names (``Metadata.__init__.__builtins__.get``), so admitting a module, or a name by its
+# shape, admits everything reachable from it: builtins, module globals, ``os.system``.
+_SAFE_GLOBALS = frozenset(
+    {
+        *(
+            (_DCP_METADATA, name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # maps a layout's name to torch's layout object
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib._local", "PosixPath"),
+        ("pathlib._local", "WindowsPath"),
+    }
+)
+
+
+@functools.cache
+def _dtype_globals() -> frozenset[tuple[str, str]]:
+    """``("torch", "float32")`` and the other dtypes, as the names ``torch`` gives them."""
+    import torch
+
+    return frozenset(
+        ("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)
+    )
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only the globals a DCP ``.metadata`` file refers to."""
+    """Resolves only the exact globals a DCP ``.metadata`` file refers to."""
 
     def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        dcp_class = module.startswith("torch.distributed.checkpoint.") and (
-            name.lstrip("_")[:1].isupper()  # classes and enums, e.g. _StorageInfo
-        )
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if dcp_class or dtype or (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"{module}.{name} is not allowed in a checkpoint's metadata; refusing to load it"
-        )
+        pair = (module, name)
+        if pair not in _SAFE_GLOBALS and pair not in _dtype_globals():
+            raise pickle.UnpicklingError(
+                f"{module}.{name} is not allowed in a checkpoint's metadata; refusing to load it"
+            )
+        # Looked up by hand: pickle's own lookup would map old module names and walk dots.
+        return getattr(importlib.import_module(module), name)
 
 
 @functools.cache
