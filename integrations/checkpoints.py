@@ -9,11 +9,17 @@ A :class:`RetentionPolicy` bounds storage: after each commit, checkpoints that a
 the last K nor the best are pruned. Pruning rewrites the manifest to list only the small files
 the policy keeps (the epoch's metrics), then deletes the rest, so the history stays verifiable
 while the weights go.
+
+sha256 catches corruption, not forgery: whoever can write the storage can write a matching
+manifest. With ``PREFECT_ML_CHECKPOINT_KEY`` set, every manifest carries an HMAC-SHA256 of its
+content under that key, and a manifest without a valid one is refused before any file of its
+checkpoint is read.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import time
@@ -23,8 +29,10 @@ from typing import Any
 
 from integrations import storage
 from integrations.errors import CheckpointError
+from integrations.settings import get_settings
 
 MANIFEST = "MANIFEST.json"
+SIGNATURE = "hmac_sha256"
 _PREFIX = "epoch-"
 
 logger = logging.getLogger(__name__)
@@ -66,11 +74,29 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-class CheckpointStore:
-    """Per-run checkpoint directory: ``save`` commits atomically, ``latest`` verifies on read."""
+def manifest_signature(manifest: dict[str, Any], key: bytes) -> str:
+    """HMAC-SHA256 of the manifest's content (every field but the signature), canonical JSON."""
+    content = {k: v for k, v in manifest.items() if k != SIGNATURE}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, canonical, hashlib.sha256).hexdigest()
 
-    def __init__(self, root_url: str) -> None:
+
+def settings_key() -> bytes | None:
+    """The manifest signing key of ``PREFECT_ML_CHECKPOINT_KEY``, if set."""
+    secret = get_settings().checkpoint_key
+    return secret.get_secret_value().encode() if secret else None
+
+
+class CheckpointStore:
+    """Per-run checkpoint directory: ``save`` commits atomically, ``latest`` verifies on read.
+
+    ``key`` signs and verifies manifests; by default the key of ``PREFECT_ML_CHECKPOINT_KEY``,
+    and none (sha256 only) when that is unset.
+    """
+
+    def __init__(self, root_url: str, *, key: bytes | None = None) -> None:
         self.root_url = root_url.rstrip("/")
+        self._key = key if key is not None else settings_key()
         # Manifests and metric values this store has seen: committed manifests change only
         # through this store's own ``prune``, so each is read at most once per store.
         self._manifests: dict[int, dict[str, Any]] = {}
@@ -102,6 +128,8 @@ class CheckpointStore:
         return sorted(found)
 
     def _write_manifest(self, url: str, manifest: dict[str, Any]) -> None:
+        if self._key is not None:
+            manifest = {**manifest, SIGNATURE: manifest_signature(manifest, self._key)}
         storage.write_bytes(storage.join(url, MANIFEST), json.dumps(manifest, indent=1).encode())
         self._manifests[int(manifest["epoch"])] = manifest
 
@@ -112,7 +140,23 @@ class CheckpointStore:
             raise CheckpointError(f"{url} has no {MANIFEST}: it was never committed") from exc
         except ValueError as exc:
             raise CheckpointError(f"{url}/{MANIFEST} is not valid JSON") from exc
+        if self._key is not None:
+            self._check_signature(url, manifest, self._key)
         return manifest
+
+    @staticmethod
+    def _check_signature(url: str, manifest: dict[str, Any], key: bytes) -> None:
+        signature = manifest.get(SIGNATURE)
+        if not isinstance(signature, str):
+            raise CheckpointError(
+                f"{url}/{MANIFEST} is not signed, and PREFECT_ML_CHECKPOINT_KEY is set: refusing "
+                "it (a checkpoint written before the key was set starts its run over)"
+            )
+        if not hmac.compare_digest(signature, manifest_signature(manifest, key)):
+            raise CheckpointError(
+                f"{url}/{MANIFEST} does not match its HMAC signature: forged, altered, or signed "
+                "with another PREFECT_ML_CHECKPOINT_KEY; refusing it"
+            )
 
     @staticmethod
     def _verified_file(url: str, name: str, expected: dict[str, Any]) -> bytes:

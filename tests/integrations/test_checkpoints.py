@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from integrations import storage
-from integrations.checkpoints import MANIFEST, CheckpointStore, RetentionPolicy
+from integrations.checkpoints import (
+    MANIFEST,
+    SIGNATURE,
+    CheckpointStore,
+    RetentionPolicy,
+    manifest_signature,
+)
 from integrations.distributed_checkpoint import load_files, to_files
 from integrations.errors import CheckpointError
 from integrations.ray_training import METRICS_FILE
@@ -148,3 +154,74 @@ def test_checkpoints_are_never_unpickled_as_arbitrary_objects(
     with pytest.raises(CheckpointError, match="not allowed|Unsupported global"):
         load_files(files, {"model": {"w": torch.zeros(3)}, "step": 0})
     assert "arbitrary code ran" not in capsys.readouterr().out
+
+
+KEY = "a-checkpoint-signing-key-of-32-bytes!"
+
+
+def _forge(url: str, epoch: int, files: dict[str, bytes], key: bytes | None) -> None:
+    """What anyone who can write the storage can do: new files and a matching sha256 list,
+    signed with whatever key they hold."""
+    import hashlib
+
+    for name, data in files.items():
+        storage.write_bytes(storage.join(url, name), data)
+    listed = {
+        name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        for name, data in files.items()
+    }
+    manifest: dict[str, object] = {"epoch": epoch, "created_unix": 0.0, "files": listed}
+    if key is not None:
+        manifest[SIGNATURE] = manifest_signature(manifest, key)
+    storage.write_bytes(storage.join(url, MANIFEST), json.dumps(manifest).encode())
+
+
+@pytest.mark.parametrize("forger_key", [None, b"another key"], ids=["unsigned", "other-key"])
+def test_with_a_key_a_forged_manifest_is_refused_before_any_file_is_read(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, forger_key: bytes | None
+) -> None:
+    monkeypatch.setenv("PREFECT_ML_CHECKPOINT_KEY", KEY)
+    signed = CheckpointStore(store.root_url)
+    _save(signed, 1)
+    assert signed.load(1).epoch == 1
+    _forge(signed.url_for(1), 1, to_files({"model": {"w": torch.full((3,), 99.0)}}), forger_key)
+    storage.remove(storage.join(signed.url_for(1), STATE_FILE))  # reading it would fail otherwise
+    with pytest.raises(CheckpointError, match="not signed|does not match its HMAC") as error:
+        CheckpointStore(store.root_url).load(1)
+    assert "missing" not in str(error.value)
+    assert CheckpointStore(store.root_url).latest() is None
+
+
+def test_a_signed_manifest_altered_after_signing_is_refused(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFECT_ML_CHECKPOINT_KEY", KEY)
+    signed = CheckpointStore(store.root_url)
+    url = _save(signed, 1)
+    manifest = json.loads(storage.read_bytes(storage.join(url, MANIFEST)))
+    manifest["epoch"] = 2
+    storage.write_bytes(storage.join(url, MANIFEST), json.dumps(manifest).encode())
+    with pytest.raises(CheckpointError, match="does not match its HMAC"):
+        CheckpointStore(store.root_url).load(1)
+
+
+def test_without_a_key_the_same_forgery_loads(store: CheckpointStore) -> None:
+    """What the key protects against: sha256 alone verifies whatever was written last."""
+    _save(store, 1)
+    _forge(store.url_for(1), 1, to_files({"model": {"w": torch.full((3,), 99.0)}}), None)
+    state = {"model": {"w": torch.zeros(3)}}
+    load_files(store.load(1).files, state)
+    assert state["model"]["w"].tolist() == [99.0, 99.0, 99.0]
+
+
+def test_signed_checkpoints_stay_verifiable_after_pruning(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFECT_ML_CHECKPOINT_KEY", KEY)
+    signed = CheckpointStore(store.root_url)
+    for epoch, loss in ((1, 0.5), (2, 0.4), (3, 0.6)):
+        _save_with_loss(signed, epoch, loss)
+    assert signed.prune(RetentionPolicy(keep_last=1)) == [1, 2]
+    fresh = CheckpointStore(store.root_url)
+    assert json.loads(fresh.read_verified(1, METRICS_FILE))["val_loss"] == 0.5
+    assert fresh.load(3).epoch == 3
