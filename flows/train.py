@@ -7,7 +7,7 @@ from pydantic import BaseModel
 
 from integrations import storage
 from integrations.settings import get_settings
-from tasks.data import PreparedData, inspect_data, preprocess_with_result_storage, splits_present
+from tasks.data import PreparedData, inspect_data, preprocess
 from tasks.evaluate import Evaluation, evaluate
 from tasks.params import TrainingSections, TrainModelParams
 from tasks.placement import check_placement
@@ -27,16 +27,12 @@ class TrainingOutcome(BaseModel):
 
 def prepared_data(params: TrainingSections) -> PreparedData:
     """Check the storage and the cluster's room, inspect the data, then prepare the splits
-    (cached on the content fingerprint). Every flow starts here, so storage problems and
-    impossible resource requests surface before any compute."""
+    (reused when already prepared for that fingerprint). Every flow starts here, so storage
+    problems and impossible resource requests surface before any compute."""
     storage.prepare_storage(get_settings())
     check_placement(params)
     summary = inspect_data(params)
-    preprocess = preprocess_with_result_storage()
-    data = preprocess(params.data, summary.fingerprint)
-    if not splits_present(data):  # the cached result outlived its files (storage was wiped)
-        data = preprocess.with_options(refresh_cache=True)(params.data, summary.fingerprint)
-    return data
+    return preprocess(params.data, summary.fingerprint)
 
 
 def training_chain(params: TrainModelParams) -> TrainingOutcome:

@@ -126,6 +126,50 @@ def check_url(url: str, field: str) -> str:
     return url
 
 
+# Where a dataset may be read from by default: local files and object stores. Other fsspec
+# protocols reach other machines on the driver's behalf (http, ftp, sftp, github...): a URL
+# parameter from the UI would make the driver fetch from wherever it points (internal services,
+# cloud metadata endpoints); they are allowed only through PREFECT_ML_EXTRA_URL_SCHEMES.
+DATA_URL_SCHEMES = frozenset(
+    {"file", "local", "s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "memory"}
+)
+
+
+def _scheme_and_host(part: str, chained: bool) -> tuple[str, str]:
+    scheme, separator, rest = part.partition("://")
+    if not separator:  # a local path, or a bare protocol name inside a chain ("zip::s3://...")
+        return ("file" if not chained else part.lower()), ""
+    return scheme.lower(), rest.split("/", 1)[0]
+
+
+def check_data_url(url: str, field: str) -> str:
+    """A data URL whose every scheme (``a::b://`` chains included) is allowed, that names no
+    link-local address, and has no traversal segments."""
+    import ipaddress
+
+    allowed = DATA_URL_SCHEMES | set(get_settings().allowed_extra_url_schemes)
+    parts = url.split("::")
+    for part in parts:
+        scheme, host = _scheme_and_host(part, chained=len(parts) > 1)
+        if scheme not in allowed:
+            raise ConfigurationError(
+                field,
+                f"URL scheme {scheme!r} of {url!r} is not allowed for data; use one of "
+                f"{sorted(allowed)}, or add it to PREFECT_ML_EXTRA_URL_SCHEMES if the flow may "
+                "fetch data from such addresses",
+            )
+        address = host.rsplit("@", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        try:
+            link_local = ipaddress.ip_address(address).is_link_local
+        except ValueError:
+            link_local = False
+        if link_local:
+            raise ConfigurationError(
+                field, f"{url!r} names a link-local address (cloud metadata); refused"
+            )
+    return check_url(url, field)
+
+
 def write_bytes(url: str, data: bytes) -> None:
     """Write ``data`` so that a reader never sees a partial object.
 
@@ -385,25 +429,6 @@ def ray_storage(url: str) -> tuple[str, pyarrow.fs.FileSystem | None]:
 
     fs, path = filesystem(url)
     return path, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
-
-
-def prefect_result_storage(url: str) -> str | None:
-    """The slug of a Prefect result-storage block for task results under ``url``, saved on the
-    Prefect API (Prefect requires it); None keeps Prefect's default storage for local URLs.
-
-    The block holds the endpoint and retry settings, never credentials: those come from the
-    AWS chain wherever the results are read.
-    """
-    if is_local(url):
-        return None
-    import hashlib
-
-    from prefect.filesystems import RemoteFileSystem
-
-    block = RemoteFileSystem(basepath=url, settings=s3_options() if _is_s3(url) else {})
-    name = f"prefect-ml-results-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
-    block.save(name, overwrite=True)
-    return f"remote-file-system/{name}"
 
 
 CREDENTIAL_VARIABLES = {

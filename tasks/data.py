@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
 
 import numpy as np
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from integrations import storage
 from integrations.catalog import DatasetArrays, load_dataset
@@ -147,21 +146,27 @@ def preprocess_dataset(data: DataParams, fingerprint: str, storage_url: str) -> 
     return prepared
 
 
-def preprocess_with_result_storage() -> Any:
-    """``preprocess`` with its cached result beside the data when the storage is an object
-    store, so that any machine running the flow finds it; Prefect's local default otherwise."""
-    settings = get_settings()
-    result_storage = storage.prefect_result_storage(settings.prefect_results_url)
-    return (
-        preprocess
-        if result_storage is None
-        else preprocess.with_options(result_storage=result_storage)
-    )
+def prepared_splits(fingerprint: str, storage_url: str) -> PreparedData | None:
+    """The splits already prepared for ``fingerprint`` under ``storage_url``, or None.
 
-
-def splits_present(prepared: PreparedData) -> bool:
-    """Whether the splits a (possibly cached) preprocess result points at still exist."""
-    return storage.exists(storage.join(prepared.splits_url, "meta.json"))
+    Decided from the splits' own ``meta.json`` (JSON, written after every split), not from a
+    Prefect result: those are pickles, and a record planted at their predictable key would run
+    in the driver on the next cache hit. The record says what was prepared, never where: the
+    location is the one this function read it from.
+    """
+    splits_url = storage.join(storage_url, "datasets", fingerprint)
+    try:
+        prepared = PreparedData.model_validate_json(
+            storage.read_bytes(storage.join(splits_url, "meta.json"))
+        )
+    except FileNotFoundError:
+        return None
+    except ValidationError as exc:
+        get_run_logger().warning("Preparing %s again: invalid meta.json (%s)", splits_url, exc)
+        return None
+    if prepared.fingerprint != fingerprint:
+        return None
+    return prepared.model_copy(update={"splits_url": splits_url})
 
 
 @task(name="inspect-data", cache_policy=NO_CACHE, **transient_retries())
@@ -169,18 +174,12 @@ def inspect_data(params: TrainingSections) -> DataSummary:
     return inspect_dataset(params)
 
 
-def _preprocess_cache_key(_context: object, parameters: dict[str, object]) -> str:
-    """The data's fingerprint and the storage it is prepared in (hashed: the key is a path)."""
-    where = hashlib.sha256(get_settings().resolved_storage_url.encode()).hexdigest()[:12]
-    return f"preprocess-{parameters['fingerprint']}-{where}"
-
-
-@task(
-    name="preprocess",
-    cache_key_fn=_preprocess_cache_key,
-    persist_result=True,
-    **transient_retries(),
-)
+@task(name="preprocess", cache_policy=NO_CACHE, **transient_retries())
 def preprocess(data: DataParams, fingerprint: str) -> PreparedData:
-    """Prefect caches this on the fingerprint: the same data and recipe are prepared once."""
-    return preprocess_dataset(data, fingerprint, get_settings().resolved_storage_url)
+    """The same data and recipe (one fingerprint) are prepared once per storage."""
+    storage_url = get_settings().resolved_storage_url
+    existing = prepared_splits(fingerprint, storage_url)
+    if existing is not None:
+        get_run_logger().info("Reusing the splits prepared at %s", existing.splits_url)
+        return existing
+    return preprocess_dataset(data, fingerprint, storage_url)

@@ -234,7 +234,8 @@ def test_the_pipeline_with_a_sweep_runs_on_s3_with_mlflow_artifacts_in_s3(
     assert any(  # campaigns/<Optuna storage hash>/<campaign>/
         k.startswith("prefect-ml/campaigns/") and "/pipeline-search/trial-" in k for k in keys
     )
-    assert any(k.startswith("prefect-ml/prefect-results/") for k in keys), "task results"
+    assert any(k == f"prefect-ml/datasets/{fingerprint}/meta.json" for k in keys)
+    assert not any(k.startswith("prefect-ml/prefect-results/") for k in keys), "no pickles"
     assert any(k.startswith("prefect-ml/ray_results/") for k in keys), "Ray Train's run state"
     assert any(k.startswith("mlartifacts/") and k.endswith("/MLmodel") for k in keys)
     assert any(k.startswith("mlartifacts/") and "confusion_matrix.png" in k for k in keys)

@@ -10,7 +10,15 @@ from integrations import storage
 from integrations.catalog import load_dataset
 from integrations.errors import ConfigurationError
 from integrations.settings import PrefectMLSettings
-from tasks.data import inspect_dataset, preprocess, preprocess_dataset, split_indices, train_rows
+from tasks.data import (
+    PreparedData,
+    inspect_dataset,
+    prepared_splits,
+    preprocess,
+    preprocess_dataset,
+    split_indices,
+    train_rows,
+)
 from tasks.params import DataParams, TrainModelParams
 
 
@@ -62,17 +70,68 @@ def test_batch_larger_than_training_split_is_refused() -> None:
     assert "1257 rows" in str(error.value) and "--batch-size" in str(error.value)
 
 
-def test_preprocess_is_cached_by_prefect_on_the_fingerprint(
+def test_preprocess_reuses_splits_it_finds_by_their_own_metadata(home: PrefectMLSettings) -> None:
+    summary = inspect_dataset(TrainModelParams())
+
+    @flow
+    def prepare_twice() -> list[PreparedData]:
+        return [preprocess(DataParams(), summary.fingerprint) for _ in range(2)]
+
+    first, second = prepare_twice()
+    assert first == second
+    datasets = Path(storage.join(home.resolved_storage_url, "datasets").removeprefix("file://"))
+    assert [p.name for p in datasets.iterdir()] == [summary.fingerprint]
+    features = datasets / summary.fingerprint / "train_features.npy"
+    written = features.stat().st_mtime_ns
+    (datasets / summary.fingerprint / "meta.json").write_text("not json")  # a broken record
+    assert prepare_twice()[0] == first and features.stat().st_mtime_ns > written
+
+
+class _Planted:
+    """A pickle that creates a file when it is loaded: what an attacker plants in storage."""
+
+    def __init__(self, canary: Path) -> None:
+        self.canary = str(canary)
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (exec, (f"open({self.canary!r}, 'w').close()",))
+
+
+def test_a_planted_cache_record_is_never_unpickled(home: PrefectMLSettings, tmp_path: Path) -> None:
+    """The preprocess cache used to be a Prefect result (a pickle) at a predictable key."""
+    import hashlib
+
+    from prefect.results import ResultStore
+    from prefect.serializers import PickleSerializer
+
+    canary = tmp_path / "canary"
+    summary = inspect_dataset(TrainModelParams())
+    where = hashlib.sha256(home.resolved_storage_url.encode()).hexdigest()[:12]
+    key = f"preprocess-{summary.fingerprint}-{where}"
+
+    @flow
+    def plant_then_prepare() -> PreparedData:
+        ResultStore(serializer=PickleSerializer()).write(_Planted(canary), key=key)
+        return preprocess(DataParams(), summary.fingerprint)
+
+    prepared = plant_then_prepare()
+    assert not canary.exists()
+    assert prepared.fingerprint == summary.fingerprint and prepared.rows["train"] == 1257
+
+
+def test_a_record_pointing_elsewhere_is_not_followed(
     home: PrefectMLSettings, tmp_path: Path
 ) -> None:
-    @flow
-    def prepare_twice() -> list[str]:
-        summary = inspect_dataset(TrainModelParams())
-        states = [
-            preprocess(DataParams(), summary.fingerprint, return_state=True) for _ in range(2)
-        ]
-        return [state.name for state in states]
-
-    assert prepare_twice() == ["Completed", "Cached"]
-    meta = Path(storage.join(home.resolved_storage_url, "datasets").removeprefix("file://"))
-    assert len(list(meta.iterdir())) == 1
+    summary = inspect_dataset(TrainModelParams())
+    splits = storage.join(home.resolved_storage_url, "datasets", summary.fingerprint)
+    record = PreparedData(
+        fingerprint=summary.fingerprint,
+        splits_url=(tmp_path / "elsewhere").as_uri(),
+        sample_shape=[1, 8, 8],
+        num_classes=10,
+        class_names=[str(c) for c in range(10)],
+        rows={"train": 1, "val": 1, "test": 1},
+    )
+    storage.write_bytes(storage.join(splits, "meta.json"), record.model_dump_json().encode())
+    found = prepared_splits(summary.fingerprint, home.resolved_storage_url)
+    assert found is not None and found.splits_url == splits
