@@ -12,8 +12,9 @@ Contracts for user code:
   them, for example by wrapping each block in ``torch.utils.checkpoint.checkpoint(...,
   use_reentrant=False)``.
 
-Both are resolved and checked (importable, callable, right signature) while parameters are
-parsed, before any compute starts.
+Both are resolved and checked (allowed, importable, callable, right signature) while parameters
+are parsed, before any compute starts. User code is allowed by :mod:`integrations.plugins`: a
+registered entry point or a module under ``PREFECT_ML_ALLOWED_MODULES``; nothing else is imported.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from integrations import storage
+from integrations import plugins, storage
 from integrations.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -170,13 +171,10 @@ BUILTIN_DATASETS: dict[str, Callable[..., Any]] = {
 BUILTIN_MODELS: dict[str, Callable[..., Any]] = {"mlp": build_mlp, "cnn": build_cnn}
 
 
-def import_callable(path: str, *, field: str) -> Callable[..., Any]:
-    """Import ``package.module:attribute`` and check that it is callable."""
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise ConfigurationError(
-            field, f"{path!r} is not an import path; write it as 'package.module:function'"
-        )
+def import_callable(path: str, *, group: str, field: str) -> Callable[..., Any]:
+    """Import ``package.module:attribute``, if :mod:`integrations.plugins` allows it, and check
+    that it is callable."""
+    module_name, attribute = plugins.check_allowed(path, group=group, field=field)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -189,7 +187,20 @@ def import_callable(path: str, *, field: str) -> Callable[..., Any]:
         raise ConfigurationError(field, f"module {module_name!r} has no attribute {attribute!r}")
     if not callable(target):
         raise ConfigurationError(field, f"{path!r} is not callable; point it at a function")
+    defined_in = getattr(target, "__module__", None)
+    plugins.check_defined_in_allowed_module(path, defined_in, group=group, field=field)
     return target  # type: ignore[no-any-return]
+
+
+def _user_callable(name: str, *, group: str, field: str) -> Callable[..., Any] | None:
+    """The plug-in registered as ``name`` or the code at import path ``name``; None if ``name``
+    is neither."""
+    registered = plugins.registered(group)
+    if name in registered:
+        return import_callable(registered[name], group=group, field=field)
+    if ":" in name:
+        return import_callable(name, group=group, field=field)
+    return None
 
 
 def _check_accepts(target: Callable[..., Any], names: Sequence[str], *, field: str) -> None:
@@ -224,16 +235,17 @@ def _check_no_other_required(
 
 
 def resolve_dataset(name: str, options: dict[str, Any] | None = None) -> Callable[..., Any]:
-    """The dataset loader for a built-in name or an import path, checked against ``options``."""
+    """The dataset loader for a built-in name, a plug-in or an allowed import path, checked
+    against ``options``."""
     options = options or {}
-    if name in BUILTIN_DATASETS:
-        loader = BUILTIN_DATASETS[name]
-    elif ":" in name:
-        loader = import_callable(name, field="data.dataset")
-    else:
+    loader = BUILTIN_DATASETS.get(name) or _user_callable(
+        name, group=plugins.DATASET_GROUP, field="data.dataset"
+    )
+    if loader is None:
         raise ConfigurationError(
             "data.dataset",
-            f"unknown dataset {name!r}; use one of {sorted(BUILTIN_DATASETS)} "
+            f"unknown dataset {name!r}; use one of {sorted(BUILTIN_DATASETS)}, a plug-in of "
+            f"{sorted(plugins.registered(plugins.DATASET_GROUP))} "
             "or an import path 'package.module:loader'",
         )
     _check_accepts(loader, list(options), field="data.dataset")
@@ -242,22 +254,23 @@ def resolve_dataset(name: str, options: dict[str, Any] | None = None) -> Callabl
 
 
 def resolve_model(name: str, user_options: Sequence[str] = ()) -> Callable[..., Any]:
-    """The model factory for a built-in name or an import path, with its signature checked.
+    """The model factory for a built-in name, a plug-in or an allowed import path, with its
+    signature checked.
 
     ``user_options`` are option names the user passed explicitly: each must be accepted by the
     factory, so a typo fails here instead of being silently dropped.
     """
     if name in BUILTIN_MODELS:
-        factory = BUILTIN_MODELS[name]
-        _check_accepts(factory, list(user_options), field="model.model_options")
-        return factory
-    if ":" not in name:
+        _check_accepts(BUILTIN_MODELS[name], list(user_options), field="model.model_options")
+        return BUILTIN_MODELS[name]
+    factory = _user_callable(name, group=plugins.MODEL_GROUP, field="model.model")
+    if factory is None:
         raise ConfigurationError(
             "model.model",
-            f"unknown model {name!r}; use one of {sorted(BUILTIN_MODELS)} "
+            f"unknown model {name!r}; use one of {sorted(BUILTIN_MODELS)}, a plug-in of "
+            f"{sorted(plugins.registered(plugins.MODEL_GROUP))} "
             "or an import path 'package.module:factory'",
         )
-    factory = import_callable(name, field="model.model")
     _check_accepts(factory, ["input_shape", "num_classes"], field="model.model")
     _check_accepts(factory, list(user_options), field="model.model_options")
     return factory

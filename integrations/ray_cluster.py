@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 
 from integrations.errors import EnvironmentCheckError
-from integrations.settings import PrefectMLSettings
+from integrations.settings import PrefectMLSettings, worker_environment
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +25,20 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
 
     owns_ray = not ray.is_initialized()
     if owns_ray:
+        shipped = worker_environment(settings)
         try:
             if settings.ray_address:
-                ray.init(address=settings.ray_address, logging_level=logging.WARNING)
+                ray.init(
+                    address=settings.ray_address,
+                    runtime_env={"env_vars": shipped},
+                    logging_level=logging.WARNING,
+                )
             else:
+                # Local workers import user code (``module:factory``) the way the driver does.
+                shipped["PYTHONPATH"] = os.pathsep.join(sys.path)
                 ray.init(
                     num_cpus=settings.local_ray_cpus,
-                    # Local workers import user code (``module:factory``) the way the driver does.
-                    runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
+                    runtime_env={"env_vars": shipped},
                     # The dashboard serves Ray's state API, which Ray Train v2 polls; loopback only.
                     include_dashboard=True,
                     dashboard_host="127.0.0.1",

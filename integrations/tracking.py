@@ -92,10 +92,25 @@ def _create_sqlite_database(database: str) -> None:
     os.replace(staging, database)
 
 
+def check_experiment_name(name: str) -> str:
+    """``name`` if it stays inside the artifact root it names a folder of; the experiment's
+    artifact location is ``<root>/<name>``, so ``../../elsewhere`` would leave the root."""
+    from integrations import storage
+
+    try:
+        storage.check_key(name)
+    except ConfigurationError as exc:
+        raise ConfigurationError(
+            "experiment", f"{exc.message}; give a name without '..' segments or a leading '/'"
+        ) from None
+    return name
+
+
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
     """The id of experiment ``name``, created (with artifacts under ``artifact_root``) if new."""
     from mlflow.exceptions import MlflowException
 
+    check_experiment_name(name)  # before MLflow creates, or finds, anything under that name
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return str(experiment.experiment_id)
@@ -327,6 +342,7 @@ def log_and_register_model(
             name="model",
             signature=signature,
             input_example=input_example,
+            serialization_format="pt2",  # torch.export: loads without unpickling code
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "mlflow"],
         )
     _ensure_registered_model(client, model_name)
@@ -336,6 +352,44 @@ def log_and_register_model(
         model_name, info.model_uri, run_id=run_id, tags=tags, model_id=info.model_id
     )
     return str(version.version)
+
+
+def load_pt2_model(model_dir: str, *, what: str) -> torch.nn.Module:
+    """The PyTorch model logged at ``model_dir`` (a downloaded ``models:/`` URI), loaded only if
+    it is a ``torch.export`` (pt2) archive with no code of its own.
+
+    A pickle-format version (``model.pth``) would run code while it loads, and MLflow imports
+    the pickle module its files name even before it checks whether pickle is allowed; a model
+    logged with ``code_paths`` puts its own files first on ``sys.path``. Both are refused here,
+    before MLflow reads anything but the MLmodel file, and the pt2 archive itself is checked by
+    MLflow for pickle payloads (``MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false``). ``what`` names
+    the version in the error.
+    """
+    import mlflow.pytorch
+    from mlflow.models import Model
+
+    from integrations.settings import ENFORCED_ENVIRONMENT
+
+    flavor = Model.load(model_dir).flavors.get("pytorch") or {}
+    data_dir = os.path.join(model_dir, str(flavor.get("model_data", "data")))
+    pt2 = os.path.isfile(os.path.join(data_dir, "model.pt2"))
+    pickled = os.path.exists(os.path.join(data_dir, "model.pth"))
+    problem = None
+    if not flavor:
+        problem = "is not a PyTorch model"
+    elif flavor.get("code"):
+        problem = "ships its own code (code_paths), which would go first on sys.path"
+    elif pickled or not pt2:
+        problem = "is not saved as pt2 but with pickle, which runs code when it loads"
+    if problem:
+        raise ConfigurationError(
+            "model_version",
+            f"{what} {problem}; refusing to load it. Register a pt2 version "
+            "(prefect-ml train does; mlflow.pytorch.log_model(..., serialization_format='pt2')) "
+            "and move the alias to it",
+        )
+    os.environ.update(ENFORCED_ENVIRONMENT)  # also in a process we did not start
+    return mlflow.pytorch.load_model(model_dir)  # type: ignore[no-any-return]
 
 
 def _ensure_registered_model(client: MlflowClient, model_name: str) -> None:

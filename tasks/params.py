@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import to_jsonable_python
 
-from integrations import storage
+from integrations import storage, tracking
 from integrations.catalog import resolve_dataset, resolve_model
 from integrations.resources import GB, RequestFields, ResourceRequest
 
@@ -56,13 +56,15 @@ class DataParams(_Section):
     dataset: str = Field(
         "digits",
         title="Dataset",
-        description="Built-in dataset ('digits', 'tabular') or an import path "
-        "'package.module:loader' returning (features, labels).",
+        description="Built-in dataset ('digits', 'tabular'), a plug-in (entry point in "
+        "'prefect_ml.datasets') or an import path 'package.module:loader' returning "
+        "(features, labels), from a module under PREFECT_ML_ALLOWED_MODULES.",
     )
     url: str | None = Field(
         None,
         title="Data URL",
-        description="For 'tabular': URL of a CSV or Parquet file (file://, s3://, any fsspec URL).",
+        description="For 'tabular': URL of a CSV or Parquet file (a path, file://, s3://, gs://, "
+        "abfs://; other schemes only if PREFECT_ML_EXTRA_URL_SCHEMES allows them).",
     )
     label_column: str | None = Field(
         None, title="Label column", description="For 'tabular': the column holding the class label."
@@ -88,7 +90,7 @@ class DataParams(_Section):
     @field_validator("url")
     @classmethod
     def _check_url(cls, url: str | None) -> str | None:
-        return None if url is None else storage.check_url(url, "data.url")
+        return None if url is None else storage.check_data_url(url, "data.url")
 
     def loader_options(self) -> dict[str, Any]:
         if self.dataset == "tabular":
@@ -114,8 +116,10 @@ class ModelParams(_Section):
     model: str = Field(
         "mlp",
         title="Model",
-        description="Built-in model ('mlp', 'cnn') or an import path 'package.module:factory' "
-        "called as factory(input_shape, num_classes, **options).",
+        description="Built-in model ('mlp', 'cnn'), a plug-in (entry point in "
+        "'prefect_ml.models') or an import path 'package.module:factory' called as "
+        "factory(input_shape, num_classes, **options), from a module under "
+        "PREFECT_ML_ALLOWED_MODULES.",
     )
     hidden: int = Field(128, ge=1, title="Hidden units", description="MLP: units per hidden layer.")
     depth: int = Field(2, ge=1, title="Depth", description="MLP: number of hidden layers.")
@@ -326,7 +330,12 @@ class TrainingSections(_Section):
     """What every training flow takes: the experiment and the data, model and training sections."""
 
     experiment: str = Field(
-        "prefect-ml", min_length=1, title="Experiment", description="MLflow experiment name."
+        "prefect-ml",
+        min_length=1,
+        max_length=200,
+        title="Experiment",
+        description="MLflow experiment name; its artifacts live under the artifact root in a "
+        "folder of this name, so it may not contain '..' segments or start with '/'.",
     )
     data: DataParams = Field(
         default_factory=DataParams,
@@ -341,6 +350,11 @@ class TrainingSections(_Section):
         title="Training",
         description="Workers, epochs, optimiser and fault tolerance.",
     )
+
+    @field_validator("experiment")
+    @classmethod
+    def _check_experiment(cls, experiment: str) -> str:
+        return tracking.check_experiment_name(experiment)
 
 
 class TrainModelParams(TrainingSections):

@@ -16,6 +16,9 @@ _SESSION_DIR = Path(tempfile.mkdtemp(prefix="prefect-ml-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
 os.environ["PREFECT_ML_HOME"] = str(_SESSION_DIR / "home")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# The tests' user code (``tests.fixtures.user_code:blobs``) is allowed the way a user allows
+# theirs; every subprocess and the session's Ray inherit it.
+os.environ["PREFECT_ML_ALLOWED_MODULES"] = "tests.fixtures"
 
 from integrations.settings import PrefectMLSettings, prepare_process_environment  # noqa: E402
 from tests.helpers import free_port  # noqa: E402

@@ -55,7 +55,8 @@ def test_tabular_rejects_text_features(tmp_path: Path) -> None:
     ("name", "message"),
     [
         ("resnet", "unknown model 'resnet'"),
-        ("no_such_package.models:build", "cannot import module 'no_such_package.models'"),
+        ("no_such_package.models:build", "is not allowed"),
+        ("tests.fixtures.no_such_module:build", "cannot import module 'tests.fixtures.no_such"),
         ("tests.fixtures.user_code:missing", "has no attribute 'missing'"),
         ("tests.fixtures.user_code:NOT_CALLABLE", "is not callable"),
         ("tests.fixtures.user_code:wrong_signature", "must accept ['input_shape', 'num_classes']"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from integrations.settings import (
     PrefectMLSettings,
     prepare_process_environment,
     running_local_server,
+    worker_environment,
 )
 
 
@@ -70,3 +72,46 @@ def test_a_stale_server_record_is_ignored(home: PrefectMLSettings) -> None:
     assert running_local_server(home) is None
     home.local_server_file.write_text("not json")
     assert running_local_server(home) is None
+
+
+def test_every_process_we_start_refuses_pickled_models(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "true")  # a user's own setting
+    prepare_process_environment(home)
+    assert os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] == "false"
+    monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "my_project")
+    assert worker_environment(PrefectMLSettings()) == {
+        "MLFLOW_ALLOW_PICKLE_DESERIALIZATION": "false",
+        "PREFECT_ML_ALLOWED_MODULES": "my_project",
+    }
+
+
+_WORKER_SETTING = """
+import ray
+from integrations.ray_cluster import ray_session
+from integrations.settings import PrefectMLSettings
+
+@ray.remote
+def setting():
+    import os
+    return os.environ.get("MLFLOW_ALLOW_PICKLE_DESERIALIZATION")
+
+with ray_session(PrefectMLSettings()):
+    print("worker:", ray.get(setting.remote()))
+"""
+
+
+def test_ray_workers_we_start_refuse_pickled_models(home: PrefectMLSettings) -> None:
+    """Shipped in the job's runtime environment, whatever the driver's environment says."""
+    env = {**os.environ, "MLFLOW_ALLOW_PICKLE_DESERIALIZATION": "true"}
+    env["PREFECT_ML_LOCAL_RAY_CPUS"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKER_SETTING],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert "worker: false" in done.stdout, done.stdout + done.stderr

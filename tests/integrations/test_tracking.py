@@ -1,11 +1,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+import torch
 
 from integrations import tracking
+from integrations.errors import ConfigurationError
 from integrations.settings import PrefectMLSettings
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 
 @pytest.mark.parametrize(
@@ -96,3 +102,86 @@ def test_a_process_killed_while_creating_the_database_leaves_none_behind(
     tracking.log_epoch(client, run_id, 1, {"val_loss": 0.5}, "file:///checkpoint")
     assert tracking.logged_epochs(client, run_id) == [1]
     assert [p.name for p in tmp_path.iterdir() if ".creating-" in p.name] == []
+
+
+@pytest.mark.parametrize("name", ["../../../../elsewhere/x", "/abs", "a/%2e%2e/%2e%2e/b", "."])
+def test_an_experiment_name_cannot_move_its_artifacts_out_of_the_root(
+    home: PrefectMLSettings, name: str
+) -> None:
+    client = tracking.client_for(home.resolved_tracking_uri)
+    with pytest.raises(ConfigurationError) as error:
+        tracking.ensure_experiment(client, name, home.mlflow_artifact_root)
+    assert error.value.field == "experiment"
+    assert client.get_experiment_by_name(name) is None
+
+
+class _Trap(torch.nn.Module):
+    """A model whose pickle creates a file when it is loaded."""
+
+    def __init__(self, canary: str) -> None:
+        super().__init__()
+        self.canary = canary
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (exec, (f"open({self.canary!r}, 'w').close()",))
+
+
+def _register(client: MlflowClient, home: PrefectMLSettings, log: Any) -> str:
+    """Log a model with ``log`` in a new run, register it; the local copy of the version."""
+    import mlflow
+
+    experiment = tracking.ensure_experiment(client, "models", home.mlflow_artifact_root)
+    run = client.create_run(experiment)
+    mlflow.set_tracking_uri(home.resolved_tracking_uri)
+    mlflow.set_registry_uri(home.resolved_tracking_uri)
+    with mlflow.start_run(run_id=run.info.run_id):
+        info = log()
+    client.create_registered_model("m")
+    version = client.create_model_version(
+        "m", info.model_uri, run_id=run.info.run_id, model_id=info.model_id
+    )
+    return str(mlflow.artifacts.download_artifacts(f"models:/m/{version.version}"))
+
+
+def test_a_pickle_format_version_is_refused_without_being_loaded(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    import mlflow.pytorch
+
+    canary = tmp_path / "canary"
+    client = tracking.client_for(home.resolved_tracking_uri)
+    local = _register(
+        client,
+        home,
+        lambda: mlflow.pytorch.log_model(
+            _Trap(str(canary)), name="model", serialization_format="pickle"
+        ),
+    )
+    with pytest.raises(ConfigurationError, match="with pickle, which runs code") as error:
+        tracking.load_pt2_model(local, what="m v1")
+    assert "m v1" in error.value.message and "serialization_format='pt2'" in error.value.message
+    assert not canary.exists()
+
+
+def test_registered_versions_are_pt2_and_load_without_pickle(home: PrefectMLSettings) -> None:
+    import numpy as np
+
+    client = tracking.client_for(home.resolved_tracking_uri)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()
+    example = np.ones((5, 4), dtype=np.float32)
+    tracking.log_and_register_model(
+        client,
+        home.resolved_tracking_uri,
+        client.create_run(tracking.ensure_experiment(client, "e", None)).info.run_id,
+        model,
+        example,
+        model_name="pt2-model",
+        tags={},
+    )
+    import mlflow
+
+    local = mlflow.artifacts.download_artifacts("models:/pt2-model/1")
+    assert (Path(local) / "data" / "model.pt2").is_file()
+    loaded = tracking.load_pt2_model(local, what="pt2-model v1")
+    with torch.no_grad():
+        assert torch.allclose(loaded(torch.from_numpy(example)), model(torch.from_numpy(example)))
