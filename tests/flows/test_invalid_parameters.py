@@ -36,7 +36,11 @@ def _assert_nothing_written(home: PrefectMLSettings) -> None:
         ({"training": {"epochs": 0}}, "training.epochs"),
         ({"training": {"lr": -1.0}}, "training.lr"),
         ({"data": {"dataset": "imagenet"}}, "unknown dataset 'imagenet'"),
-        ({"model": {"model": "missing_pkg.mod:build"}}, "cannot import module 'missing_pkg.mod'"),
+        ({"model": {"model": "missing_pkg.mod:build"}}, "PREFECT_ML_ALLOWED_MODULES"),
+        (
+            {"model": {"model": "tests.fixtures.missing:build"}},
+            "cannot import module 'tests.fixtures.missing'",
+        ),
         (
             {"data": {"dataset": "tabular", "url": "s3://b/x/..%2fy.csv", "label_column": "y"}},
             "keys must stay inside their prefix",
