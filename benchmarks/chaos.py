@@ -225,6 +225,7 @@ def services(work: Path, *, cluster: bool = True) -> Iterator[Services]:
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_AUTH_MODE": "token",  # `ray start --head` turns token auth on (FIELD_NOTES)
             "PYTHONPATH": str(REPO_ROOT),  # Ray workers import the user code by path
+            "PREFECT_ML_ALLOWED_MODULES": "tests.fixtures",  # ... which the allow-list admits
         }
         if not cluster:
             yield Services(work, env, proxy)

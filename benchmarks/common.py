@@ -40,6 +40,8 @@ def embedded_home() -> Iterator[tuple[Path, PrefectMLSettings]]:
         for name in FOREIGN_ENV:
             os.environ.pop(name, None)
         os.environ["PREFECT_ML_HOME"] = str(Path(tmp) / "home")
+        # The benchmarks' datasets and models are user code: the allow-list must admit them.
+        os.environ["PREFECT_ML_ALLOWED_MODULES"] = "benchmarks,tests.fixtures"
         from integrations.settings import prepare_process_environment
 
         yield Path(tmp), prepare_process_environment()

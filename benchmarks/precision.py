@@ -143,7 +143,10 @@ SIZES = {
     "quick": _workloads((256, 4, 128), (8, 16, 32), (256, 16, 256), steps=1),
 }
 # Measured epochs, after the warm-up, of a memory run and of a throughput run.
-EPOCHS = {"full": (2, 12), "quick": (1, 2)}
+EPOCHS = {"full": (2, 12), "quick": (1, 2), "budget": (0, 3)}
+# Under --budget-s: throughput runs only (memory from the same runs), the checkpointing part
+# first (its targets are the verdict), then the workloads in this order until time runs out.
+BUDGET_ORDER = ("deep-mlp", "mlp", "cnn")
 
 
 # ---------------------------------------------------------------- memory, in the child process
@@ -509,15 +512,20 @@ def run_jobs(jobs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- the parent: arms, summary, report
 
 
-def plan(device: str, quick: bool, bf16_on_gpu: bool) -> list[list[dict[str, Any]]]:
+def plan(
+    device: str, quick: bool, bf16_on_gpu: bool, budget: bool = False
+) -> list[list[dict[str, Any]]]:
     """Every run, grouped into jobs (one process each, apart from ``--quick``): a *memory* job
     per arm, alone in its process so that its peak RSS and step memory are its own, then a
-    *throughput* job per workload whose arms interleave their epochs."""
+    *throughput* job per workload whose arms interleave their epochs.
+
+    With a ``budget`` only the throughput jobs run, in :data:`BUDGET_ORDER`, and each arm's
+    memory columns come from its throughput run (a process shared with the other arms)."""
     sizes = SIZES["quick" if quick else device]
     precisions = ["fp32", "bf16"] if device == "cpu" else ["fp32", "fp16"]
     if device == "cuda" and bf16_on_gpu:
         precisions.insert(1, "bf16")
-    memory_epochs, throughput_epochs = EPOCHS["quick" if quick else "full"]
+    memory_epochs, throughput_epochs = EPOCHS["quick" if quick else "budget" if budget else "full"]
     arms_by_workload = {
         name: [
             {
@@ -545,10 +553,13 @@ def plan(device: str, quick: bool, bf16_on_gpu: bool) -> list[list[dict[str, Any
         for on in (False, True)
         for loop in LOOPS
     ]
+    if budget:
+        arms_by_workload = {name: arms_by_workload[name] for name in BUDGET_ORDER}
     jobs = [
         [{**arm, "measure": "memory", "epochs": memory_epochs}]
         for arms in arms_by_workload.values()
         for arm in arms
+        if not budget
     ]
     jobs += [
         [{**arm, "measure": "throughput", "epochs": throughput_epochs} for arm in arms]
@@ -581,6 +592,8 @@ def group_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
         arm = arms.setdefault(key, {k: v for k, v in run.items() if k not in measured})
         arm[run["measure"]] = {k: v for k, v in run.items() if k in measured}
+    for arm in arms.values():  # a budgeted run measured memory in its throughput run
+        arm.setdefault("memory", arm["throughput"])
     return list(arms.values())
 
 
@@ -829,8 +842,11 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def print_rich(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # a torch-only machine (the GPU check): the markdown tables will do
+        return
 
     console = Console(width=200)
     precision, checkpointing = table_rows(report)
@@ -892,18 +908,29 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     machine = machine_info(device)
     machine["loadavg_before"] = os.getloadavg()
     checks = method_check(torch.device(device))
-    jobs = plan(device, args.quick, bool(machine.get("bf16_supported")))
+    budget = args.budget_s is not None
+    deadline = time.monotonic() + (args.budget_s or 0)
+    jobs = plan(device, args.quick, bool(machine.get("bf16_supported")), budget)
     runs: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    longest = 0.0  # the longest job so far: the estimate of the next one under a budget
     # One process per job; --quick runs them all in one, since starting a process that imports
     # torch takes 5-8 s here (its peak memory columns then carry over between arms).
     with tempfile.TemporaryDirectory(prefix="prefect-ml-precision-") as tmp:
         for group in [jobs] if args.quick else [[job] for job in jobs]:
+            if budget and runs and time.monotonic() + longest > deadline:
+                skipped += [f"{arm_label(arm)} (budget)" for job in group for arm in job]
+                continue
+            started = time.monotonic()
             runs += run_child(group, Path(tmp))
+            longest = max(longest, time.monotonic() - started)
     arms = group_runs(runs)
     machine["loadavg_after"] = os.getloadavg()
     report: dict[str, Any] = {
         "benchmark": "precision",
         "quick": args.quick,
+        "budget_s": args.budget_s,
+        "skipped_for_budget": skipped,
         "warmup_epochs": WARMUP_EPOCHS,
         "machine": machine,
         "method_check": checks,
@@ -919,6 +946,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true", help="smoke run: tiny sizes, one measured epoch"
     )
     parser.add_argument("--output", type=Path, help="JSON results [results/precision.json]")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help="fit in about this many seconds: throughput runs only, 3 epochs each, the "
+        "checkpointing workload first; workloads that would overrun are skipped and listed",
+    )
     parser.add_argument(
         "--from-json", type=Path, help="re-derive the tables of an earlier run from its JSON"
     )

@@ -241,19 +241,21 @@ class EpochCommitter:
 
 def evaluate_batches(
     model: torch.nn.Module, features: torch.Tensor, labels: torch.Tensor, batch_size: int
-) -> tuple[float, int, int]:
-    """(summed loss, correct predictions, rows) of ``model`` on the given rows."""
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(summed loss, correct predictions, rows) of ``model`` on the given rows; the sums stay on
+    the rows' device (no host sync per batch) until the epoch's one all-reduce reads them."""
     import torch
     import torch.nn.functional as F
 
-    loss_sum, correct = 0.0, 0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=labels.device)
+    correct = torch.zeros((), dtype=torch.int64, device=labels.device)
     model.eval()
     with torch.no_grad():
         for start in range(0, len(labels), batch_size):
             logits = model(features[start : start + batch_size])
             target = labels[start : start + batch_size]
-            loss_sum += float(F.cross_entropy(logits, target, reduction="sum"))
-            correct += int((logits.argmax(dim=1) == target).sum())
+            loss_sum += F.cross_entropy(logits.float(), target, reduction="sum")
+            correct += (logits.argmax(dim=1) == target).sum()
     return loss_sum, correct, len(labels)
 
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
 from ray import serve
 from ray.serve import Deployment
 
+from integrations import tracking
 from integrations.errors import ConfigurationError, DeploymentError
 from integrations.inference import InferencePrecision, Predictor, serving_device
 from integrations.resources import ResourceRequest, placeable
@@ -172,7 +173,6 @@ class ModelServer:
 
     def __init__(self, served: dict[str, Any], options: dict[str, Any]) -> None:
         import mlflow
-        import mlflow.pytorch
         import torch
         from mlflow.models import Model
 
@@ -182,7 +182,8 @@ class ModelServer:
         mlflow.set_tracking_uri(self.served.tracking_uri)
         mlflow.set_registry_uri(self.served.tracking_uri)
         local = mlflow.artifacts.download_artifacts(self.served.uri)
-        loaded = mlflow.pytorch.load_model(local)
+        # pt2 only: a pickle-format version fails the replica here, and the old one serves on.
+        loaded = tracking.load_pt2_model(local, what=f"{self.served.name} v{self.served.version}")
         if isinstance(loaded, torch.export.ExportedProgram):
             loaded = loaded.module()
         try:

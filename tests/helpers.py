@@ -92,8 +92,9 @@ def register_classifier(
     return version
 
 
-def blob_trainer(checkpoint_url: str, **config: Any) -> EpochTrainer:
-    """A one-process trainer of a small linear model on blobs, checkpointing to the URL."""
+def blob_trainer(checkpoint_url: str, device: Any = None, **config: Any) -> EpochTrainer:
+    """A one-process trainer of a small linear model on blobs (on ``device``, the CPU by
+    default), checkpointing to the URL."""
     features, labels = blobs(rows=90, features=4)
     shard = (features.astype(np.float32), labels.astype(np.int64))
     defaults: dict[str, Any] = {
@@ -114,7 +115,9 @@ def blob_trainer(checkpoint_url: str, **config: Any) -> EpochTrainer:
         "run_id": "",
     }
     return EpochTrainer(
-        TrainLoopConfig(**{**defaults, **config}), shards={"train": shard, "val": shard}
+        TrainLoopConfig(**{**defaults, **config}),
+        device=device,
+        shards={"train": shard, "val": shard},
     )
 
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,15 +321,29 @@ def test_serving_parameters_name_the_field_to_fix() -> None:
             ServeModelParams(serving=serving)
 
 
+def _without_mlmodel(model_dir: Path) -> None:
+    (model_dir / "MLmodel").unlink()  # a model that cannot load
+
+
+def _pickle_format(model_dir: Path) -> None:
+    """What a version logged with ``serialization_format="pickle"`` holds (the loader refuses it
+    by its format, before reading a byte of it)."""
+    (model_dir / "data" / "model.pt2").rename(model_dir / "data" / "model.pth")
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [(_without_mlmodel, "MLmodel"), (_pickle_format, "with pickle, which runs code")],
+)
 def test_a_version_that_cannot_load_fails_the_flow_and_the_old_one_keeps_serving(
-    served: Served,
+    served: Served, damage: Callable[[Path], None], reason: str
 ) -> None:
     version = register_classifier(
         served.settings, "digits-classifier", FEATURES, DIGITS.target, seed=3, alias=None
     )
     client = tracking.client_for(served.settings.resolved_tracking_uri)
     source = client.get_model_version_download_uri("digits-classifier", version)
-    (Path(source.removeprefix("file://")) / "MLmodel").unlink()  # a model that cannot load
+    damage(Path(source.removeprefix("file://")))
 
     serving_before = _served_version(served.url)
     broken = served.params().model_copy(update={"model_version": version})
@@ -337,6 +351,7 @@ def test_a_version_that_cannot_load_fails_the_flow_and_the_old_one_keeps_serving
 
     assert state.is_failed()
     assert f"models:/digits-classifier/{version} did not deploy" in state.message
+    assert reason in state.message
     assert serving_before is not None and _served_version(served.url) == serving_before
 
 

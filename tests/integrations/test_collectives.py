@@ -145,3 +145,21 @@ def test_no_collective_is_called_outside_the_collectives_module() -> None:
                 ):
                     found.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} {node.func.attr}")
     assert not found, found
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_trainer_under_nccl_reduces_on_the_gpu_and_resumes_from_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The reproduction of issue 16: train, checkpoint and resume in a one-worker NCCL group."""
+    cuda = torch.device("cuda", 0)
+    torch.cuda.set_device(cuda)
+    with process_group("nccl"):
+        trainer = blob_trainer(tmp_path.as_uri(), model="mlp", device=cuda)
+        first = trainer.train_epoch(1)
+        trainer.store.save(1, trainer.snapshot(1))
+        resumed = blob_trainer(tmp_path.as_uri(), model="mlp", device=cuda)
+        second = resumed.train_epoch(resumed.first_epoch)
+    assert resumed.first_epoch == 2 and second["train_loss"] < first["train_loss"]
+    assert first["peak_memory_mib"] > 0

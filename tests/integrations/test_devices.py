@@ -6,12 +6,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from integrations import devices
-from tests.conftest import REPO_ROOT
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 MiB = 2**20
 GiB = 2**30

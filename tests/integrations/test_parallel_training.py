@@ -262,3 +262,39 @@ def test_nccl_all_reduce_on_gpus(tmp_path: Path) -> None:
     )
     expected = world_size * (world_size + 1) / 2
     assert json.loads(out.read_text()) == {"backend": "nccl", "sum": expected}
+
+
+def _host_syncs_in_an_epoch(checkpoint_url: str, precision: str, rows: int) -> int:
+    """Synchronising CUDA calls the second epoch makes (the first allocates on first use)."""
+    import warnings
+
+    features, labels = blobs(rows=rows, features=6)
+    shard = (features.astype(np.float32), labels.astype(np.int64))
+    trainer = EpochTrainer(
+        _config(checkpoint_url, precision=precision),
+        device=torch.device("cuda"),
+        shards={"train": shard, "val": shard},
+    )
+    trainer.train_epoch(1)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_epoch(2)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(warning.message) for warning in caught)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_cuda_epoch_waits_for_the_gpu_a_fixed_number_of_times_whatever_its_steps(
+    tmp_path: Path, precision: str
+) -> None:
+    """No step waits for the GPU (a host index, a ``float(loss)``): the host queues the next step
+    while the GPU runs this one. Only the epoch's metrics are read back, once."""
+    few = _host_syncs_in_an_epoch((tmp_path / "few").as_uri(), precision, rows=32)  # 4 steps
+    many = _host_syncs_in_an_epoch((tmp_path / "many").as_uri(), precision, rows=256)  # 32 steps
+    assert few == many, (few, many)

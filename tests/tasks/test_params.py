@@ -194,3 +194,11 @@ def test_grid_values_cover_int_float_and_choices() -> None:
     assert grid["hidden"].grid() == [16, 32, 48, 64]
     assert grid["dropout"].grid() == pytest.approx([0.0, 0.1, 0.2])
     assert grid["optimizer"].grid() == ["adam", "sgd"]
+
+
+def test_half_precision_inference_needs_a_gpu_replica() -> None:
+    from tasks.params import ServingParams
+
+    with pytest.raises(ValidationError, match="inference_precision bf16 needs a GPU replica"):
+        ServingParams(inference_precision="bf16")
+    assert ServingParams(inference_precision="fp16", replica_gpus=0.5).inference_precision == "fp16"
