@@ -11,6 +11,7 @@ dtype, finiteness and batch size each get a 4xx with a message, never a 5xx.
 
 # No ``from __future__ import annotations``: FastAPI reads the route signatures at runtime, and
 # Serve's ingress wrapper hides this module's names from string annotations.
+import asyncio
 import hashlib
 import hmac
 import json
@@ -32,7 +33,11 @@ from integrations.settings import check_port_free
 
 DEPLOYMENT_NAME = "ModelServer"
 
-FiniteNumber = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+# Rows become float32: a number finite in JSON's float64 but beyond float32 would become inf.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FiniteNumber = Annotated[
+    float, Field(strict=True, allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)
+]
 Row = Annotated[
     Annotated[list[FiniteNumber], Tag("values")]
     | Annotated[dict[str, FiniteNumber], Tag("columns")],
@@ -92,6 +97,7 @@ class ReplicaOptions(BaseModel):
     max_batch_size: int = 32
     batch_wait_timeout_s: float = 0.005
     torch_threads: int = 1
+    request_timeout_s: float = 30.0  # for the whole body to arrive
     gpus: float = 0.0  # what the replica reserved: > 0 computes on its GPU
     inference_precision: InferencePrecision = "fp32"
 
@@ -116,6 +122,7 @@ def _validation_problems(error: ValidationError) -> list[dict[str, Any]]:
 def _rows_to_array(request: PredictRequest, served: ServedModel) -> np.ndarray:
     """The rows as a float32 matrix in the model's feature order, or a 422 naming the bad row."""
     width, names = served.width, served.feature_names
+    known = frozenset(names or ())  # once per request: the column check is linear in the body
     matrix = np.empty((len(request.inputs), width), dtype=np.float32)
     for index, row in enumerate(request.inputs):
         if isinstance(row, dict):
@@ -127,7 +134,7 @@ def _rows_to_array(request: PredictRequest, served: ServedModel) -> np.ndarray:
                 )
             assert names is not None
             missing = [n for n in names if n not in row]
-            extra = [n for n in row if n not in set(names)]
+            extra = [n for n in row if n not in known]
             if missing or extra:
                 _problem(
                     422,
@@ -143,21 +150,48 @@ def _rows_to_array(request: PredictRequest, served: ServedModel) -> np.ndarray:
     return matrix
 
 
+def _too_large(limit: int) -> None:
+    _problem(413, f"request body over the {limit}-byte limit; send fewer rows per request")
+
+
 def _checked_body_size(request: Request, limit: int) -> None:
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        _problem(413, f"request body over the {limit}-byte limit; send fewer rows per request")
+        _too_large(limit)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, or a 413 past ``limit`` bytes, or a 408 when it has not all arrived within
+    ``timeout_s`` (a slow client holds a connection and a slot of the replica meanwhile)."""
     _checked_body_size(request, limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            _problem(413, f"request body over the {limit}-byte limit; send fewer rows per request")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        _problem(408, f"the request body did not arrive within {timeout_s:g} s")
     return b"".join(chunks)
+
+
+def predictions_body(
+    probabilities: np.ndarray, class_names: list[str] | None, identity: dict[str, Any]
+) -> str:
+    """The JSON of a ``/predict`` answer; a model that returned NaN or infinity gets a 500 that
+    says so, never a body that is not JSON."""
+    if not np.isfinite(probabilities).all():
+        rows = np.flatnonzero(~np.isfinite(probabilities).all(axis=1)).tolist()
+        _problem(500, f"the model returned non-finite probabilities for rows {rows[:10]}")
+    indices = probabilities.argmax(axis=1).tolist()
+    content = {
+        "predictions": [class_names[i] if class_names else str(i) for i in indices],
+        "probabilities": probabilities.astype(np.float64).round(6).tolist(),
+        "model": identity,
+    }
+    return json.dumps(content, allow_nan=False)
 
 
 api = FastAPI(
@@ -206,12 +240,15 @@ class ModelServer:
             self.limits.batch_wait_timeout_s
         )
 
-    def _authorize(self, request: Request) -> None:
+    def _is_authorized(self, request: Request) -> bool:
         expected = self.limits.token_sha256
         if expected is None:
-            return
+            return True
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token_digest(token), expected):
+        return scheme.lower() == "bearer" and hmac.compare_digest(token_digest(token), expected)
+
+    def _authorize(self, request: Request) -> None:
+        if not self._is_authorized(request):
             raise HTTPException(
                 401,
                 detail={"message": "missing or wrong bearer token", "errors": []},
@@ -225,8 +262,11 @@ class ModelServer:
         return np.split(probabilities, np.cumsum([len(m) for m in matrices])[:-1])
 
     @api.get("/healthz", summary="Liveness: the replica is up and its model is loaded")
-    async def healthz(self) -> dict[str, Any]:
-        return {"status": "ok", "model": self.identity}
+    async def healthz(self, request: Request) -> dict[str, Any]:
+        """Never needs the token; which model is served is shown only to those who have it."""
+        if self._is_authorized(request):
+            return {"status": "ok", "model": self.identity}
+        return {"status": "ok"}
 
     @api.get("/metadata", summary="The served model version, its input schema and an example")
     async def metadata(self, request: Request) -> dict[str, Any]:
@@ -272,7 +312,7 @@ class ModelServer:
         content_type = request.headers.get("content-type", "")
         if content_type.split(";")[0].strip().lower() != "application/json":
             _problem(415, f"content type must be application/json, got {content_type!r}")
-        body = await _read_body(request, self.limits.max_body_bytes)
+        body = await _read_body(request, self.limits.max_body_bytes, self.limits.request_timeout_s)
         try:
             parsed = PredictRequest.model_validate_json(body)
         except ValidationError as exc:
@@ -290,15 +330,8 @@ class ModelServer:
             probabilities = await self.forward_batch(matrix)
         else:
             probabilities = self.predictor.probabilities(matrix)
-        labels = self.served.class_names
-        indices = probabilities.argmax(axis=1).tolist()
-        predictions = [labels[i] if labels else str(i) for i in indices]
-        content = {
-            "predictions": predictions,
-            "probabilities": probabilities.astype(np.float64).round(6).tolist(),
-            "model": self.identity,
-        }
-        return Response(json.dumps(content), media_type="application/json")
+        body_text = predictions_body(probabilities, self.served.class_names, self.identity)
+        return Response(body_text, media_type="application/json")
 
 
 class Placement(BaseModel):
@@ -312,6 +345,8 @@ class Placement(BaseModel):
     max_replicas: int
     target_ongoing_requests: float
     max_ongoing_requests: int
+    max_queued_requests: int = -1  # -1: no limit
+    retry_after_s: float = 1.0
     request: ResourceRequest  # one replica's CPUs, GPUs (fractions share one), GPU type, memory
 
     def deployment_options(self, allow_surge: bool) -> dict[str, Any]:
@@ -329,6 +364,9 @@ class Placement(BaseModel):
         return {
             **scaling,
             "max_ongoing_requests": self.max_ongoing_requests,
+            # Past the queue, a request is answered 503 with Retry-After, not left to time out.
+            "max_queued_requests": self.max_queued_requests,
+            "backpressure_config": {"status_code": 503, "retry_after_s": self.retry_after_s},
             "ray_actor_options": self.request.actor_options(),
             "max_surge_percent": 100 if allow_surge else 0,
             # A model that does not load will not load on the 20th try (Ray's default) either;

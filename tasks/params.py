@@ -650,6 +650,23 @@ class ServingParams(_Section):
     max_ongoing_requests: int = Field(
         64, ge=1, title="Max ongoing requests", description="In-flight requests per replica."
     )
+    max_queued_requests: int = Field(
+        512,
+        ge=-1,
+        title="Max queued requests",
+        description="Requests waiting for a replica beyond which new ones get a 503 with "
+        "Retry-After (-1: no limit).",
+    )
+    retry_after_s: float = Field(
+        1.0, ge=0, title="Retry-After (s)", description="Retry-After of an overload 503."
+    )
+    request_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        title="Request body timeout (s)",
+        description="A request whose body has not all arrived by then gets a 408 (slow clients "
+        "cannot hold a replica).",
+    )
     replica_cpus: float = Field(1.0, gt=0, title="CPUs per replica", description="CPUs reserved.")
     replica_gpus: float = Field(
         0.0, ge=0, title="GPUs per replica", description="GPUs reserved; fractions share a GPU."

@@ -91,8 +91,24 @@ def resolve_served_model(
     )
 
 
+MIN_TOKEN_BYTES = 32
+
+
 def bearer_token(params: ServingParams) -> str | None:
-    """The token from the Prefect Secret block if one is named, else from the variable, or None."""
+    """The token from the Prefect Secret block if one is named, else from the variable, or None;
+    one shorter than :data:`MIN_TOKEN_BYTES` is refused (it could be guessed)."""
+    token = _configured_token(params)
+    if token is not None and len(token.encode()) < MIN_TOKEN_BYTES:
+        field = "auth_token_secret" if params.auth_token_secret else "auth_token_env"
+        raise ConfigurationError(
+            f"serving.{field}",
+            f"the bearer token has {len(token.encode())} bytes; use at least {MIN_TOKEN_BYTES}, "
+            "e.g. python3 -c 'import secrets; print(secrets.token_urlsafe(32))'",
+        )
+    return token
+
+
+def _configured_token(params: ServingParams) -> str | None:
     if params.auth_token_secret:
         from prefect.blocks.system import Secret
 
@@ -117,6 +133,7 @@ def replica_options(params: ServingParams, token: str | None) -> serving.Replica
         max_batch_size=params.max_batch_size,
         batch_wait_timeout_s=params.batch_wait_timeout_s,
         torch_threads=max(1, int(params.replica_cpus)),
+        request_timeout_s=params.request_timeout_s,
         gpus=params.replica_gpus,
         inference_precision=params.inference_precision,
     )
@@ -134,6 +151,8 @@ def placement(params: ServingParams) -> serving.Placement:
                 "max_replicas",
                 "target_ongoing_requests",
                 "max_ongoing_requests",
+                "max_queued_requests",
+                "retry_after_s",
             }
         ),
         request=params.replica_request(),

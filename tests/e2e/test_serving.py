@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +39,7 @@ from tests.helpers import free_port, register_classifier, wait_for
 MAX_ROWS = 50
 MAX_BODY = 200_000
 DIGITS = load_digits()
+TOKEN = "a-bearer-token-of-more-than-32-bytes-0123456789"
 FEATURES = DIGITS.data.astype(np.float32)
 
 
@@ -128,6 +130,7 @@ def _malformed_requests() -> list[tuple[str, dict[str, str], str | bytes, int, s
         ("NaN", as_json, '{"inputs": [[NaN' + ", 0" * 63 + "]]}", 422, "finite"),
         ("infinity", as_json, '{"inputs": [[Infinity' + ", 0" * 63 + "]]}", 422, "finite"),
         ("overflow", as_json, '{"inputs": [[1e999' + ", 0" * 63 + "]]}", 422, "finite"),
+        ("beyond float32", as_json, '{"inputs": [[1e39' + ", 0" * 63 + "]]}", 422, "less than or"),
         ("empty batch", as_json, '{"inputs": []}', 422, "at least 1"),
         ("no inputs", as_json, '{"rows": [[1.0]]}', 422, "inputs"),
         ("inputs not a list", as_json, '{"inputs": 3}', 422, "valid array"),
@@ -200,7 +203,7 @@ def test_a_bearer_token_from_a_prefect_secret_guards_predict_and_named_columns_a
     register_classifier(
         served.settings, "pixels", FEATURES, DIGITS.target, seed=2, feature_names=columns
     )
-    Secret(value="s3cret-token").save("serving-token", overwrite=True)
+    Secret(value=TOKEN).save("serving-token", overwrite=True)
     params = served.params(
         app_name="secured",
         route_prefix="/secured",
@@ -208,6 +211,7 @@ def test_a_bearer_token_from_a_prefect_secret_guards_predict_and_named_columns_a
         min_replicas=1,
         max_replicas=2,
         target_ongoing_requests=3,
+        request_timeout_s=2,
     )
     params = params.model_copy(update={"model_name": "pixels"})
     result = serve_model(params)
@@ -219,8 +223,10 @@ def test_a_bearer_token_from_a_prefect_secret_guards_predict_and_named_columns_a
     wrong = {"Authorization": "Bearer nope"}
     assert httpx.post(f"{url}/predict", json={"inputs": [row]}, headers=wrong).status_code == 401
     assert httpx.get(f"{url}/metadata").status_code == 401
-    assert httpx.get(f"{url}/healthz").status_code == 200
-    auth = {"Authorization": "Bearer s3cret-token"}
+    # Health needs no token, but says which model only to those who have it.
+    assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.get(f"{url}/healthz", headers=auth).json()["model"]["name"] == "pixels"
     answer = httpx.post(f"{url}/predict", json={"inputs": [row]}, headers=auth)
     assert answer.status_code == 200 and answer.json()["model"]["name"] == "pixels"
     metadata = httpx.get(f"{url}/metadata", headers=auth).json()
@@ -235,7 +241,68 @@ def test_a_bearer_token_from_a_prefect_secret_guards_predict_and_named_columns_a
     assert config["autoscaling_config"]["max_replicas"] == 2
     assert config["autoscaling_config"]["target_ongoing_requests"] == 3
     assert config["ray_actor_options"]["num_cpus"] == 0.25
+    assert config["max_queued_requests"] == 512  # beyond it: 503 with Retry-After
+
+    # A client that sends its headers and then dribbles the body is cut off after 2 s with a
+    # 408, while the others are served meanwhile.
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as slow:
+        slow.sendall(
+            b"POST /secured/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {TOKEN}\r\nContent-Length: 1000\r\n\r\n".encode()
+            + b'{"inputs": ['
+        )
+        others = [
+            httpx.post(f"{url}/predict", json={"inputs": [row]}, headers=auth) for _ in range(3)
+        ]
+        assert [answer.status_code for answer in others] == [200, 200, 200]
+        started = time.monotonic()
+        reply = _read_response(slow)
+    assert reply.startswith("HTTP/1.1 408") and "did not arrive within 2 s" in reply, reply
+    assert time.monotonic() - started < 10
     serve.delete("secured")
+
+
+def _read_response(connection: socket.socket) -> str:
+    """One HTTP/1.1 response with a Content-Length, read from a raw socket."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        received += connection.recv(4096)
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += connection.recv(4096)
+    return (head + b"\r\n\r\n" + body).decode()
+
+
+def test_a_bearer_token_shorter_than_32_bytes_is_refused_before_deploying(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHORT_SERVE_TOKEN", "s3cret-token")
+    params = served.params(app_name="guessable", auth_token_env="SHORT_SERVE_TOKEN")
+    state = serve_model(params, return_state=True)
+    assert state.is_failed()
+    assert "serving.auth_token_env: the bearer token has 12 bytes; use at least 32" in str(
+        state.result(raise_on_failure=False)
+    )
+    assert "guessable" not in serve.status().applications
+
+
+def test_a_model_that_returns_nan_gets_a_500_that_says_so_never_invalid_json() -> None:
+    from fastapi import HTTPException
+
+    from integrations.serving import predictions_body
+
+    identity = {"name": "m", "version": "1", "run_id": "r"}
+    good = json.loads(predictions_body(np.array([[0.25, 0.75]]), ["a", "b"], identity))
+    assert good["predictions"] == ["b"] and good["probabilities"] == [[0.25, 0.75]]
+    with pytest.raises(HTTPException) as error:
+        predictions_body(np.array([[0.5, 0.5], [np.nan, 0.5]]), None, identity)
+    assert error.value.status_code == 500
+    assert "non-finite probabilities for rows [1]" in str(error.value.detail)
 
 
 @pytest.mark.parametrize(
