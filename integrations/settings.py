@@ -269,4 +269,6 @@ SERVE_INGRESS_ENVIRONMENT = {
     # HAProxy drops a stopping replica within a second of its reload; Ray's default keeps the
     # replica draining 30 s more, which makes every roll and delete take 30 s.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "3",
+    # A client silent for a minute loses its connection (Ray's default holds it an hour).
+    "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": "60",
 }
