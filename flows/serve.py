@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from tasks.params import ServeModelParams
+from tasks.quotas import check_caps
 from tasks.serve import ServingResult, serve
 
 
@@ -16,4 +17,5 @@ def serve_model(params: ServeModelParams = ServeModelParams()) -> ServingResult:
     Args:
         params: Which registered version to serve, and how (address, batching, replicas).
     """
+    check_caps(params)
     return serve(params.model_name, params.alias, params.model_version, params.serving)

@@ -6,6 +6,7 @@ from prefect import flow
 
 from flows.train import prepared_data
 from tasks.params import CampaignParams
+from tasks.quotas import tenant_tags
 from tasks.sweep import CampaignResult, campaign
 
 
@@ -17,4 +18,6 @@ def hpo_campaign(params: CampaignParams = CampaignParams()) -> CampaignResult:  
         params: The data and model, the fixed training values, and the sweep: search space,
             objectives, sampler, pruner and budget.
     """
-    return campaign(params, prepared_data(params))
+    data = prepared_data(params)
+    with tenant_tags():  # the tenant's quota counts its Ray-occupying tasks
+        return campaign(params, data)

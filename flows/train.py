@@ -11,6 +11,7 @@ from tasks.data import PreparedData, inspect_data, preprocess
 from tasks.evaluate import Evaluation, evaluate
 from tasks.params import TrainingSections, TrainModelParams
 from tasks.placement import check_placement
+from tasks.quotas import apply_ray_slots, tenant_tags
 from tasks.register import Registration, register
 from tasks.report import publish_summary
 from tasks.train import TrainResult, train, training_lease
@@ -26,11 +27,14 @@ class TrainingOutcome(BaseModel):
 
 
 def prepared_data(params: TrainingSections) -> PreparedData:
-    """Check the storage and the cluster's room, inspect the data, then prepare the splits
-    (reused when already prepared for that fingerprint). Every flow starts here, so storage
-    problems and impossible resource requests surface before any compute."""
-    storage.prepare_storage(get_settings())
+    """Check the storage and the cluster's room (and the tenant's caps), set the tenant's
+    quota, inspect the data, then prepare the splits (reused when already prepared for that
+    fingerprint). Every flow starts here, so storage problems and impossible resource requests
+    surface before any compute."""
+    settings = get_settings()
+    storage.prepare_storage(settings)
     check_placement(params)
+    apply_ray_slots(settings)
     summary = inspect_data(params)
     return preprocess(params.data, summary.fingerprint)
 
@@ -41,7 +45,8 @@ def training_chain(params: TrainModelParams) -> TrainingOutcome:
     # One driver per run from training until the run is finished by its registration: a second
     # identical command started meanwhile would otherwise reopen the RUNNING run and register again.
     with training_lease(params, data.fingerprint) as lease:
-        trained = train(params, data)
+        with tenant_tags():  # the tenant's quota counts its Ray-occupying tasks
+            trained = train(params, data)
         evaluation = evaluate(params, data, trained)
         lease.ensure_held()
         registration = register(params, data, trained, evaluation)

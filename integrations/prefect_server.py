@@ -126,6 +126,14 @@ def ray_quota() -> int | None:
             return None
 
 
+def set_tag_quota(tag: str, slots: int) -> None:
+    """Allow ``slots`` task runs carrying ``tag`` at once (a tenant's quota); 0 refuses them."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.create_concurrency_limit(tag=tag, concurrency_limit=slots)
+
+
 # ---------------------------------------------------------------------------------------------
 # deployments/prefect.yaml
 

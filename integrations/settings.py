@@ -8,9 +8,10 @@ import socket
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from integrations import tenancy
 from integrations.errors import ConfigurationError
 
 
@@ -105,6 +106,50 @@ class PrefectMLSettings(BaseSettings):
         description="Fail a flow at start when the Ray cluster cannot place its workers, trials "
         "or replicas; false (an autoscaling cluster that adds nodes on demand) only warns.",
     )
+    tenant: str | None = Field(
+        default=None,
+        title="Tenant",
+        description="Namespace of everything this process's runs create: MLflow experiments and "
+        "registered models become '<tenant>.<name>' (aliases such as @champion are per tenant), "
+        "campaigns '<tenant>.<name>', storage goes under '<storage>/tenants/<tenant>/', and "
+        "training and campaign tasks carry the tag 'tenant:<tenant>'. Lower-case letters, "
+        "digits, '-' and '_'. Unset: no namespace.",
+    )
+    tenant_ray_slots: int | None = Field(
+        default=None,
+        ge=0,
+        title="Tenant's Ray slots",
+        description="Training and campaign tasks of this tenant that may run at once: set at "
+        "flow start as the Prefect concurrency limit on the tag 'tenant:<tenant>' (0 refuses "
+        "them). Unset leaves the limit as an operator set it, or none.",
+    )
+    tenant_max_workers: int | None = Field(
+        default=None,
+        ge=1,
+        title="Max workers per run",
+        description="Training workers a run, and workers a campaign trial, may ask for.",
+    )
+    tenant_max_gpus: float | None = Field(
+        default=None,
+        ge=0,
+        title="Max GPUs per run",
+        description="GPUs a run may reserve at once: training workers x GPUs, trials at once x "
+        "trial workers x trial GPUs, max replicas x replica GPUs.",
+    )
+    tenant_max_replicas: int | None = Field(
+        default=None, ge=1, title="Max replicas", description="Serving replicas a run may ask for."
+    )
+    tenant_max_concurrent_trials: int | None = Field(
+        default=None,
+        ge=1,
+        title="Max concurrent trials",
+        description="Campaign trials a run may run at once (sweep.concurrency).",
+    )
+
+    @field_validator("tenant")
+    @classmethod
+    def _check_tenant(cls, tenant: str | None) -> str | None:
+        return None if tenant is None else tenancy.check_tenant(tenant)
 
     allowed_modules: str = Field(
         default="",

@@ -22,7 +22,7 @@ from urllib.parse import unquote
 
 import numpy as np
 
-from integrations import s3_transfer
+from integrations import s3_transfer, tenancy
 from integrations.errors import ConfigurationError, EnvironmentCheckError
 from integrations.settings import PrefectMLSettings, get_settings
 
@@ -103,6 +103,12 @@ def check_key(part: str) -> str:
 def join(url: str, *parts: str) -> str:
     """``url`` with ``parts`` appended as path segments; every part must pass :func:`check_key`."""
     return "/".join([url.rstrip("/"), *(check_key(p).strip("/") for p in parts)])
+
+
+def root_url(settings: PrefectMLSettings) -> str:
+    """The root of everything runs store (splits, checkpoints, leases, campaigns): the storage
+    URL, or its ``tenants/<tenant>`` folder when a tenant is set."""
+    return join(settings.resolved_storage_url, *tenancy.storage_keys(settings.tenant))
 
 
 def lease_url(root_url: str) -> str:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities.model_registry import ModelVersion
 
+from integrations import tenancy
 from integrations.errors import ConfigurationError
 
 RUN_KEY_TAG = "prefect_ml.run_key"
@@ -106,11 +107,22 @@ def check_experiment_name(name: str) -> str:
     return name
 
 
+def in_namespace(name: str) -> str:
+    """``name`` of an experiment or registered model in the tenant's namespace
+    (``PREFECT_ML_TENANT``): ``<tenant>.<name>``, so a tenant never finds another's experiment
+    or model, nor moves its aliases. Every function here that takes such a name applies it."""
+    from integrations.settings import get_settings
+
+    return tenancy.qualify(name, get_settings().tenant)
+
+
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
-    """The id of experiment ``name``, created (with artifacts under ``artifact_root``) if new."""
+    """The id of experiment ``name`` (in the tenant's namespace), created (with artifacts
+    under ``artifact_root``) if new."""
     from mlflow.exceptions import MlflowException
 
     check_experiment_name(name)  # before MLflow creates, or finds, anything under that name
+    name = in_namespace(name)
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return str(experiment.experiment_id)
@@ -273,7 +285,7 @@ def champion(client: MlflowClient, model_name: str, alias: str) -> tuple[str, st
     from mlflow.exceptions import MlflowException
 
     try:
-        version = client.get_model_version_by_alias(model_name, alias)
+        version = client.get_model_version_by_alias(in_namespace(model_name), alias)
     except MlflowException:
         return None
     return str(version.version), str(version.run_id)
@@ -285,10 +297,15 @@ def registered_version(
     """The version numbered ``version``, else the one holding ``alias``; a clear error if none."""
     from mlflow.exceptions import MlflowException
 
+    from integrations.settings import get_settings
+
+    tenant = get_settings().tenant
+    model_name = tenancy.qualify(model_name, tenant)
     try:
         registered = client.get_registered_model(model_name)
     except MlflowException:
-        known = sorted(m.name for m in client.search_registered_models(max_results=50))
+        models = client.search_registered_models(max_results=200)
+        known = sorted(m.name for m in models if tenancy.owns(m.name, tenant))
         raise ConfigurationError(
             "model_name",
             f"no registered model {model_name!r} in {client.tracking_uri}; registered: {known}. "
@@ -345,6 +362,7 @@ def log_and_register_model(
             serialization_format="pt2",  # torch.export: loads without unpickling code
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "mlflow"],
         )
+    model_name = in_namespace(model_name)
     _ensure_registered_model(client, model_name)
     # A tracking server checks that a models:/ source names its logged model (the local store
     # does not): pass model_id.
@@ -402,10 +420,11 @@ def _ensure_registered_model(client: MlflowClient, model_name: str) -> None:
 
 
 def set_alias(client: MlflowClient, model_name: str, alias: str, version: str) -> None:
-    client.set_registered_model_alias(model_name, alias, version)
+    client.set_registered_model_alias(in_namespace(model_name), alias, version)
 
 
 def tag_version(client: MlflowClient, model_name: str, version: str, tags: dict[str, str]) -> None:
+    model_name = in_namespace(model_name)
     for key, value in tags.items():
         client.set_model_version_tag(model_name, version, key, value)
 

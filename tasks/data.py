@@ -177,7 +177,7 @@ def inspect_data(params: TrainingSections) -> DataSummary:
 @task(name="preprocess", cache_policy=NO_CACHE, **transient_retries())
 def preprocess(data: DataParams, fingerprint: str) -> PreparedData:
     """The same data and recipe (one fingerprint) are prepared once per storage."""
-    storage_url = get_settings().resolved_storage_url
+    storage_url = storage.root_url(get_settings())
     existing = prepared_splits(fingerprint, storage_url)
     if existing is not None:
         get_run_logger().info("Reusing the splits prepared at %s", existing.splits_url)

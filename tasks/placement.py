@@ -25,6 +25,7 @@ from tasks.params import (
     CampaignParams,
     TrainingSections,
 )
+from tasks.quotas import check_caps
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
@@ -88,8 +89,10 @@ def check_placement(params: TrainingSections) -> None:
     """Check a training, campaign or pipeline flow's requests against the cluster's nodes:
     the minimum training workers, one campaign trial, and the minimum serving replicas.
 
-    A campaign alone trains no final model, so its training section places nothing.
+    A campaign alone trains no final model, so its training section places nothing. The
+    tenant's caps (``PREFECT_ML_TENANT_MAX_*``) are checked first, without touching Ray.
     """
+    check_caps(params)
     sweep = getattr(params, "sweep", None)
     serving = getattr(params, "serving", None)
     requests: list[tuple[ResourceRequest, int, str, RequestFields]] = []

@@ -92,18 +92,19 @@ def register_model(
     tracking.tag_version(client, registry.model_name, version, decision_tags)
     tracking.set_tags(client, trained.run_id, {**decision_tags, "registered_version": version})
     tracking.finish_run(client, trained.run_id)
+    model_name = tracking.in_namespace(registry.model_name)  # what the registry calls it
     logger.info(
         "%s v%s %s to @%s: %s",
-        registry.model_name,
+        model_name,
         version,
         verdict,
         registry.alias,
         decision.reason,
     )
     return Registration(
-        model_name=registry.model_name,
+        model_name=model_name,
         version=version,
-        model_uri=f"models:/{registry.model_name}/{version}",
+        model_uri=f"models:/{model_name}/{version}",
         alias=registry.alias,
         promoted=decision.promoted,
         reason=decision.reason,

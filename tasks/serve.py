@@ -80,7 +80,7 @@ def resolve_served_model(
     client = tracking.client_for(tracking_uri)
     version = tracking.registered_version(client, model_name, alias=alias, version=model_version)
     return serving.ServedModel(
-        name=model_name,
+        name=str(version.name),  # the registry's own name: in the tenant's namespace
         version=str(version.version),
         run_id=str(version.run_id),
         tracking_uri=tracking_uri,

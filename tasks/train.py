@@ -186,7 +186,7 @@ def training_lease(params: TrainModelParams, fingerprint: str) -> Lease:
     """The lease that makes this process the only driver of the run with this identity."""
     run_key = params.run_key(fingerprint)
     return Lease(
-        storage.training_lease_url(get_settings().resolved_storage_url, run_key),
+        storage.training_lease_url(storage.root_url(get_settings()), run_key),
         what=f"training run {run_key} (experiment {params.experiment!r})",
         field="experiment",
         join=True,  # the flow holds it from training through registration
@@ -224,9 +224,7 @@ def _train_holding(params: TrainModelParams, data: PreparedData, lease: Lease) -
             tracking.FINGERPRINT_TAG: data.fingerprint,
         },
     )
-    checkpoint_url = storage.join(
-        settings.resolved_storage_url, "checkpoints", experiment_id, run_id
-    )
+    checkpoint_url = storage.join(storage.root_url(settings), "checkpoints", experiment_id, run_id)
     # A writer killed mid-upload leaves an incomplete multipart upload: invisible, but billed.
     # Only the lease holder writes here, so every incomplete upload is a dead writer's.
     if aborted := storage.abort_incomplete_uploads(checkpoint_url):

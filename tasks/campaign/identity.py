@@ -5,25 +5,30 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from integrations import storage
+from integrations import storage, tenancy
 
 
 @dataclass(frozen=True)
 class CampaignIdentity:
     """A campaign is its name *in one Optuna storage*: the same name in two storages is two
     campaigns, so the MLflow key and the checkpoint root both carry the storage's hash (two
-    homes with the default storage sharing one bucket do not share ``campaigns/default``)."""
+    homes with the default storage sharing one bucket do not share ``campaigns/default``).
+    A tenant's campaign is its study ``<tenant>.<name>``, and ``storage_url`` is the tenant's
+    storage root (:func:`integrations.storage.root_url`), so tenants share neither."""
 
     name: str  # the Optuna study
     key: str  # the MLflow parent run's and trial runs' campaign tag
     checkpoint_root: str  # every trial's checkpoints, under trial-NNNNN/
 
     @classmethod
-    def of(cls, name: str, optuna_storage: str, storage_url: str) -> CampaignIdentity:
+    def of(
+        cls, name: str, optuna_storage: str, storage_url: str, *, tenant: str | None = None
+    ) -> CampaignIdentity:
         digest = hashlib.sha256(_without_credentials(optuna_storage).encode()).hexdigest()[:8]
+        study = tenancy.qualify(name, tenant)
         return cls(
-            name=name,
-            key=f"{name}@{digest}",
+            name=study,
+            key=f"{study}@{digest}",
             checkpoint_root=storage.join(storage_url, "campaigns", digest, name),
         )
 

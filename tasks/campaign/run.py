@@ -82,9 +82,10 @@ class TrialPlanner:
 
 
 def open_campaign_study(
-    sweep: SweepParams, epochs: int, settings: PrefectMLSettings
+    sweep: SweepParams, epochs: int, settings: PrefectMLSettings, study_name: str
 ) -> tuple[optuna.Study, dict[str, Any], int | None]:
-    """The campaign's study, its distributions and its budget (a grid caps it at its size)."""
+    """The campaign's study (``study_name``: its identity's, in the tenant's namespace), its
+    distributions and its budget (a grid caps it at its size)."""
     space = {name: d.model_dump() for name, d in sweep.search_space.items()}
     distributions = studies.distributions(space)
     grid = (
@@ -94,7 +95,7 @@ def open_campaign_study(
     )
     study = studies.open_study(
         settings.resolved_optuna_storage,
-        sweep.campaign,
+        study_name,
         dict(sweep.objectives),
         studies.make_sampler(sweep.sampler, sweep.sampler_seed, grid),
         studies.make_pruner(sweep.effective_pruner, epochs),
@@ -136,7 +137,10 @@ class CampaignRun:
         self.params, self.data, self.settings = params, data, settings
         self.sweep = sweep = params.sweep
         self.identity = CampaignIdentity.of(
-            sweep.campaign, settings.resolved_optuna_storage, settings.resolved_storage_url
+            sweep.campaign,
+            settings.resolved_optuna_storage,
+            storage.root_url(settings),
+            tenant=settings.tenant,
         )
         self.objectives: dict[str, str] = dict(sweep.objectives)
         self.names = list(self.objectives)
@@ -158,7 +162,7 @@ class CampaignRun:
     def _run(self, lease: Lease) -> CampaignResult:
         sweep = self.sweep
         self.study, distributions, budget = open_campaign_study(
-            sweep, self.params.training.epochs, self.settings
+            sweep, self.params.training.epochs, self.settings, self.identity.name
         )
         rules = CampaignRules(
             objectives=self.objectives,
@@ -248,7 +252,7 @@ class CampaignRun:
             tags={
                 tracking.FLOW_RUN_TAG: current_flow_run_id(),
                 tracking.FINGERPRINT_TAG: self.data.fingerprint,
-                "prefect_ml.optuna_study": sweep.campaign,
+                "prefect_ml.optuna_study": self.identity.name,
             },
         )
         self.study.set_user_attr(studies.PARENT_RUN_ATTR, parent_run_id)

@@ -19,3 +19,11 @@ def test_the_same_name_in_two_storages_is_two_campaigns_sharing_no_folder() -> N
     assert one.checkpoint_root != other.checkpoint_root
     assert one.lease_url.startswith(one.checkpoint_root)
     assert one.trial_url(3).endswith("/trial-00003")
+
+
+def test_a_tenant_s_campaign_is_its_own_study_and_key() -> None:
+    mine = CampaignIdentity.of("c", "sqlite:////o.db", "s3://b/ml/tenants/acme", tenant="acme")
+    theirs = CampaignIdentity.of("c", "sqlite:////o.db", "s3://b/ml/tenants/beta", tenant="beta")
+    assert (mine.name, theirs.name) == ("acme.c", "beta.c")
+    assert mine.key != theirs.key
+    assert mine.checkpoint_root.startswith("s3://b/ml/tenants/acme/campaigns/")
