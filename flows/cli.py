@@ -384,11 +384,24 @@ def ui(host: str, port: int) -> None:
         console.print(f"A Prefect server already runs for this home: {running}")
         raise SystemExit(1)
     if host not in ("127.0.0.1", "localhost", "::1"):
-        console.print(f"[yellow]The Prefect API on {host} has no authentication.[/yellow]")
+        console.print(
+            f"[yellow]The Prefect API on {host} is plain HTTP: its auth string crosses the "
+            "network in clear. Put a TLS proxy in front (deployments/README.md).[/yellow]"
+        )
     _stop_on_sigterm()
-    with _clear_errors(), prefect_server.local_server(settings, host, port) as api_url:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_clear_errors())
+        auth_string, generated = prefect_server.server_auth_string(settings)
+        api_url = stack.enter_context(
+            prefect_server.local_server(settings, host, port, auth_string)
+        )
         console.print(f"[bold green]Prefect UI:[/bold green] {prefect_server.ui_url(api_url)}")
         console.print(f"  API: {api_url}  (database and logs under {settings.prefect_home})")
+        auth_file = settings.local_server_auth_file
+        if generated:  # shown this once; later starts reuse it
+            console.print(f"  Log in with: {escape(auth_string)}  (kept in {auth_file})")
+        else:
+            console.print(f"  Log in with the auth string in {auth_file}")
         console.print("  Next, in another terminal: prefect-ml deploy")
         try:
             while True:
@@ -418,7 +431,9 @@ def deploy(prefect_file: Path, ray_slots: int, only: tuple[str, ...]) -> None:
     """Register the deployments of prefect.yaml (schedules, parameter forms) on the Prefect
     server and run their flow runs from this process until Ctrl-C; no work pool needed."""
     with _clear_errors():
-        api_url = prefect_server.require_server(os.environ.get("PREFECT_API_URL"))
+        api_url = prefect_server.require_server(
+            os.environ.get("PREFECT_API_URL"), os.environ.get("PREFECT_API_AUTH_STRING")
+        )
         specs = prefect_server.read_deployment_specs(prefect_file)
         unknown = sorted(set(only) - {spec.name for spec in specs})
         if unknown:

@@ -3,8 +3,10 @@ the deployments that ``deployments/prefect.yaml`` describes so one process can s
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,7 +21,11 @@ import httpx
 import yaml
 
 from integrations.errors import ConfigurationError, EnvironmentCheckError
-from integrations.settings import PrefectMLSettings, check_port_free
+from integrations.settings import (
+    PrefectMLSettings,
+    check_port_free,
+    local_server_auth_string,
+)
 
 if TYPE_CHECKING:
     from prefect import Flow
@@ -30,6 +36,8 @@ if TYPE_CHECKING:
 RAY_TAG = "prefect-ml-ray"
 DEFAULT_PREFECT_FILE = Path("deployments/prefect.yaml")
 SERVER_STARTUP_TIMEOUT_S = 120.0
+SERVER_AUTH_VARIABLE = "PREFECT_SERVER_API_AUTH_STRING"
+MIN_AUTH_STRING_LENGTH = 16
 
 
 def ui_url(api_url: str) -> str:
@@ -44,8 +52,9 @@ def server_is_up(api_url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def require_server(api_url: str | None) -> str:
-    """The API URL of a running Prefect server, or a clear error saying how to get one."""
+def require_server(api_url: str | None, auth_string: str | None = None) -> str:
+    """The API URL of a running Prefect server that accepts ``auth_string`` (basic auth, as
+    ``PREFECT_API_AUTH_STRING``), or a clear error saying how to get one."""
     if not api_url:
         raise EnvironmentCheckError(
             "no Prefect server to register deployments with: start one with `prefect-ml ui` "
@@ -56,7 +65,50 @@ def require_server(api_url: str | None) -> str:
             f"no Prefect server answers at {api_url}: start it with `prefect-ml ui`, or fix "
             "PREFECT_API_URL"
         )
+    headers = {"Authorization": basic_auth_header(auth_string)} if auth_string else {}
+    answer = httpx.get(f"{api_url.rstrip('/')}/admin/version", headers=headers, timeout=10.0)
+    if answer.status_code == 401:
+        sent = "the credentials in PREFECT_API_AUTH_STRING" if auth_string else "no credentials"
+        raise EnvironmentCheckError(
+            f"the Prefect server at {api_url} refused {sent}: set PREFECT_API_AUTH_STRING to its "
+            "auth string (`prefect-ml ui` keeps it in <home>/prefect/auth_string)"
+        )
     return api_url
+
+
+def basic_auth_header(auth_string: str) -> str:
+    """The Authorization header Prefect's client sends for an auth string."""
+    return "Basic " + base64.b64encode(auth_string.encode()).decode()
+
+
+def server_auth_string(settings: PrefectMLSettings) -> tuple[str, bool]:
+    """The basic-auth string of this home's server, and whether it was generated just now.
+
+    PREFECT_SERVER_API_AUTH_STRING wins, then the one recorded in the home, else a new random
+    one. It is recorded (mode 0600) where this home's commands find it, as they find the server.
+    """
+    given = os.environ.get(SERVER_AUTH_VARIABLE)
+    if given is not None and len(given) < MIN_AUTH_STRING_LENGTH:
+        raise ConfigurationError(
+            SERVER_AUTH_VARIABLE,
+            f"at least {MIN_AUTH_STRING_LENGTH} characters; unset it to have one generated",
+        )
+    recorded = local_server_auth_string(settings)
+    auth_string = given or recorded or f"prefect-ml:{secrets.token_urlsafe(32)}"
+    if auth_string != recorded:
+        _write_private(settings.local_server_auth_file, auth_string)
+    return auth_string, not (given or recorded)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a file only its owner can read, replacing any earlier one at once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        os.fchmod(handle.fileno(), 0o600)  # whatever mode a leftover file had
+        handle.write(text)
+    os.replace(partial, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,12 +116,16 @@ def require_server(api_url: str | None) -> str:
 
 
 @contextmanager
-def local_server(settings: PrefectMLSettings, host: str, port: int) -> Iterator[str]:
-    """Run ``prefect server start`` (its database under the project home) and yield its API URL
-    once it answers; stop it on the way out. Other prefect-ml commands on this home use it."""
+def local_server(
+    settings: PrefectMLSettings, host: str, port: int, auth_string: str
+) -> Iterator[str]:
+    """Run ``prefect server start`` (its database under the project home) with basic auth on
+    its API and yield its API URL once it answers; stop it on the way out. Other prefect-ml
+    commands on this home use it (with the auth string :func:`server_auth_string` recorded)."""
     check_port_free(host, port, "--port")
     api_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/api"
     environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    environment[SERVER_AUTH_VARIABLE] = auth_string
     environment["PREFECT_SERVER_UI_API_URL"] = api_url  # else the UI calls port 4200
     # The classic UI, which the browser test drives; the new one (/v2) stays a click away.
     environment.setdefault("PREFECT_SERVER_UI_V2_ENABLED", "false")

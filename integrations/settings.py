@@ -218,6 +218,12 @@ class PrefectMLSettings(BaseSettings):
         return self.prefect_home / "server.json"
 
     @property
+    def local_server_auth_file(self) -> Path:
+        """The basic-auth string of the server ``prefect-ml ui`` runs for this home (mode 0600),
+        which this home's commands send to that server, and only to it."""
+        return self.prefect_home / "auth_string"
+
+    @property
     def ray_storage_url(self) -> str:
         """Where Ray Train keeps its own run state (not our checkpoints): beside the storage
         when that is an object store (every node reaches it), else under the home."""
@@ -261,6 +267,14 @@ def running_local_server(settings: PrefectMLSettings) -> str | None:
     return str(record["api_url"])
 
 
+def local_server_auth_string(settings: PrefectMLSettings) -> str | None:
+    """The auth string recorded for this home's ``prefect-ml ui`` server, if any."""
+    try:
+        return settings.local_server_auth_file.read_text().strip() or None
+    except OSError:
+        return None
+
+
 def prepare_process_environment(settings: PrefectMLSettings | None = None) -> PrefectMLSettings:
     """Point Prefect's own state at the project home, silence telemetry, forbid pickled models.
 
@@ -271,8 +285,12 @@ def prepare_process_environment(settings: PrefectMLSettings | None = None) -> Pr
     settings = settings or get_settings()
     settings.prefect_home.mkdir(parents=True, exist_ok=True)
     local_server = running_local_server(settings)
-    if local_server:  # `prefect-ml ui` runs a server for this home: runs go there, not ephemeral
-        os.environ.setdefault("PREFECT_API_URL", local_server)
+    # `prefect-ml ui` runs a server for this home: runs go there, not to an ephemeral API, with
+    # its credentials; never to a server the user chose instead.
+    if local_server and os.environ.setdefault("PREFECT_API_URL", local_server) == local_server:
+        auth_string = local_server_auth_string(settings)
+        if auth_string:
+            os.environ.setdefault("PREFECT_API_AUTH_STRING", auth_string)
     os.environ.setdefault("PREFECT_HOME", str(settings.prefect_home))
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("DO_NOT_TRACK", "1")

@@ -2,16 +2,22 @@
 
 What can go wrong in them without a daemon to say so: a COPY of a path that is not there, a
 service that waits on one that does not exist, a port open beyond loopback, a password written
-in the file, Serve settings that drifted from the ones the code uses locally.
+in the file or given a default, a service without authentication or TLS, root keys on a worker,
+Serve settings that drifted from the ones the code uses locally.
 """
 
 from __future__ import annotations
 
+import configparser
 import fnmatch
 import importlib.metadata
 import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,6 +34,9 @@ DOCKERFILE = DEPLOYMENTS / "Dockerfile"
 RAY_CLUSTER_FILE = DEPLOYMENTS / "ray-cluster.yaml"
 PREFECT_YAML = DEPLOYMENTS / "prefect.yaml"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
+DEPLOYMENTS_README = DEPLOYMENTS / "README.md"
+HAPROXY_CFG = DEPLOYMENTS / "haproxy" / "haproxy.cfg"
+MLFLOW_AUTH_INI = DEPLOYMENTS / "mlflow" / "basic_auth.ini"
 
 EXPECTED_SERVICES = {
     "postgres",
@@ -35,15 +44,22 @@ EXPECTED_SERVICES = {
     "minio",
     "minio-init",
     "mlflow",
+    "mlflow-init",
+    "proxy",
     "ray-head",
     "worker",
 }
 RAY_NODE_SERVICES = ("ray-head", "worker")
-SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|ACCESS_KEY")
-# A compose substitution with a default that says it is for local development only.
-DEV_DEFAULT_SUBSTITUTION = re.compile(r"\$\{[A-Z0-9_]+:-[^}]*dev[^}]*\}")
-SUBSTITUTION = re.compile(r"\$\{([A-Z0-9_]+)(?::-([^}]*))?\}")
-URL_USERINFO = re.compile(r"[a-z][a-z0-9+.-]*://([^/@\s]+)@")
+# Names of secrets (an access key id names a user: it is not one).
+SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|AUTH_STRING")
+# A compose substitution without which compose refuses to start, saying what to set.
+REQUIRED_SUBSTITUTION = re.compile(r"\$\{[A-Z0-9_]+:\?[^}]+\}")
+SUBSTITUTION = re.compile(
+    r"\$\$|\$\{(?P<name>[A-Z0-9_]+)(?:(?P<operator>:-|:\?)(?P<argument>[^}]*))?\}"
+)
+URL_USERINFO = re.compile(r"[a-z][a-z0-9+.-]*://((?:[^/@\s$]|\$\{[^}]*\})+)@")
+# The UIs and APIs the host reaches through the TLS proxy, by their service and port.
+PROXIED = {"prefect-server": 4200, "mlflow": 5000, "minio": 9001}
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -95,6 +111,56 @@ def all_strings(node: Any) -> list[str]:
     if isinstance(node, list):
         return [s for item in node for s in all_strings(item)]
     return []
+
+
+def interpolate(text: str, env: Mapping[str, str]) -> tuple[str, list[str]]:
+    """Compose's interpolation of ``${VAR}``, ``${VAR:-default}``, ``${VAR:?message}`` and
+    ``$$``: the text, and the variables it refuses to start without (unset or empty)."""
+    missing: list[str] = []
+
+    def substitute(match: re.Match[str]) -> str:
+        if match[0] == "$$":
+            return "$$"  # left as it is: it reaches the container's shell as `$`
+        value = env.get(match["name"]) or ""
+        if value:
+            return value
+        if match["operator"] == ":?":
+            missing.append(match["name"])
+        return match["argument"] if match["operator"] == ":-" else ""
+
+    return SUBSTITUTION.sub(substitute, text), missing
+
+
+def required_variables() -> set[str]:
+    return set(interpolate(COMPOSE_FILE.read_text(), {})[1])
+
+
+def documented_env_file() -> set[str]:
+    """The variables of the `.env` example in deployments/README.md."""
+    block = DEPLOYMENTS_README.read_text().split("# deployments/.env", 1)[1].split("```", 1)[0]
+    return set(re.findall(r"^([A-Z0-9_]+)=", block, flags=re.MULTILINE))
+
+
+def variable_of(value: str) -> str:
+    """The variable a ``${VAR...}`` value substitutes."""
+    match = SUBSTITUTION.fullmatch(value)
+    assert match and match["name"], f"{value!r} is not a substitution"
+    return match["name"]
+
+
+def haproxy_sections() -> dict[str, list[str]]:
+    """haproxy.cfg as {"frontend prefect": [its lines], ...}, comments dropped."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] = []
+    for raw in HAPROXY_CFG.read_text().splitlines():
+        line = raw.split("#", 1)[0].rstrip()
+        if not line:
+            continue
+        if not line[0].isspace():
+            current = sections.setdefault(line.strip(), [])
+        else:
+            current.append(line.strip())
+    return sections
 
 
 def prefect_yaml_pools() -> set[str]:
@@ -263,44 +329,216 @@ def test_compose_publishes_ports_on_loopback_only(services: dict[str, dict[str, 
     assert {4200, 5000, 9001, 8265} <= published
 
 
-def test_compose_holds_no_literal_secrets(compose: dict[str, Any]) -> None:
+def test_compose_holds_no_secret_and_no_default_for_one(compose: dict[str, Any]) -> None:
     environments = {name: environment(s) for name, s in compose["services"].items()}
     secrets_seen = 0
     for name, env in environments.items():
         for key, value in env.items():
             if SECRET_NAME.search(key):
                 secrets_seen += 1
-                assert DEV_DEFAULT_SUBSTITUTION.fullmatch(value), (
-                    f"{name}: {key} must be a ${{VAR:-...dev...}} substitution, not {value!r}"
+                assert REQUIRED_SUBSTITUTION.fullmatch(value), (
+                    f"{name}: {key} must be a ${{VAR:?message}} substitution, not {value!r}"
                 )
-    assert secrets_seen >= 5
+    assert secrets_seen >= 10
     # Passwords inside URLs (database URLs in environments and commands) too.
     urls_with_password = 0
     for text in all_strings(compose):
         for userinfo in URL_USERINFO.findall(text):
             _, _, password = userinfo.partition(":")
             urls_with_password += 1
-            assert DEV_DEFAULT_SUBSTITUTION.fullmatch(password), f"literal password in {text!r}"
+            assert REQUIRED_SUBSTITUTION.fullmatch(password), f"literal password in {text!r}"
     assert urls_with_password >= 3
+    for match in SUBSTITUTION.finditer(COMPOSE_FILE.read_text()):
+        if match["name"] and SECRET_NAME.search(match["name"]):
+            assert match["operator"] == ":?", f"{match[0]}: a secret without `:?`"
+
+
+def test_compose_refuses_to_start_without_each_secret() -> None:
+    """Compose's own interpolation rules, applied here (docker is not needed): with none of the
+    variables set, every secret is reported; with all set, the file is complete."""
+    required = required_variables()
+    assert {
+        "POSTGRES_PASSWORD",
+        "MINIO_ROOT_USER",
+        "MINIO_ROOT_PASSWORD",
+        "MINIO_PIPELINE_SECRET_KEY",
+        "MINIO_MLFLOW_SECRET_KEY",
+        "RAY_AUTH_TOKEN",
+        "PREFECT_API_AUTH_STRING",
+        "MLFLOW_ADMIN_PASSWORD",
+        "MLFLOW_PIPELINE_PASSWORD",
+        "MLFLOW_FLASK_SECRET_KEY",
+        "TLS_CERT_FILE",
+        "TLS_KEY_FILE",
+    } <= required
+    for variable in required:
+        given = {name: f"given-{name.lower()}" for name in required - {variable}}
+        assert set(interpolate(COMPOSE_FILE.read_text(), given)[1]) == {variable}
+    text, missing = interpolate(COMPOSE_FILE.read_text(), {name: "x" * 32 for name in required})
+    assert not missing
+    assert yaml.safe_load(text)["services"]
+
+
+def test_compose_secrets_are_documented_in_the_env_file_example() -> None:
+    documented = documented_env_file()
+    assert required_variables() <= documented, (
+        f"deployments/README.md's .env example lacks {sorted(required_variables() - documented)}"
+    )
+
+
+def _has_docker_compose() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _has_docker_compose(), reason="docker compose is not installed")
+def test_docker_compose_config_fails_without_the_secrets() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in required_variables()}
+    finished = subprocess.run(  # --env-file: not a developer's deployments/.env
+        ["docker", "compose", "--env-file", os.devnull, "-f", str(COMPOSE_FILE), "config"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert finished.returncode != 0
+    assert "required variable" in finished.stderr and "set " in finished.stderr, finished.stderr
 
 
 def test_compose_substitutions_agree_on_their_defaults() -> None:
-    """A variable with two different defaults would give, say, MinIO and its clients different
-    keys whenever the .env file does not set it."""
+    """A variable with two different defaults would give two services different values whenever
+    the .env file does not set it; a required one must be required wherever it is used."""
+    operators: dict[str, set[str]] = {}
     defaults: dict[str, set[str]] = {}
-    for variable, default in SUBSTITUTION.findall(COMPOSE_FILE.read_text()):
-        defaults.setdefault(variable, set()).add(default)
-    assert "POSTGRES_PASSWORD" in defaults
+    for match in SUBSTITUTION.finditer(COMPOSE_FILE.read_text()):
+        if match["name"]:
+            operators.setdefault(match["name"], set()).add(match["operator"] or "")
+            if match["operator"] == ":-":
+                defaults.setdefault(match["name"], set()).add(match["argument"])
+    assert "POSTGRES_PASSWORD" in operators
     disagreeing = {variable: d for variable, d in defaults.items() if len(d) > 1}
     assert not disagreeing, f"different defaults for: {disagreeing}"
+    mixed = {variable: o for variable, o in operators.items() if ":?" in o and len(o) > 1}
+    assert not mixed, f"required in one place, not in another: {mixed}"
 
 
-def test_compose_s3_clients_use_the_minio_credentials(services: dict[str, dict[str, Any]]) -> None:
-    minio = environment(services["minio"])
-    for name in ("mlflow", "ray-head", "worker"):
+def _minio_user_and_policy(init: dict[str, Any], user: str) -> tuple[str, dict[str, Any]]:
+    """The variable of the secret key minio-init gives ``user``, and the policy attached to it."""
+    command = command_text(init)
+    added = re.search(rf'mc admin user add stack {re.escape(user)} "\$\$(\w+)"', command)
+    assert added, f"minio-init does not create the MinIO user {user!r}"
+    attached = re.search(rf"mc admin policy attach stack (\S+) --user {re.escape(user)}\b", command)
+    assert attached, f"minio-init attaches no policy to {user!r}"
+    created = re.search(rf"mc admin policy create stack {attached[1]} /policies/(\S+)", command)
+    assert created, f"policy {attached[1]} is not created from a file"
+    assert any(str(v).startswith("./minio:/policies") for v in init["volumes"])
+    policy = json.loads((DEPLOYMENTS / "minio" / created[1]).read_text())
+    return variable_of(environment(init)[added[1]]), policy
+
+
+def _policy_buckets(policy: dict[str, Any]) -> set[str]:
+    resources = [r for statement in policy["Statement"] for r in statement["Resource"]]
+    assert all(statement["Effect"] == "Allow" for statement in policy["Statement"])
+    assert not any(
+        "*" in statement["Action"] or "s3:*" in statement["Action"]
+        for statement in policy["Statement"]
+    )
+    return {r.removeprefix("arn:aws:s3:::").split("/")[0] for r in resources}
+
+
+def test_compose_s3_clients_get_a_user_scoped_to_their_bucket_never_the_root_keys(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    root = {variable_of(v) for v in environment(services["minio"]).values()}
+    assert root == {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"}
+    for name, service in services.items():
+        if name not in ("minio", "minio-init"):
+            used = {m["name"] for text in all_strings(service) for m in SUBSTITUTION.finditer(text)}
+            assert not used & root, f"{name} gets MinIO's root keys"
+    artifacts = re.search(
+        r"--artifacts-destination s3://([^/\s]+)", command_text(services["mlflow"])
+    )
+    assert artifacts
+    clients = {
+        "ray-head": urlsplit(environment(services["ray-head"])["PREFECT_ML_STORAGE_URL"]).netloc,
+        "worker": urlsplit(environment(services["worker"])["PREFECT_ML_STORAGE_URL"]).netloc,
+        "mlflow": artifacts[1],
+    }
+    for name, bucket in clients.items():
         env = environment(services[name])
-        assert env["AWS_ACCESS_KEY_ID"] == minio["MINIO_ROOT_USER"], name
-        assert env["AWS_SECRET_ACCESS_KEY"] == minio["MINIO_ROOT_PASSWORD"], name
+        secret, policy = _minio_user_and_policy(services["minio-init"], env["AWS_ACCESS_KEY_ID"])
+        assert variable_of(env["AWS_SECRET_ACCESS_KEY"]) == secret, name
+        assert _policy_buckets(policy) == {bucket}, (
+            f"{name}'s MinIO user reaches more than {bucket}"
+        )
+
+
+def test_compose_mlflow_runs_the_basic_auth_app_and_clients_use_their_own_user(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    mlflow = services["mlflow"]
+    assert "mlflow server --app-name basic-auth" in command_text(mlflow)
+    env = environment(mlflow)
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in mlflow["volumes"] if v.startswith("./")}
+    assert (DEPLOYMENTS / mounted[env["MLFLOW_AUTH_CONFIG_PATH"]]).resolve() == MLFLOW_AUTH_INI
+    config = configparser.ConfigParser()
+    config.read(MLFLOW_AUTH_INI)
+    assert config["mlflow"]["default_permission"] == "NO_PERMISSIONS"
+    assert "admin_password" not in config["mlflow"], "the admin password comes from a variable"
+    assert REQUIRED_SUBSTITUTION.fullmatch(env["MLFLOW_AUTH_ADMIN_PASSWORD"])
+    admin = env["MLFLOW_AUTH_ADMIN_USERNAME"]
+    # The pipeline's user, created by mlflow-init (as the admin) once MLflow is healthy.
+    init = services["mlflow-init"]
+    assert depends_on(init)["mlflow"] == "service_healthy"
+    init_env = environment(init)
+    assert init_env["MLFLOW_TRACKING_USERNAME"] == admin
+    assert init_env["MLFLOW_TRACKING_PASSWORD"] == env["MLFLOW_AUTH_ADMIN_PASSWORD"]
+    created = re.search(r'create_user\("([^"]+)", os\.environ\["(\w+)"\]\)', command_text(init))
+    assert created
+    for name in RAY_NODE_SERVICES:
+        client = environment(services[name])
+        assert client["MLFLOW_TRACKING_USERNAME"] == created[1] != admin, name
+        assert client["MLFLOW_TRACKING_PASSWORD"] == init_env[created[2]], name
+    assert depends_on(services["worker"])["mlflow-init"] == "service_completed_successfully"
+
+
+def test_compose_prefect_server_and_its_clients_share_an_auth_string(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    server = environment(services["prefect-server"])["PREFECT_SERVER_API_AUTH_STRING"]
+    assert REQUIRED_SUBSTITUTION.fullmatch(server)
+    assert environment(services["worker"])["PREFECT_API_AUTH_STRING"] == server
+
+
+def test_compose_uis_are_reached_over_tls_only(
+    compose: dict[str, Any], services: dict[str, dict[str, Any]]
+) -> None:
+    for name in PROXIED:
+        assert "ports" not in services[name], f"{name} is published without TLS"
+    proxy = services["proxy"]
+    published = {int(str(port).rsplit(":", 1)[1]) for port in proxy["ports"]}
+    assert published == set(PROXIED.values())
+    assert {s["target"] for s in proxy["secrets"]} == {"tls.pem", "tls.pem.key"}
+    for secret in compose["secrets"].values():
+        assert REQUIRED_SUBSTITUTION.fullmatch(secret["file"]), secret
+    sections = haproxy_sections()
+    assert "user haproxy" in sections["global"], "HAProxy must not keep running as root"
+    assert "timeout http-request 10s" in sections["defaults"]
+    bound: dict[int, str] = {}
+    for title, lines in sections.items():
+        if title.startswith("frontend "):
+            [bind] = [line for line in lines if line.startswith("bind ")]
+            assert bind.endswith("ssl crt /run/secrets/tls.pem"), f"{title}: {bind}"
+            [backend] = [line.split()[1] for line in lines if line.startswith("default_backend")]
+            [server] = [
+                line for line in sections[f"backend {backend}"] if line.startswith("server")
+            ]
+            bound[int(bind.split()[1].lstrip(":"))] = server.split()[2]
+    assert bound == {port: f"{name}:{port}" for name, port in PROXIED.items()}
+    ui_api = environment(services["prefect-server"])["PREFECT_UI_API_URL"]
+    assert ui_api.startswith("https://127.0.0.1:"), "the browser calls the API through TLS"
 
 
 def test_compose_buckets_and_databases_are_created(services: dict[str, dict[str, Any]]) -> None:
@@ -320,8 +558,12 @@ def test_compose_buckets_and_databases_are_created(services: dict[str, dict[str,
         re.findall(r"for db in ([\w ]+);", command_text(services["postgres-init"]))[0].split()
     )
     database_urls = [
-        url for text in all_strings(services) for url in re.findall(r"postgresql\S*://\S+", text)
+        url
+        for text in all_strings(services)
+        for url in re.findall(r"postgresql\S*://(?:[^\s$]|\$\{[^}]*\})+", text)
     ]
+    given = {variable: "secret" for variable in required_variables()}
+    database_urls = [interpolate(url, given)[0] for url in database_urls]
     used = {urlsplit(url).path.strip("/") for url in database_urls}
     assert used == {"prefect", "mlflow", "optuna"}
     assert used <= created, f"databases used {used}, created {created}"
@@ -380,6 +622,7 @@ def test_dockerfile_pins_torch_and_installs_the_database_drivers() -> None:
     runs = [arguments for keyword, arguments in dockerfile_instructions() if keyword == "RUN"]
     assert any(re.search(r"pip install torch==2\.13\.0(\s|$)", run) for run in runs)
     assert any("psycopg2" in run and "boto3" in run for run in runs)
+    assert any("Flask-WTF" in run for run in runs), "MLflow's basic-auth app needs Flask-WTF"
 
 
 def test_dockerfile_runs_as_a_non_root_user_with_its_home_as_a_volume() -> None:
@@ -463,3 +706,20 @@ def test_ray_cluster_containers_have_requests_and_limits(ray_cluster: dict[str, 
         resources = container["resources"]
         for kind in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(resources[kind]), f"{name}: {kind}"
+
+
+def test_ray_cluster_takes_every_secret_from_a_kubernetes_secret(
+    ray_cluster: dict[str, Any],
+) -> None:
+    for name, container in ray_containers(ray_cluster).items():
+        env = {item["name"]: item for item in container["env"]}
+        for key, item in env.items():
+            if SECRET_NAME.search(key) or key == "MLFLOW_TRACKING_USERNAME":
+                assert "value" not in item, f"{name}: {key} is written in the file"
+                reference = item["valueFrom"]["secretKeyRef"]
+                assert not reference.get("optional"), f"{name}: {key} may be missing"
+        assert {"RAY_AUTH_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"} <= set(
+            env
+        )
+        for source in container.get("envFrom", []):
+            assert set(source) == {"secretRef"}, f"{name}: credentials from {source}"

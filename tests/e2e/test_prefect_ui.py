@@ -1,11 +1,12 @@
-"""The Prefect way, end to end: `prefect-ml ui` starts a real Prefect server, the deployments of
-prefect.yaml are registered on it (by `prefect deploy` and by `prefect-ml deploy`), and a person
-runs a training from the Prefect UI in headless Chromium."""
+"""The Prefect way, end to end: `prefect-ml ui` starts a real Prefect server with basic auth, the
+deployments of prefect.yaml are registered on it (by `prefect deploy` and by `prefect-ml deploy`),
+and a person logs in and runs a training from the Prefect UI in headless Chromium."""
 
 from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -18,9 +19,10 @@ import httpx
 import pytest
 
 from integrations import tracking
-from integrations.prefect_server import server_is_up
+from integrations.prefect_server import basic_auth_header, server_is_up
 from tests.conftest import REPO_ROOT
 from tests.e2e.ui_driver import (
+    log_in,
     open_custom_run,
     screenshot_on_failure,
     set_form_value,
@@ -62,10 +64,17 @@ class PrefectUI:
     ui_url: str
     api_url: str
     home: Path
+    auth_string: str
     env: dict[str, str]  # what a process needs to use this server and home
 
     def api(self) -> httpx.Client:
-        return httpx.Client(base_url=self.api_url, timeout=30, transport=_RetryingTransport())
+        """A client of the API with the server's credentials."""
+        return httpx.Client(
+            base_url=self.api_url,
+            headers={"Authorization": basic_auth_header(self.auth_string)},
+            timeout=30,
+            transport=_RetryingTransport(),
+        )
 
 
 def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -101,13 +110,15 @@ def _stop(process: subprocess.Popen[bytes]) -> int:
 
 @pytest.fixture(scope="module")
 def prefect_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectUI]:
-    """`prefect-ml ui` on a free loopback port, with its own project home."""
+    """`prefect-ml ui` on a free loopback port, with its own project home; the auth string it
+    generated, from the file it keeps it in, is given to other processes as Prefect's clients
+    take it (PREFECT_API_AUTH_STRING)."""
     root = tmp_path_factory.mktemp("prefect-ui")
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("PREFECT_API_URL", "PREFECT_HOME", "MLFLOW_TRACKING_URI")
-        and not k.startswith("PREFECT_ML_")
+        and not k.startswith(("PREFECT_ML_", "PREFECT_API_AUTH", "PREFECT_SERVER_API_AUTH"))
     }
     env["PREFECT_ML_HOME"] = str(root / "home")
     log = root / "ui.log"
@@ -115,8 +126,15 @@ def prefect_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectUI]:
     output = _wait_for_output(server, log, "Prefect UI:")
     ui_url = output.split("Prefect UI:")[1].split()[0]
     assert ui_url.startswith("http://127.0.0.1:")
+    auth_file = root / "home" / "prefect" / "auth_string"
+    auth_string = auth_file.read_text()
+    assert stat.S_IMODE(auth_file.stat().st_mode) == 0o600
+    assert f"Log in with: {auth_string}" in output  # shown once, when generated
     env["PREFECT_API_URL"] = f"{ui_url}/api"
-    yield PrefectUI(ui_url=ui_url, api_url=f"{ui_url}/api", home=root / "home", env=env)
+    env["PREFECT_API_AUTH_STRING"] = auth_string
+    yield PrefectUI(
+        ui_url=ui_url, api_url=f"{ui_url}/api", home=root / "home", auth_string=auth_string, env=env
+    )
     assert _stop(server) == 0, log.read_text()[-3000:]
     assert not server_is_up(f"{ui_url}/api")
 
@@ -133,6 +151,34 @@ def _run_cli(command: list[str], env: dict[str, str]) -> str:
     )
     assert finished.returncode == 0, finished.stdout + finished.stderr
     return finished.stdout
+
+
+def test_the_api_refuses_requests_without_the_auth_string(prefect_ui: PrefectUI) -> None:
+    query = {"limit": 1}
+    for headers in ({}, {"Authorization": basic_auth_header("prefect-ml:guessed")}):
+        response = httpx.post(f"{prefect_ui.api_url}/flows/filter", json=query, headers=headers)
+        assert response.status_code == 401, response.text
+    with prefect_ui.api() as client:
+        assert client.post("/flows/filter", json=query).status_code == 200
+    # Health probes (container healthchecks, `prefect-ml deploy`'s first check) need none.
+    assert httpx.get(f"{prefect_ui.api_url}/health").status_code == 200
+
+
+def test_prefect_ml_deploy_with_wrong_credentials_says_what_to_set(
+    prefect_ui: PrefectUI,
+) -> None:
+    env = prefect_ui.env | {"PREFECT_API_AUTH_STRING": "prefect-ml:not-the-auth-string"}
+    finished = subprocess.run(
+        [str(BIN / "prefect-ml"), "deploy"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert finished.returncode == 1
+    output = " ".join((finished.stdout + finished.stderr).split())
+    assert "refused the credentials in PREFECT_API_AUTH_STRING" in output, output
 
 
 def test_prefect_deploy_registers_prefect_yaml_and_schedules_the_nightly_runs(
@@ -210,72 +256,114 @@ def _flow_run(client: httpx.Client, flow_run_id: str) -> dict[str, Any]:
     return dict(client.get(f"/flow_runs/{flow_run_id}").json())
 
 
-def test_a_training_submitted_from_the_ui_form_completes_and_registers_a_model(
-    prefect_ui: PrefectUI, tmp_path: Path
-) -> None:
-    """`prefect-ml deploy` serves the deployments; a person opens the train deployment in the
-    browser, sets 1 epoch, 1 worker and 16 hidden units in the form, submits, and watches the
-    run complete."""
-    from playwright.sync_api import sync_playwright
-
-    log = tmp_path / "deploy.log"
-    # No PREFECT_API_URL: `prefect-ml deploy` finds the server `prefect-ml ui` runs for its home.
-    env = {k: v for k, v in prefect_ui.env.items() if k != "PREFECT_API_URL"}
+@pytest.fixture(scope="module")
+def served(prefect_ui: PrefectUI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """`prefect-ml deploy` serving the deployments, until the module's last test."""
+    log = tmp_path_factory.mktemp("deploy") / "deploy.log"
+    # No PREFECT_API_URL nor PREFECT_API_AUTH_STRING: `prefect-ml deploy` finds the server
+    # `prefect-ml ui` runs for its home, and its credentials, and gives both to its flow runs.
+    env = {
+        k: v
+        for k, v in prefect_ui.env.items()
+        if k not in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")
+    }
     deploy = _start([str(BIN / "prefect-ml"), "deploy"], env, log)
     try:
         _wait_for_output(deploy, log, "Ctrl-C stops")
         with prefect_ui.api() as client:
 
-            def served() -> bool:  # the process polls for each deployment's runs
+            def ready() -> bool:  # the process polls for each deployment's runs
                 found = [client.get(f"/deployments/name/{name}") for name in EXPECTED_ENTRYPOINTS]
                 ready = all(r.status_code == 200 and r.json()["status"] == "READY" for r in found)
                 return deploy.poll() is not None or ready
 
-            wait_for(served, 120, "the deployments to be served")
-            limits = client.post("/v2/concurrency_limits/filter", json={}).json()
-            assert {limit["name"]: limit["limit"] for limit in limits}["tag:prefect-ml-ray"] == 1
-            # A served model must outlive its flow run: without a Ray cluster it fails at once.
-            serve_id = _deployment(client, "serve-model", "serve")["id"]
-            response = client.post(
-                f"/deployments/{serve_id}/create_flow_run", json={"parameters": {}}
-            )
-            assert response.status_code == 201, response.text
-            serve_run = response.json()
-
-        SCREENSHOTS.mkdir(exist_ok=True)
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            with screenshot_on_failure(page, SCREENSHOTS / "ui-train-run.png"):
-                page.goto(prefect_ui.ui_url)  # the printed URL opens the UI the test drives
-                assert "/v2" not in page.url
-                open_custom_run(page, prefect_ui.ui_url, "train-model", "train")
-                set_form_value(page, ["Training", "Workers"], 1)
-                set_form_value(page, ["Model", "Hidden units"], 16)
-                set_form_value(page, ["Training", "Epochs"], 0)
-                refused = r"(?s)params\.training\.epochs.*minimum of 1"
-                with pytest.raises(RuntimeError, match=refused):
-                    submit_run(page)  # refused by the server; the form stays, values kept
-                set_form_value(page, ["Training", "Epochs"], 1)
-                flow_run_id = submit_run(page)
-                wait_for_state(page, "Completed", timeout_s=300)
-            browser.close()
-
-        with prefect_ui.api() as client:
-            flow_run = _flow_run(client, flow_run_id)
-            assert flow_run["parameters"]["params"]["training"]["epochs"] == 1
-            assert {"training-summary", "test-metrics", "mlflow-run", "registered-model"} <= (
-                _artifact_keys(client, flow_run_id)
-            )
-            wait_for(
-                lambda: _flow_run(client, serve_run["id"])["state_type"] in ("FAILED", "CRASHED"),
-                120,
-                "the serve run to fail",
-            )
-            failure = _flow_run(client, serve_run["id"])["state"]["message"]
-            assert "PREFECT_ML_RAY_ADDRESS" in failure, failure
+            wait_for(ready, 120, "the deployments to be served")
+        assert deploy.poll() is None, log.read_text()[-3000:]
+        yield
     finally:
         assert _stop(deploy) == 0, log.read_text()[-3000:]
+
+
+def test_a_command_as_dataset_through_the_authenticated_api_fails_before_any_task(
+    prefect_ui: PrefectUI, served: None, tmp_path: Path
+) -> None:
+    """The canary of tests/flows/test_untrusted_parameters.py, sent the way an API user would:
+    the schema lets the string through, the flow run refuses it when it parses parameters."""
+    canary = tmp_path / "canary"
+    data = {"dataset": "os:system", "dataset_options": {"command": f"touch {canary}"}}
+    with prefect_ui.api() as client:
+        train_id = _deployment(client, "train-model", "train")["id"]
+        response = client.post(
+            f"/deployments/{train_id}/create_flow_run",
+            json={"parameters": {"params": {"data": data}}},
+        )
+        assert response.status_code == 201, response.text
+        run_id = response.json()["id"]
+        wait_for(
+            lambda: _flow_run(client, run_id)["state_type"] in ("FAILED", "CRASHED", "COMPLETED"),
+            120,
+            "the run to end",
+        )
+        run = _flow_run(client, run_id)
+        assert run["state_type"] == "FAILED", run["state"]
+        message = run["state"]["message"]
+        assert "data.dataset" in message and "PREFECT_ML_ALLOWED_MODULES" in message, message
+        task_runs = client.post(
+            "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run_id]}}}
+        ).json()
+        assert task_runs == []
+    assert not canary.exists()
+
+
+def test_a_training_submitted_from_the_ui_form_completes_and_registers_a_model(
+    prefect_ui: PrefectUI, served: None
+) -> None:
+    """`prefect-ml deploy` serves the deployments; a person logs in to the UI in the browser,
+    opens the train deployment, sets 1 epoch, 1 worker and 16 hidden units in the form,
+    submits, and watches the run complete."""
+    from playwright.sync_api import sync_playwright
+
+    with prefect_ui.api() as client:
+        limits = client.post("/v2/concurrency_limits/filter", json={}).json()
+        assert {limit["name"]: limit["limit"] for limit in limits}["tag:prefect-ml-ray"] == 1
+        # A served model must outlive its flow run: without a Ray cluster it fails at once.
+        serve_id = _deployment(client, "serve-model", "serve")["id"]
+        response = client.post(f"/deployments/{serve_id}/create_flow_run", json={"parameters": {}})
+        assert response.status_code == 201, response.text
+        serve_run = response.json()
+
+    SCREENSHOTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        with screenshot_on_failure(page, SCREENSHOTS / "ui-train-run.png"):
+            log_in(page, prefect_ui.ui_url, prefect_ui.auth_string)
+            assert "/v2" not in page.url  # the printed URL opens the UI the test drives
+            open_custom_run(page, prefect_ui.ui_url, "train-model", "train")
+            set_form_value(page, ["Training", "Workers"], 1)
+            set_form_value(page, ["Model", "Hidden units"], 16)
+            set_form_value(page, ["Training", "Epochs"], 0)
+            refused = r"(?s)params\.training\.epochs.*minimum of 1"
+            with pytest.raises(RuntimeError, match=refused):
+                submit_run(page)  # refused by the server; the form stays, values kept
+            set_form_value(page, ["Training", "Epochs"], 1)
+            flow_run_id = submit_run(page)
+            wait_for_state(page, "Completed", timeout_s=300)
+        browser.close()
+
+    with prefect_ui.api() as client:
+        flow_run = _flow_run(client, flow_run_id)
+        assert flow_run["parameters"]["params"]["training"]["epochs"] == 1
+        assert {"training-summary", "test-metrics", "mlflow-run", "registered-model"} <= (
+            _artifact_keys(client, flow_run_id)
+        )
+        wait_for(
+            lambda: _flow_run(client, serve_run["id"])["state_type"] in ("FAILED", "CRASHED"),
+            120,
+            "the serve run to fail",
+        )
+        failure = _flow_run(client, serve_run["id"])["state"]["message"]
+        assert "PREFECT_ML_RAY_ADDRESS" in failure, failure
 
     mlflow = tracking.client_for(f"sqlite:///{prefect_ui.home / 'mlflow.db'}")
     [run] = mlflow.search_runs(

@@ -28,6 +28,7 @@ _PROPERTY = (
 _PROPERTY_BODY = "xpath=./div[contains(@class, 'p-label__body')]"
 _DEPLOYMENT_RUNS_TAB_URL = re.compile(r"/deployments/deployment/[^/?]+\?tab=")
 _FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
+_LOGIN_URL = re.compile(r"/login(\?|$)")
 _TERMINAL_STATES = {"Completed", "Failed", "Crashed", "Cancelled", "TimedOut"}
 
 
@@ -42,10 +43,27 @@ def screenshot_on_failure(page: Page, path: str | Path) -> Iterator[None]:
         raise
 
 
+def log_in(page: Page, ui_url: str, auth_string: str) -> None:
+    """Open the UI, which sends a browser without credentials to its login page (the server
+    runs with PREFECT_SERVER_API_AUTH_STRING), and log in with the auth string."""
+    page.goto(ui_url)
+    page.wait_for_url(_LOGIN_URL)
+    page.get_by_placeholder("admin:pass").fill(auth_string)
+    page.get_by_role("button", name="Login", exact=True).click()
+    page.wait_for_url(lambda url: not _LOGIN_URL.search(url))
+
+
+def _api_headers(page: Page) -> dict[str, str]:
+    """The Authorization header the logged-in UI sends (it keeps the token in localStorage)."""
+    token = page.evaluate("() => localStorage.getItem('prefect-password')")
+    return {"Authorization": f"Basic {token}"} if token else {}
+
+
 def open_custom_run(page: Page, ui_url: str, flow_name: str, deployment_name: str) -> None:
     """Open the deployment's page, click Run -> Custom run, wait for the parameter form."""
     response = page.request.get(
-        f"{ui_url}/api/deployments/name/{quote(flow_name)}/{quote(deployment_name)}"
+        f"{ui_url}/api/deployments/name/{quote(flow_name)}/{quote(deployment_name)}",
+        headers=_api_headers(page),
     )
     if not response.ok:
         raise RuntimeError(f"no deployment {flow_name}/{deployment_name}: {response.status}")

@@ -1,0 +1,81 @@
+"""The auth string of the server `prefect-ml ui` runs: generated once, private, reused, and sent
+by this home's commands to that server only (the server itself: tests/e2e/test_prefect_ui.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from integrations.errors import ConfigurationError
+from integrations.prefect_server import server_auth_string
+from integrations.settings import PrefectMLSettings, prepare_process_environment
+
+CLIENT_VARIABLES = ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")
+
+
+@pytest.fixture
+def clean_client_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No server address or credentials from outside; whatever the test sets is undone after it
+    (set first so that monkeypatch records the variables and removes them again)."""
+    monkeypatch.delenv("PREFECT_SERVER_API_AUTH_STRING", raising=False)
+    for variable in CLIENT_VARIABLES:
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
+
+
+def _record_running_server(home: PrefectMLSettings, api_url: str) -> None:
+    home.prefect_home.mkdir(parents=True, exist_ok=True)
+    record = {"api_url": api_url, "pid": os.getpid()}  # a live process
+    home.local_server_file.write_text(json.dumps(record))
+
+
+def test_a_generated_auth_string_is_strong_private_and_reused(
+    home: PrefectMLSettings, clean_client_environment: None
+) -> None:
+    auth_string, generated = server_auth_string(home)
+    assert generated
+    user, _, password = auth_string.partition(":")
+    assert user == "prefect-ml" and len(password) >= 43  # 32 random bytes, base64url
+    assert home.local_server_auth_file.read_text() == auth_string
+    assert stat.S_IMODE(home.local_server_auth_file.stat().st_mode) == 0o600
+    assert server_auth_string(home) == (auth_string, False)  # shown once, then reused
+    other_home = PrefectMLSettings(home=home.home_dir.parent / "other")
+    assert server_auth_string(other_home)[0] != auth_string
+
+
+def test_a_given_auth_string_wins_and_a_short_one_is_refused(
+    home: PrefectMLSettings, clean_client_environment: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server_auth_string(home)
+    home.local_server_auth_file.chmod(0o644)
+    monkeypatch.setenv("PREFECT_SERVER_API_AUTH_STRING", "admin:a-long-enough-password")
+    assert server_auth_string(home) == ("admin:a-long-enough-password", False)
+    assert home.local_server_auth_file.read_text() == "admin:a-long-enough-password"
+    assert stat.S_IMODE(home.local_server_auth_file.stat().st_mode) == 0o600
+    monkeypatch.setenv("PREFECT_SERVER_API_AUTH_STRING", "admin:short")
+    with pytest.raises(ConfigurationError, match="PREFECT_SERVER_API_AUTH_STRING.*16"):
+        server_auth_string(home)
+
+
+def test_commands_send_the_home_servers_auth_string_to_that_server(
+    home: PrefectMLSettings, clean_client_environment: None
+) -> None:
+    auth_string, _ = server_auth_string(home)
+    _record_running_server(home, "http://127.0.0.1:4311/api")
+    prepare_process_environment(home)
+    assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:4311/api"
+    assert os.environ["PREFECT_API_AUTH_STRING"] == auth_string
+
+
+def test_the_auth_string_never_goes_to_a_server_the_user_chose(
+    home: PrefectMLSettings, clean_client_environment: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server_auth_string(home)
+    _record_running_server(home, "http://127.0.0.1:4311/api")
+    monkeypatch.setenv("PREFECT_API_URL", "https://prefect.example.com/api")
+    prepare_process_environment(home)
+    assert os.environ["PREFECT_API_URL"] == "https://prefect.example.com/api"
+    assert "PREFECT_API_AUTH_STRING" not in os.environ
