@@ -459,6 +459,48 @@ def deploy(prefect_file: Path, ray_slots: int, only: tuple[str, ...]) -> None:
     serve_deployments(*deployments, print_starting_message=False)
 
 
+@app.command()
+@click.option(
+    "--dir",
+    "folder",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the certificates [default: <home>/tls].",
+)
+@click.option(
+    "--host",
+    "hosts",
+    multiple=True,
+    help="A DNS name or IP address the certificates are valid for, besides this machine's "
+    "(loopback, host name, IP address); repeatable: every other node's address, the serving "
+    "host name.",
+)
+@click.option("--days", type=click.IntRange(min=1), default=365, show_default=True)
+def tls(folder: Path | None, hosts: tuple[str, ...], days: int) -> None:
+    """Create a CA (or reuse the folder's) and the certificates for Ray's TLS between nodes and
+    for HTTPS serving; prints the settings that use them."""
+    from integrations import tls as certificates
+
+    settings = get_settings()
+    with _clear_errors():
+        files = certificates.generate(
+            folder or settings.default_tls_dir,
+            tuple(dict.fromkeys((*certificates.local_hosts(), *hosts))),
+            days=days,
+        )
+    names = ", ".join(certificates.certificate_hosts(files.node_cert))
+    console.print(f"[bold green]Certificates in {files.folder}[/bold green] for {names}")
+    console.print(f"  CA: {files.ca_cert} (its key {files.ca_key} signs more; keep it off nodes)")
+    console.print("  Ray TLS, on this driver (prefect-ml starts or joins Ray with it):")
+    console.print(f"    export PREFECT_ML_RAY_TLS_DIR={files.folder}")
+    console.print("  and on every `ray start` node (copy the folder, without ca-key.pem):")
+    for variable, value in certificates.ray_environment(files.folder).items():
+        console.print(f"    export {variable}={value}")
+    console.print("  HTTPS serving:")
+    console.print(f"    export PREFECT_ML_SERVE_TLS_CERT={files.serve_cert}")
+    console.print(f"    export PREFECT_ML_SERVE_TLS_KEY={files.serve_key}")
+
+
 @contextlib.contextmanager
 def _clear_errors() -> Iterator[None]:
     """prefect-ml's own errors end the command with their message and exit status 1."""

@@ -7,7 +7,9 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
+from integrations import tls
 from integrations.errors import EnvironmentCheckError
 from integrations.settings import PrefectMLSettings, worker_environment
 
@@ -19,12 +21,15 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
     """Yield the cluster's resources, connecting to Ray for the duration of the block.
 
     Reuses a Ray already initialised in this process (a test fixture, a notebook); otherwise
-    connects to ``settings.ray_address`` or starts a local Ray. It shuts down only what it started.
+    connects to ``settings.ray_address`` or starts a local Ray, with Ray's TLS when
+    ``settings.ray_tls_dir`` is set. It shuts down only what it started.
     """
     import ray
 
     owns_ray = not ray.is_initialized()
     if owns_ray:
+        if settings.ray_tls_dir is not None:
+            _use_tls(settings.ray_tls_dir)
         shipped = worker_environment(settings)
         try:
             if settings.ray_address:
@@ -55,3 +60,13 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
     finally:
         if owns_ray:
             ray.shutdown()
+
+
+def _use_tls(folder: Path) -> None:
+    """Ray's TLS for this driver and the local Ray it may start (whose processes inherit the
+    variables). Ray's core reads them when ``ray`` is imported, which may have happened already,
+    so its config is reloaded, as Ray itself does when it turns token authentication on."""
+    from ray._raylet import Config  # type: ignore[attr-defined]
+
+    os.environ.update(tls.ray_environment(folder))
+    Config.initialize("")

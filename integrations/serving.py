@@ -15,8 +15,10 @@ import asyncio
 import hashlib
 import hmac
 import json
+import os
 from dataclasses import asdict
-from typing import Annotated, Any, cast
+from pathlib import Path
+from typing import Annotated, Any, NamedTuple, cast
 
 import numpy as np
 from fastapi import FastAPI, HTTPException, Request
@@ -375,40 +377,70 @@ class Placement(BaseModel):
         }
 
 
-def running_http_address() -> tuple[str, int] | None:
-    """(host, port) of the running Serve proxy, or None when Serve is not running."""
+class HTTPAddress(NamedTuple):
+    """Where Serve's HTTP proxy listens and whether it speaks HTTPS."""
+
+    host: str
+    port: int
+    tls: bool
+
+
+def running_http_address() -> HTTPAddress | None:
+    """Where the running Serve proxy listens, or None when Serve is not running."""
     from ray.serve.context import _get_global_client
 
     client = _get_global_client(raise_if_no_controller_running=False)
     if client is None:
         return None
     config = client.get_serve_details().get("http_options", {})
-    return str(config.get("host")), int(config.get("port", 0))
+    return HTTPAddress(
+        str(config.get("host")), int(config.get("port", 0)), bool(config.get("ssl_certfile"))
+    )
 
 
-def start_http(host: str, port: int) -> None:
-    """Start Serve's HTTP proxy on host:port, or check that the running one listens there."""
+def start_http(host: str, port: int, tls: tuple[Path, Path] | None = None) -> None:
+    """Start Serve's HTTP proxy on host:port (HTTPS with ``tls``, a certificate and key), or
+    check that the running one listens there the same way."""
     running = running_http_address()
     if running is None:
         check_port_free(host, port, "serving.port")
-        serve.start(http_options={"host": host, "port": port})
-    elif running != (host, port):
+        options: dict[str, Any] = {"host": host, "port": port}
+        if tls is not None:
+            if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+                raise ConfigurationError(
+                    "PREFECT_ML_SERVE_TLS_CERT",
+                    "Ray Serve's HAProxy ingress serves plain HTTP only; unset "
+                    "RAY_SERVE_ENABLE_HA_PROXY (prefect-ml leaves it unset when serving HTTPS)",
+                )
+            options.update(ssl_certfile=str(tls[0]), ssl_keyfile=str(tls[1]))
+        serve.start(http_options=options)
+    elif running != (host, port, tls is not None):
+        scheme = "HTTPS" if running.tls else "plain HTTP"
         raise ConfigurationError(
             "serving.port",
-            f"Ray Serve already listens on {running[0]}:{running[1]} in this cluster; "
-            f"use --host {running[0]} --port {running[1]}, or `serve shutdown` first",
+            f"Ray Serve already listens on {running.host}:{running.port} ({scheme}) in this "
+            f"cluster; use --host {running.host} --port {running.port} with "
+            f"PREFECT_ML_SERVE_TLS_* {'set' if running.tls else 'unset'}, "
+            "or `serve shutdown` first",
         )
 
 
-def deploy(served: ServedModel, options: ReplicaOptions, placement: Placement) -> None:
+def deploy(
+    served: ServedModel,
+    options: ReplicaOptions,
+    placement: Placement,
+    *,
+    tls: tuple[Path, Path] | None = None,
+) -> None:
     """Deploy (or roll) the application; returns once every replica serves ``served``.
 
     A roll starts the new replicas next to the old ones when the cluster has room for one more;
-    otherwise (a full cluster) old replicas stop first and requests queue meanwhile.
+    otherwise (a full cluster) old replicas stop first and requests queue meanwhile. With ``tls``
+    (certificate, key) the proxy serves HTTPS only.
     """
     import ray
 
-    start_http(placement.host, placement.port)
+    start_http(placement.host, placement.port, tls)
     # Free resources summed over the cluster: a surge replica that still finds no single node
     # with room waits a moment for an old replica to drain, as without surge.
     allow_surge = placeable(placement.request, [ray.available_resources()]) >= 1

@@ -172,6 +172,24 @@ class PrefectMLSettings(BaseSettings):
         "manifest written is signed and a manifest without a valid signature is refused before "
         "any of its files is read. Give every node that trains the same key.",
     )
+    ray_tls_dir: Path | None = Field(
+        default=None,
+        title="Ray TLS folder",
+        description="Folder written by `prefect-ml tls` (ca.pem, node.pem, node-key.pem): when "
+        "set, the local Ray started here and every connection to PREFECT_ML_RAY_ADDRESS use "
+        "Ray's mutual TLS. Start the cluster's nodes with the same folder's RAY_TLS_* variables.",
+    )
+    serve_tls_cert: Path | None = Field(
+        default=None,
+        title="Serving HTTPS certificate",
+        description="PEM certificate (e.g. serve.pem from `prefect-ml tls`) for the serving "
+        "endpoint: when set with the key, models are served over HTTPS only.",
+    )
+    serve_tls_key: Path | None = Field(
+        default=None,
+        title="Serving HTTPS key",
+        description="PEM private key of PREFECT_ML_SERVE_TLS_CERT (e.g. serve-key.pem).",
+    )
 
     @property
     def allowed_module_prefixes(self) -> tuple[str, ...]:
@@ -180,6 +198,34 @@ class PrefectMLSettings(BaseSettings):
     @property
     def allowed_extra_url_schemes(self) -> tuple[str, ...]:
         return tuple(scheme.lower() for scheme in _comma_list(self.extra_url_schemes))
+
+    @property
+    def default_tls_dir(self) -> Path:
+        """Where `prefect-ml tls` writes its certificates unless told otherwise."""
+        return self.home_dir / "tls"
+
+    @property
+    def serve_tls(self) -> tuple[Path, Path] | None:
+        """(certificate, key) for HTTPS serving, or None when serving plain HTTP."""
+        if (self.serve_tls_cert is None) != (self.serve_tls_key is None):
+            raise ConfigurationError(
+                "PREFECT_ML_SERVE_TLS_CERT",
+                "set both PREFECT_ML_SERVE_TLS_CERT and PREFECT_ML_SERVE_TLS_KEY, or neither",
+            )
+        if self.serve_tls_cert is None or self.serve_tls_key is None:
+            return None
+        pair = (
+            self.serve_tls_cert.expanduser().resolve(),
+            self.serve_tls_key.expanduser().resolve(),
+        )
+        for path in pair:
+            if not path.is_file():
+                raise ConfigurationError(
+                    "PREFECT_ML_SERVE_TLS_CERT",
+                    f"{path} is missing; create it with `prefect-ml tls` or point the setting "
+                    "at your certificate and key",
+                )
+        return pair
 
     @cached_property
     def home_dir(self) -> Path:
@@ -297,8 +343,9 @@ def prepare_process_environment(settings: PrefectMLSettings | None = None) -> Pr
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    for variable, value in SERVE_INGRESS_ENVIRONMENT.items():
-        os.environ.setdefault(variable, value)
+    if settings.serve_tls_cert is None:  # Serve's HAProxy ingress speaks plain HTTP only
+        for variable, value in SERVE_INGRESS_ENVIRONMENT.items():
+            os.environ.setdefault(variable, value)
     os.environ.update(ENFORCED_ENVIRONMENT)
     return settings
 
@@ -323,7 +370,9 @@ def worker_environment(settings: PrefectMLSettings) -> dict[str, str]:
 # the replica's own event loop, instead of every request taking two Python hops through Serve's
 # proxy actor and a thread switch (measured on 2 cores: 3x the throughput; BENCHMARKS.md).
 # Ray reads these when it starts, so they apply to a local Ray started here; start a remote
-# cluster with them set to get the same path.
+# cluster with them set to get the same path. Ray 2.60's HAProxy binds plain HTTP and forwards
+# plain HTTP to the replicas, so with HTTPS serving (PREFECT_ML_SERVE_TLS_*) they are left unset
+# and Serve's own proxy terminates TLS.
 SERVE_INGRESS_ENVIRONMENT = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import httpx
@@ -14,7 +15,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from integrations import serving, tracking
+from integrations import serving, tls, tracking
 from integrations.errors import ConfigurationError
 from integrations.ray_cluster import ray_session
 from integrations.resources import cluster_nodes
@@ -170,10 +171,17 @@ def check_fits(params: ServingParams) -> None:
     )
 
 
-def smoke_request(url: str, token: str | None) -> SmokeResult:
-    """Ask /metadata for the model's input example and send it to /predict; raise on any error."""
+def serving_url(params: ServingParams, tls_pair: tuple[Path, Path] | None) -> str:
+    """The endpoint's base URL: https when the proxy serves a certificate."""
+    return "https://" + params.url.removeprefix("http://") if tls_pair else params.url
+
+
+def smoke_request(url: str, token: str | None, certificate: Path | None = None) -> SmokeResult:
+    """Ask /metadata for the model's input example and send it to /predict; raise on any error.
+    Over HTTPS the endpoint must present ``certificate`` (or one its CA signed)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    with httpx.Client(timeout=30, headers=headers) as client:
+    verify = tls.trusting(certificate) if certificate else True
+    with httpx.Client(timeout=30, headers=headers, verify=verify) as client:
         metadata = client.get(f"{url}/metadata")
         metadata.raise_for_status()
         example = metadata.json()["input_example"]
@@ -228,13 +236,16 @@ def serve_registered_model(
             params.host,
             params.auth_token_env,
         )
+    tls_pair = settings.serve_tls
+    url = serving_url(params, tls_pair)
     with ray_session(settings):
         check_fits(params)
-        logger.info("Deploying %s v%s to %s", served.name, served.version, params.url)
-        serving.deploy(served, replica_options(params, token), placement(params))
-        smoke = smoke_request(params.url, token) if params.smoke_test else None
+        logger.info("Deploying %s v%s to %s", served.name, served.version, url)
+        serving.deploy(served, replica_options(params, token), placement(params), tls=tls_pair)
+        certificate = tls_pair[0] if tls_pair else None
+        smoke = smoke_request(url, token, certificate) if params.smoke_test else None
     result = ServingResult(
-        url=params.url,
+        url=url,
         app_name=params.app_name,
         model_name=served.name,
         version=served.version,
@@ -245,7 +256,7 @@ def serve_registered_model(
         smoke=smoke,
     )
     create_markdown_artifact(serving_markdown(result), key="serving", description="Serving")
-    create_link_artifact(f"{params.url}/docs", link_text="OpenAPI docs", key="serving-docs")
+    create_link_artifact(f"{url}/docs", link_text="OpenAPI docs", key="serving-docs")
     create_link_artifact(
         tracking.model_version_url(settings.resolved_tracking_uri, served.name, served.version),
         link_text=f"{served.name} v{served.version} in the MLflow registry",
