@@ -723,3 +723,55 @@ def test_ray_cluster_takes_every_secret_from_a_kubernetes_secret(
         )
         for source in container.get("envFrom", []):
             assert set(source) == {"secretRef"}, f"{name}: credentials from {source}"
+
+
+RAY_TLS_VARIABLES = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
+
+
+def test_compose_ray_nodes_talk_tls_with_certificates_from_secrets_at_fixed_addresses(
+    compose: dict[str, Any], services: dict[str, dict[str, Any]]
+) -> None:
+    """Ray checks a node's certificate against its address: the nodes' addresses are fixed."""
+    import ipaddress
+
+    subnet = ipaddress.ip_network(compose["networks"]["default"]["ipam"]["config"][0]["subnet"])
+    addresses = set()
+    for name in ("ray-head", "worker"):
+        service = services[name]
+        env = service["environment"]
+        assert env["RAY_USE_TLS"] == "1", name
+        mounted = {f"/run/secrets/{secret}" for secret in service["secrets"]}
+        assert {env[variable] for variable in RAY_TLS_VARIABLES} <= mounted, name
+        address = ipaddress.ip_address(service["networks"]["default"]["ipv4_address"])
+        assert address in subnet, name
+        addresses.add(address)
+    assert len(addresses) == 2
+    for secret in ("ray_tls_ca", "ray_tls_node_cert", "ray_tls_node_key"):
+        assert REQUIRED_SUBSTITUTION.fullmatch(compose["secrets"][secret]["file"]), secret
+
+
+def test_ray_cluster_pods_talk_tls_with_a_certificate_for_their_own_ip(
+    ray_cluster: dict[str, Any],
+) -> None:
+    """Each pod's init container signs a certificate for the pod's IP with the CA secret, and
+    removes the CA key before Ray starts; the Ray container never mounts the CA secret."""
+    spec = ray_cluster["spec"]
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for group in groups:
+        pod = group["template"]["spec"]
+        ray = pod["containers"][0]
+        env = {item["name"]: item.get("value") for item in ray["env"]}
+        assert env["RAY_USE_TLS"] == "1"
+        mounts = {m["name"]: m for m in ray["volumeMounts"]}
+        assert "ray-ca" not in mounts and mounts["ray-tls"]["readOnly"]
+        assert all(
+            env[v].startswith(mounts["ray-tls"]["mountPath"] + "/") for v in RAY_TLS_VARIABLES
+        )
+        (init,) = pod["initContainers"]
+        script = init["command"][-1]
+        assert "prefect-ml tls --dir /etc/ray/tls" in script and '--host "$POD_IP"' in script
+        assert script.rstrip().endswith("rm /etc/ray/tls/ca-key.pem")
+        assert init["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["ray-ca"]["secret"]["secretName"] == "prefect-ml-ray-ca"
+        assert "emptyDir" in volumes["ray-tls"]
