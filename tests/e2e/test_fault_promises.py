@@ -13,9 +13,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
-import httpx
 import psutil
 import pytest
 from prefect import flow
@@ -217,22 +215,10 @@ holder()
 """
 
 
-def _api(method: str, url: str, **options: Any) -> httpx.Response:
-    """A call to the Prefect server, retried while it answers 503 (its SQLite is busy under
-    load; Prefect's own client retries those the same way)."""
-    answers: list[httpx.Response] = []
-
-    def answered() -> bool:
-        answers.append(httpx.request(method, url, timeout=30, **options))
-        return answers[-1].status_code != 503
-
-    wait_for(answered, 120, f"{method} {url} to be answered")
-    answers[-1].raise_for_status()
-    return answers[-1]
-
-
-def _slot_holders(api_url: str) -> list[str]:
-    response = _api("GET", f"{api_url}/concurrency_limits/tag/{RAY_TAG}")
+def _slot_holders(prefect_ui: PrefectUI) -> list[str]:
+    with prefect_ui.api() as client:  # authenticated; retries the server's 503s
+        response = client.get(f"/concurrency_limits/tag/{RAY_TAG}")
+    response.raise_for_status()
     return [str(holder) for holder in response.json()["active_slots"]]
 
 
@@ -240,11 +226,9 @@ def test_a_killed_runs_ray_slot_frees_itself(prefect_ui: PrefectUI, tmp_path: Pa
     """A run holding the only Ray slot is SIGKILLed; the next run's task, waiting for the slot,
     starts once the server has revoked the dead run's lease (Prefect's task lease lasts 60 s,
     its repossessor looks every 15 s). ``prefect-ml ui`` is a real server, with its services."""
-    _api(
-        "POST",
-        f"{prefect_ui.api_url}/concurrency_limits/",
-        json={"tag": RAY_TAG, "concurrency_limit": 1},
-    )
+    with prefect_ui.api() as client:
+        created = client.post("/concurrency_limits/", json={"tag": RAY_TAG, "concurrency_limit": 1})
+    created.raise_for_status()
     env = {**prefect_ui.env, "PREFECT_HOME": str(tmp_path / "prefect")}
 
     def run(name: str, mode: str) -> subprocess.Popen[bytes]:
@@ -255,14 +239,14 @@ def test_a_killed_runs_ray_slot_frees_itself(prefect_ui: PrefectUI, tmp_path: Pa
     second: subprocess.Popen[bytes] | None = None
     try:
         wait_for(lambda: (tmp_path / "first").exists(), 120, "the first run to take the slot")
-        assert len(_slot_holders(prefect_ui.api_url)) == 1
+        assert len(_slot_holders(prefect_ui)) == 1
         second = run("second", "finish")
         os.killpg(first.pid, signal.SIGKILL)  # a lost machine: no release, no renewal
         first.wait()
         assert not (tmp_path / "second").exists(), "the dead run's slot was still held"
         wait_for(lambda: (tmp_path / "second").exists(), 240, "the second run to get the slot")
         assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()
-        assert _slot_holders(prefect_ui.api_url) == []
+        assert _slot_holders(prefect_ui) == []
     finally:
         for process in (first, second):
             if process is not None and process.poll() is None:
