@@ -36,6 +36,7 @@ import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ElementTree
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ TORCH_ONLY_TESTS = [
 STRATEGIES = ("ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SERVING_CALLS = 200
+FEATURES, CLASSES = 64, 10  # of the training check's data
 PARTS = ("tests", "training", "serving", "precision")
 PRECISION_BENCHMARK_MIN_S = 45  # below this, the precision run is skipped rather than cut short
 
@@ -158,22 +160,26 @@ def training_combinations(device_type: str) -> tuple[list[dict[str, Any]], list[
     return run, skipped
 
 
-def _trainer(combo: dict[str, Any], checkpoint_url: str, rank: int, world: int, device: Any) -> Any:
+def _worker_shard(rank: int, world: int) -> tuple[Any, Any]:
+    """This rank's rows of a learnable random dataset (the label: the largest of 10 columns)."""
     import numpy as np
+
+    from integrations.ray_training import shard_bounds
+
+    rows = 4096
+    x = np.random.default_rng(0).standard_normal((rows, FEATURES), dtype=np.float32)
+    y = x[:, :CLASSES].argmax(axis=1).astype(np.int64)
+    start, stop = shard_bounds(rows, rank, world)
+    return x[start:stop], y[start:stop]
+
+
+def _trainer(
+    combo: dict[str, Any], checkpoint_url: str, shard: Any, rank: int, world: int, device: Any
+) -> Any:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
     from integrations.ray_training import EpochTrainer, TrainLoopConfig
-
-    rows, features, classes = 4096, 64, 10
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((rows, features), dtype=np.float32)
-    y = (x[:, :classes].argmax(axis=1)).astype(np.int64)  # learnable: the largest of 10 columns
-    per_worker = rows // world
-    shard = (
-        x[rank * per_worker : (rank + 1) * per_worker],
-        y[rank * per_worker : (rank + 1) * per_worker],
-    )
 
     def ddp(model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(device)
@@ -183,8 +189,8 @@ def _trainer(combo: dict[str, Any], checkpoint_url: str, rank: int, world: int, 
 
     config = TrainLoopConfig(
         splits_url="",
-        input_shape=[features],
-        num_classes=classes,
+        input_shape=[FEATURES],
+        num_classes=CLASSES,
         model="mlp",
         model_options={"hidden": 256, "depth": 4, "dropout": 0.0},
         epochs=3,
@@ -212,7 +218,7 @@ def _trainer(combo: dict[str, Any], checkpoint_url: str, rank: int, world: int, 
 
 
 def _train_and_resume(
-    combo: dict[str, Any], root: Path, rank: int, world: int, device: Any
+    combo: dict[str, Any], root: Path, shard: Any, rank: int, world: int, device: Any
 ) -> dict[str, Any]:
     """Two epochs and a checkpoint, then a fresh trainer that resumes at epoch 3."""
     import torch.distributed as dist
@@ -220,13 +226,13 @@ def _train_and_resume(
     url = (
         root / f"{combo['strategy']}-{combo['precision']}-{combo['gradient_checkpointing']}"
     ).as_uri()
-    trainer = _trainer(combo, url, rank, world, device)
+    trainer = _trainer(combo, url, shard, rank, world, device)
     epochs = [trainer.train_epoch(epoch) for epoch in (1, 2)]
     files = trainer.snapshot(2)  # a collective under FSDP: every rank calls it
     if rank == 0:
         trainer.store.save(2, files)
     dist.barrier()
-    resumed = _trainer(combo, url, rank, world, device)
+    resumed = _trainer(combo, url, shard, rank, world, device)
     third = resumed.train_epoch(resumed.first_epoch)
     if resumed.first_epoch != 3:
         raise AssertionError(f"resumed at epoch {resumed.first_epoch}, not 3")
@@ -262,10 +268,11 @@ def _training_worker(
     )
     results = []
     root = Path(out).parent / "checkpoints"  # shared by the ranks
+    shard = _worker_shard(rank, world)
     for combo in combos:
         started = time.perf_counter()
         try:
-            measured = _train_and_resume(combo, root, rank, world, device)
+            measured = _train_and_resume(combo, root, shard, rank, world, device)
             results.append({**combo, "ok": True, **measured})
         except Exception as exc:  # reported in the JSON; the check carries on
             failure = f"{type(exc).__name__}: {exc}"
@@ -363,7 +370,7 @@ def run_serving() -> dict[str, Any]:
         results.append(
             {
                 "precision": precision,
-                "device": asdict_description(predictor),
+                "device": asdict(predictor.describe()),
                 "ok": agrees and on_device,
                 "agrees_with_cpu_fp32": agrees,
                 "model_on_device": on_device,
@@ -373,12 +380,6 @@ def run_serving() -> dict[str, Any]:
             }
         )
     return {"ok": all(r["ok"] for r in results), "results": results, "skipped": skipped}
-
-
-def asdict_description(predictor: Any) -> dict[str, str]:
-    from dataclasses import asdict
-
-    return asdict(predictor.describe())
 
 
 # ---------------------------------------------------------------- 4. the budgeted precision run
