@@ -107,8 +107,9 @@ def check_placement(params: TrainingSections) -> None:
         )
     if sweep is not None:
         what = "trial worker(s)" if sweep.trial_workers > 1 else "trial(s)"
-        requests.append((sweep.trial_request(), sweep.trial_workers, what, TRIAL_FIELDS))
-        groups.append((sweep.trial_request(), sweep.trial_workers, what, TRIAL_FIELDS))
+        trials = (sweep.trial_request(), sweep.trial_workers, what, TRIAL_FIELDS)
+        requests.append(trials)
+        groups.append(trials)
     if serving is not None:
         requests.append(
             (serving.replica_request(), serving.min_replicas, "replica(s)", REPLICA_FIELDS)
