@@ -44,7 +44,7 @@ chaos: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy flows tasks integrations
+	$(VENV)/bin/mypy prefect_ml
 
 clean:
 	rm -rf .prefect-ml

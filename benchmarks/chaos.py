@@ -272,7 +272,7 @@ def _verify_checkpoints(root_url: str) -> tuple[list[str], dict[str, list[int]]]
 
     Returns (violations, committed epochs by checkpoint directory).
     """
-    from integrations import storage
+    from prefect_ml.integrations import storage
 
     fs, root = storage.filesystem(root_url)
     fs.invalidate_cache()
@@ -299,7 +299,7 @@ def _verify_checkpoints(root_url: str) -> tuple[list[str], dict[str, list[int]]]
 
 
 def _incomplete_uploads(url: str) -> list[str]:
-    from integrations import storage
+    from prefect_ml.integrations import storage
 
     if not url.startswith("s3://"):
         return []
@@ -326,7 +326,7 @@ def _epoch_history_problems(client: Any, run: Any, expected: list[int]) -> list[
 
 
 def _mlflow(home: Path) -> Any:
-    from integrations import tracking
+    from prefect_ml.integrations import tracking
 
     return tracking.client_for(f"sqlite:///{home / 'mlflow.db'}")
 
@@ -385,7 +385,7 @@ def check_campaign(home: Path, storage_url: str) -> tuple[list[str], list[str]]:
     import optuna
     from optuna.trial import TrialState
 
-    from integrations import tracking
+    from prefect_ml.integrations import tracking
 
     problems: list[str] = []
     notes: list[str] = []
@@ -449,8 +449,8 @@ def checkpoint_files(seed: int, epoch: int) -> dict[str, bytes]:
 def write_checkpoints(url: str, seed: int) -> None:
     """What a training run does with its checkpoints, without the training: abort a dead
     writer's uploads, resume after the newest verified checkpoint, commit and prune each epoch."""
-    from integrations import storage
-    from integrations.checkpoints import CheckpointStore, RetentionPolicy
+    from prefect_ml.integrations import storage
+    from prefect_ml.integrations.checkpoints import CheckpointStore, RetentionPolicy
 
     storage.abort_incomplete_uploads(url)
     store = CheckpointStore(url)
@@ -466,7 +466,7 @@ def check_uploads(url: str, seed: int) -> tuple[list[str], list[str]]:
     epochs = sorted(e for found in committed.values() for e in found)
     if epochs != list(range(1, UPLOAD_EPOCHS + 1)):
         problems.append(f"committed epochs {epochs}, expected 1..{UPLOAD_EPOCHS}")
-    from integrations import storage
+    from prefect_ml.integrations import storage
 
     for epoch in epochs:  # the newest two kept their state: it is this epoch's, not a stale one
         base = f"{url}/epoch-{epoch:06d}"
@@ -675,7 +675,7 @@ def _worker_killer(services: Services, rng: random.Random, horizon_s: float) -> 
 
 
 def _cli(arguments: list[str]) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", *arguments]
+    return [sys.executable, "-m", "prefect_ml.flows.cli", *arguments]
 
 
 def _s3_requests(proxy: Any) -> dict[str, int]:
@@ -755,7 +755,7 @@ def run_scenario(
 def _remove_prefix(url: str) -> None:
     """Drop an iteration's S3 objects: moto keeps them in this process's memory."""
     if url.startswith("s3://"):
-        from integrations import storage
+        from prefect_ml.integrations import storage
 
         fs, path = storage.filesystem(url)
         with contextlib.suppress(FileNotFoundError):

@@ -158,7 +158,7 @@ class Transfers:
         import boto3
         import s3fs
 
-        from integrations.checkpoints import CheckpointStore
+        from prefect_ml.integrations.checkpoints import CheckpointStore
 
         self.payload = payload
         self.root = f"s3://{BUCKET}/transfers"
@@ -170,7 +170,7 @@ class Transfers:
         self.target = work_dir / "download.bin"
 
     def upload(self, arm: str) -> None:
-        from integrations import storage
+        from prefect_ml.integrations import storage
 
         key = f"transfers/{arm}/state.pt"
         if arm == "ours-store":
@@ -186,7 +186,7 @@ class Transfers:
 
     def download(self, arm: str) -> bytes | None:
         """The bytes (in-memory arms) or None (the others wrote ``self.target``)."""
-        from integrations import storage
+        from prefect_ml.integrations import storage
 
         key = f"transfers/{arm}/state.pt"
         if arm == "ours-store":
@@ -256,9 +256,9 @@ def training_loop(
 ) -> dict[str, Any]:
     """``epochs`` epochs of fixed work, each checkpointed inline or through ``EpochCommitter``
     as :data:`LOOPS` says for ``name``."""
-    from integrations.checkpoints import CheckpointStore
-    from integrations.distributed_checkpoint import to_files
-    from integrations.ray_training import METRICS_FILE, EpochCommitter
+    from prefect_ml.integrations.checkpoints import CheckpointStore
+    from prefect_ml.integrations.distributed_checkpoint import to_files
+    from prefect_ml.integrations.ray_training import METRICS_FILE, EpochCommitter
 
     asynchronous, share = LOOPS[name]
     work_seconds *= share
@@ -408,7 +408,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         import s3fs
         import torch
 
-        from integrations.distributed_checkpoint import to_files
+        from prefect_ml.integrations.distributed_checkpoint import to_files
 
         torch.set_num_threads(1)  # the loop's work uses one core; the other is left to S3
         state = make_state(megabytes)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from integrations.settings import PrefectMLSettings
+    from prefect_ml.integrations.settings import PrefectMLSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -42,7 +42,7 @@ def embedded_home() -> Iterator[tuple[Path, PrefectMLSettings]]:
         os.environ["PREFECT_ML_HOME"] = str(Path(tmp) / "home")
         # The benchmarks' datasets and models are user code: the allow-list must admit them.
         os.environ["PREFECT_ML_ALLOWED_MODULES"] = "benchmarks,tests.fixtures"
-        from integrations.settings import prepare_process_environment
+        from prefect_ml.integrations.settings import prepare_process_environment
 
         yield Path(tmp), prepare_process_environment()
 

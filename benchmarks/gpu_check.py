@@ -164,7 +164,7 @@ def _worker_shard(rank: int, world: int) -> tuple[Any, Any]:
     """This rank's rows of a learnable random dataset (the label: the largest of 10 columns)."""
     import numpy as np
 
-    from integrations.ray_training import shard_bounds
+    from prefect_ml.integrations.ray_training import shard_bounds
 
     rows = 4096
     x = np.random.default_rng(0).standard_normal((rows, FEATURES), dtype=np.float32)
@@ -179,7 +179,7 @@ def _trainer(
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from integrations.ray_training import EpochTrainer, TrainLoopConfig
+    from prefect_ml.integrations.ray_training import EpochTrainer, TrainLoopConfig
 
     def ddp(model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(device)
@@ -256,7 +256,7 @@ def _training_worker(
     import torch
     import torch.distributed as dist
 
-    from integrations import devices
+    from prefect_ml.integrations import devices
 
     use_gpu = torch.cuda.is_available()
     if use_gpu:
@@ -344,8 +344,8 @@ def run_serving() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from integrations.catalog import build_model
-    from integrations.inference import Predictor, serving_device
+    from prefect_ml.integrations.catalog import build_model
+    from prefect_ml.integrations.inference import Predictor, serving_device
 
     cuda = torch.cuda.is_available()
     device = serving_device(1.0 if cuda else 0.0, cuda)

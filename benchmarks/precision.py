@@ -272,7 +272,7 @@ class OursArm:
         shards: dict[str, Any],
         checkpoint_url: str,
     ) -> None:
-        from integrations.ray_training import EpochTrainer, TrainLoopConfig
+        from prefect_ml.integrations.ray_training import EpochTrainer, TrainLoopConfig
 
         config = TrainLoopConfig(
             splits_url="",
@@ -298,7 +298,7 @@ class OursArm:
         self.model, self.optimizer = self.trainer.model, self.trainer.optimizer
 
     def autocast(self) -> AbstractContextManager[Any]:
-        from integrations.ray_training import precision_context
+        from prefect_ml.integrations.ray_training import precision_context
 
         return precision_context(self.precision, self.device)  # type: ignore[no-any-return]
 
@@ -324,7 +324,7 @@ class BareArm:
     ) -> None:
         import torch
 
-        from integrations.catalog import build_model
+        from prefect_ml.integrations.catalog import build_model
 
         torch.manual_seed(0)
         model = build_model(workload.model, workload.input_shape, CLASSES, dict(workload.options))
@@ -495,7 +495,7 @@ def run_jobs(jobs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         import torch
 
         # Both loops import the product's training module, so their RSS baselines match.
-        import integrations.ray_training  # noqa: F401
+        import prefect_ml.integrations.ray_training  # noqa: F401
 
         torch.set_num_threads(THREADS)
         results = []

@@ -160,11 +160,11 @@ def running(command: list[str], env: dict[str, str]) -> Iterator[None]:
 
 
 def measure(seconds: float) -> dict[str, Any]:
-    from flows.serve import serve_model
-    from flows.train import train_model
-    from integrations.ray_cluster import ray_session
-    from integrations.settings import get_settings
-    from tasks.params import ServeModelParams, TrainModelParams
+    from prefect_ml.flows.serve import serve_model
+    from prefect_ml.flows.train import train_model
+    from prefect_ml.integrations.ray_cluster import ray_session
+    from prefect_ml.integrations.settings import get_settings
+    from prefect_ml.tasks.params import ServeModelParams, TrainModelParams
 
     outcome = train_model(TrainModelParams(training={"epochs": 3, "workers": 1}))
     version = outcome.registration.version

@@ -217,8 +217,8 @@ def tiny_dataset() -> tuple[np.ndarray, np.ndarray]:
 
 def _campaign(name: str, training: dict[str, Any], **sweep: Any) -> Any:
     """Our ``hpo_campaign`` flow with everything on: SQLite study, MLflow runs, artifacts."""
-    from flows.sweep import hpo_campaign
-    from tasks.params import CampaignParams
+    from prefect_ml.flows.sweep import hpo_campaign
+    from prefect_ml.tasks.params import CampaignParams
 
     params = CampaignParams.model_validate(
         {
@@ -315,8 +315,8 @@ def ours_quality(work_dir: Path, target: float, budget_s: float) -> dict[str, An
     """
     import optuna
 
-    from integrations.settings import get_settings
-    from tasks.params import default_search_space
+    from prefect_ml.integrations.settings import get_settings
+    from prefect_ml.tasks.params import default_search_space
 
     space = {name: d.model_dump(exclude_none=True) for name, d in default_search_space().items()}
     started_at, started = time.time(), time.perf_counter()

@@ -41,9 +41,9 @@ from benchmarks.common import RESULTS_DIR, embedded_home, save_report  # noqa: E
 if TYPE_CHECKING:
     import torch
 
-    from tasks.data import PreparedData
-    from tasks.params import TrainModelParams
-    from tasks.train import TrainResult
+    from prefect_ml.tasks.data import PreparedData
+    from prefect_ml.tasks.params import TrainModelParams
+    from prefect_ml.tasks.train import TrainResult
 
 WORKERS = 2
 THROUGHPUT_TARGET = 0.9  # steady-state samples/s of c over b
@@ -83,7 +83,7 @@ def _read_shard(splits_url: str, split: str, rank: int, world: int) -> tuple[Any
     """Equal contiguous shards of one split, as tensors."""
     import torch
 
-    from integrations import storage
+    from prefect_ml.integrations import storage
 
     features = storage.read_array(storage.join(splits_url, f"{split}_features.npy"))
     labels = storage.read_array(storage.join(splits_url, f"{split}_labels.npy"))
@@ -111,8 +111,8 @@ def plain_loop(config_dict: dict[str, Any]) -> None:
     import torch
     import torch.nn.functional as F
 
-    from integrations.catalog import build_model
-    from integrations.ray_training import TrainLoopConfig
+    from prefect_ml.integrations.catalog import build_model
+    from prefect_ml.integrations.ray_training import TrainLoopConfig
 
     config = PlainLoopConfig(**config_dict)
     loop = TrainLoopConfig(**config.loop)
@@ -222,7 +222,7 @@ def run_plain(
     params: TrainModelParams, data: PreparedData, mode: str, report: Report, work_dir: Path
 ) -> Measurement:
     """Run the plain loop in this process (``report=None``) or on a ``TorchTrainer``."""
-    from tasks.train import loop_config
+    from prefect_ml.tasks.train import loop_config
 
     world = 1 if report is None else WORKERS
     per_worker = data.rows["train"] // world
@@ -260,7 +260,7 @@ def run_plain(
 
 def _timed_train(params: TrainModelParams, data: PreparedData) -> tuple[TrainResult, float]:
     """The body of the benchmark's flow: our train step, timed."""
-    from tasks.train import train_distributed
+    from prefect_ml.tasks.train import train_distributed
 
     started = time.perf_counter()
     result = train_distributed(params, data)
@@ -271,8 +271,8 @@ def run_ours(params: TrainModelParams, data: PreparedData) -> Measurement:
     """Our train step in a Prefect flow; per-epoch walls from its ``epoch_seconds`` metric."""
     from prefect import flow
 
-    from integrations import tracking
-    from integrations.settings import get_settings
+    from prefect_ml.integrations import tracking
+    from prefect_ml.integrations.settings import get_settings
 
     flow_started = time.perf_counter()
     bench_flow = flow(name="benchmark-train-step", validate_parameters=False)(_timed_train)
@@ -312,7 +312,7 @@ def measure(mode: str, params: TrainModelParams, data: PreparedData, work_dir: P
 
 def workloads(args: argparse.Namespace) -> dict[str, TrainModelParams]:
     """The two sizes: the default digits MLP, and a synthetic set with >= 20 ms steps."""
-    from tasks.params import TrainModelParams
+    from prefect_ml.tasks.params import TrainModelParams
 
     digits = {"experiment": "bench-digits", "training": {"epochs": args.digits_epochs}}
     synthetic = {
@@ -409,7 +409,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         import ray
         import torch
 
-        from tasks.data import inspect_dataset, preprocess_dataset
+        from prefect_ml.tasks.data import inspect_dataset, preprocess_dataset
 
         params_by_name = workloads(args)
         prepared = {

@@ -25,10 +25,19 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from integrations import prefect_server, storage
-from integrations.errors import ConfigurationError, PrefectMLError
-from integrations.settings import get_settings, prepare_process_environment, running_local_server
-from tasks.params import CampaignParams, PipelineParams, ServeModelParams, TrainModelParams
+from prefect_ml.integrations import prefect_server, storage
+from prefect_ml.integrations.errors import ConfigurationError, PrefectMLError
+from prefect_ml.integrations.settings import (
+    get_settings,
+    prepare_process_environment,
+    running_local_server,
+)
+from prefect_ml.tasks.params import (
+    CampaignParams,
+    PipelineParams,
+    ServeModelParams,
+    TrainModelParams,
+)
 
 console = Console(stderr=True)
 Parameters = TypeVar("Parameters", bound=BaseModel)
@@ -222,14 +231,14 @@ def print_campaign(result: Any) -> None:
 
 def _run_flow(flow_name: str, params: BaseModel) -> Any:
     if flow_name == "ml_pipeline":
-        from flows.pipeline import ml_pipeline as flow_fn
+        from prefect_ml.flows.pipeline import ml_pipeline as flow_fn
     elif flow_name == "hpo_campaign":
-        from flows.sweep import hpo_campaign as flow_fn  # type: ignore[assignment]
+        from prefect_ml.flows.sweep import hpo_campaign as flow_fn  # type: ignore[assignment]
     elif flow_name == "serve_model":
-        from flows.serve import serve_model as flow_fn  # type: ignore[assignment]
+        from prefect_ml.flows.serve import serve_model as flow_fn  # type: ignore[assignment]
     else:
-        from flows.train import train_model as flow_fn  # type: ignore[assignment]
-    from integrations.ray_cluster import ray_session
+        from prefect_ml.flows.train import train_model as flow_fn  # type: ignore[assignment]
+    from prefect_ml.integrations.ray_cluster import ray_session
 
     settings = get_settings()
     with contextlib.ExitStack() as stack:
@@ -285,7 +294,7 @@ def _serve_in_foreground(
 
 def _alias_follower(params: ServeModelParams, served_version: str) -> Callable[[], None]:
     """A check that redeploys (rolls) when the alias points at another version than served."""
-    from integrations import tracking
+    from prefect_ml.integrations import tracking
 
     state = {"version": served_version, "refused": ""}
 
@@ -325,7 +334,7 @@ def run(serve_after: bool, **flags: Any) -> None:
     if params.serving is None:
         print_outcome(_run_flow("ml_pipeline", params))
         return
-    from integrations.ray_cluster import ray_session
+    from prefect_ml.integrations.ray_cluster import ray_session
 
     with ray_session(get_settings()):  # the flow's steps share it; it outlives the flow
         print_outcome(_run_flow("ml_pipeline", params))
@@ -346,7 +355,7 @@ def serve(watch_seconds: float, **flags: Any) -> None:
     params = parse_parameters(ServeModelParams, flags)
     if watch_seconds < 0:
         raise click.BadParameter("must be >= 0", param_hint="--watch")
-    from integrations.ray_cluster import ray_session
+    from prefect_ml.integrations.ray_cluster import ray_session
 
     with ray_session(get_settings()):  # the application lives as long as this block
         result = _run_flow("serve_model", params)
@@ -479,7 +488,7 @@ def deploy(prefect_file: Path, ray_slots: int, only: tuple[str, ...]) -> None:
 def tls(folder: Path | None, hosts: tuple[str, ...], days: int) -> None:
     """Create a CA (or reuse the folder's) and the certificates for Ray's TLS between nodes and
     for HTTPS serving; prints the settings that use them."""
-    from integrations import tls as certificates
+    from prefect_ml.integrations import tls as certificates
 
     settings = get_settings()
     with _clear_errors():
@@ -514,7 +523,7 @@ def _clear_errors() -> Iterator[None]:
 @app.command()
 def doctor() -> None:
     """Check Ray, MLflow and storage; print versions and devices; exit 1 if anything is wrong."""
-    from tasks.doctor import run_checks
+    from prefect_ml.tasks.doctor import run_checks
 
     checks = run_checks(get_settings())
     table = Table(title="prefect-ml doctor")

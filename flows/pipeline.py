@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from flows.sweep import hpo_campaign
-from flows.train import TrainingOutcome, training_chain
-from tasks.params import PipelineParams, with_trial_values
-from tasks.placement import check_placement
-from tasks.serve import ServingResult, serve
+from prefect_ml.flows.sweep import hpo_campaign
+from prefect_ml.flows.train import TrainingOutcome, training_chain
+from prefect_ml.tasks.params import PipelineParams, section_options, with_trial_values
+from prefect_ml.tasks.placement import check_placement
+from prefect_ml.tasks.serve import ServingResult, serve
+
+__all__ = ["PipelineOutcome", "ml_pipeline"]
 
 
 class PipelineOutcome(TrainingOutcome):
@@ -39,5 +41,5 @@ def ml_pipeline(params: PipelineParams = PipelineParams()) -> PipelineOutcome:  
     served = None
     if params.serving is not None:
         registry = params.registry
-        served = serve(registry.model_name, registry.alias, None, params.serving)
+        served = serve(registry.model_name, alias=registry.alias, **section_options(params.serving))
     return PipelineOutcome(**dict(outcome), serving=served)

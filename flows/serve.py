@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.params import ServeModelParams
-from tasks.quotas import check_caps
-from tasks.serve import ServingResult, serve
+from prefect_ml.tasks.params import ServeModelParams, section_options
+from prefect_ml.tasks.serve import ServingResult, serve
+
+__all__ = ["serve_model"]
 
 
 @flow(name="serve-model")
@@ -17,5 +18,9 @@ def serve_model(params: ServeModelParams = ServeModelParams()) -> ServingResult:
     Args:
         params: Which registered version to serve, and how (address, batching, replicas).
     """
-    check_caps(params)
-    return serve(params.model_name, params.alias, params.model_version, params.serving)
+    return serve(
+        params.model_name,
+        alias=params.alias,
+        version=params.model_version,
+        **section_options(params.serving),
+    )

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.train import prepared_data
-from tasks.params import CampaignParams
-from tasks.quotas import tenant_tags
-from tasks.sweep import CampaignResult, campaign
+from prefect_ml.flows.train import prepared_data
+from prefect_ml.tasks.params import CampaignParams, section_options
+from prefect_ml.tasks.quotas import tenant_tags
+from prefect_ml.tasks.sweep import CampaignResult, campaign
+
+__all__ = ["hpo_campaign"]
 
 
 @flow(name="hpo-campaign")
@@ -20,4 +22,8 @@ def hpo_campaign(params: CampaignParams = CampaignParams()) -> CampaignResult:  
     """
     data = prepared_data(params)
     with tenant_tags():  # the tenant's quota counts its Ray-occupying tasks
-        return campaign(params, data)
+        return campaign(
+            data,
+            experiment=params.experiment,
+            **section_options(params.model, params.training, params.sweep),
+        )

@@ -5,16 +5,17 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel
 
-from integrations import storage
-from integrations.settings import get_settings
-from tasks.data import PreparedData, inspect_data, preprocess
-from tasks.evaluate import Evaluation, evaluate
-from tasks.params import TrainingSections, TrainModelParams
-from tasks.placement import check_placement
-from tasks.quotas import apply_ray_slots, tenant_tags
-from tasks.register import Registration, register
-from tasks.report import publish_summary
-from tasks.train import TrainResult, train, training_lease
+from prefect_ml.integrations import storage
+from prefect_ml.integrations.settings import get_settings
+from prefect_ml.tasks.data import PreparedData, inspect_data, preprocess
+from prefect_ml.tasks.evaluate import Evaluation, evaluate
+from prefect_ml.tasks.params import TrainingSections, TrainModelParams, section_options
+from prefect_ml.tasks.placement import check_placement
+from prefect_ml.tasks.quotas import apply_ray_slots, tenant_tags
+from prefect_ml.tasks.register import Registration, register
+from prefect_ml.tasks.train import TrainResult, train, training_lease
+
+__all__ = ["TrainingOutcome", "train_model"]
 
 
 class TrainingOutcome(BaseModel):
@@ -35,22 +36,34 @@ def prepared_data(params: TrainingSections) -> PreparedData:
     storage.prepare_storage(settings)
     check_placement(params)
     apply_ray_slots(settings)
-    summary = inspect_data(params)
-    return preprocess(params.data, summary.fingerprint)
+    inspect_data(params)
+    return preprocess(**section_options(params.data))
 
 
 def training_chain(params: TrainModelParams) -> TrainingOutcome:
-    """The steps shared by ``train_model`` and ``ml_pipeline``; runs inside either flow."""
+    """The steps shared by ``train_model`` and ``ml_pipeline``, from the public tasks; runs
+    inside either flow."""
     data = prepared_data(params)
+    registry = params.registry
     # One driver per run from training until the run is finished by its registration: a second
     # identical command started meanwhile would otherwise reopen the RUNNING run and register again.
     with training_lease(params, data.fingerprint) as lease:
         with tenant_tags():  # the tenant's quota counts its Ray-occupying tasks
-            trained = train(params, data)
-        evaluation = evaluate(params, data, trained)
+            trained = train(
+                data,
+                experiment=params.experiment,
+                **section_options(params.model, params.training),
+            )
+        evaluation = evaluate(trained)
         lease.ensure_held()
-        registration = register(params, data, trained, evaluation)
-    publish_summary(data, trained, evaluation, registration)
+        registration = register(
+            trained,
+            evaluation,
+            model_name=registry.model_name,
+            alias=registry.alias,
+            promote_if={registry.metric: registry.min_delta},
+            directions={registry.metric: registry.direction},
+        )
     return TrainingOutcome(
         data=data, trained=trained, evaluation=evaluation, registration=registration
     )

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from integrations import plugins, storage
-from integrations.errors import ConfigurationError
+from prefect_ml.integrations import plugins, storage
+from prefect_ml.integrations.errors import ConfigurationError
 
 if TYPE_CHECKING:
     import torch

@@ -27,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from integrations import storage
-from integrations.errors import CheckpointError
-from integrations.settings import get_settings
+from prefect_ml.integrations import storage
+from prefect_ml.integrations.errors import CheckpointError
+from prefect_ml.integrations.settings import get_settings
 
 MANIFEST = "MANIFEST.json"
 SIGNATURE = "hmac_sha256"

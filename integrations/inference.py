@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from integrations.errors import ConfigurationError
+from prefect_ml.integrations.errors import ConfigurationError
 
 if TYPE_CHECKING:
     import torch

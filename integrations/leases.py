@@ -28,9 +28,9 @@ from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from integrations import storage
-from integrations.errors import ConfigurationError, PrefectMLError
-from integrations.settings import get_settings
+from prefect_ml.integrations import storage
+from prefect_ml.integrations.errors import ConfigurationError, PrefectMLError
+from prefect_ml.integrations.settings import get_settings
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 from importlib import metadata
 
-from integrations.errors import ConfigurationError
-from integrations.settings import get_settings
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.settings import get_settings
 
 DATASET_GROUP = "prefect_ml.datasets"
 MODEL_GROUP = "prefect_ml.models"

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, cast
 import httpx
 import yaml
 
-from integrations.errors import ConfigurationError, EnvironmentCheckError
-from integrations.settings import (
+from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
+from prefect_ml.integrations.settings import (
     PrefectMLSettings,
     check_port_free,
     local_server_auth_string,

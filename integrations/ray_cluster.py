@@ -9,9 +9,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from integrations import tls
-from integrations.errors import EnvironmentCheckError
-from integrations.settings import PrefectMLSettings, worker_environment
+from prefect_ml.integrations import tls
+from prefect_ml.integrations.errors import EnvironmentCheckError
+from prefect_ml.integrations.settings import PrefectMLSettings, worker_environment
 
 logger = logging.getLogger(__name__)
 

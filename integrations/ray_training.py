@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from integrations import collectives, distributed_checkpoint, storage, tracking
-from integrations.catalog import build_model, enable_gradient_checkpointing
-from integrations.checkpoints import CheckpointStore, RetentionPolicy
-from integrations.errors import CheckpointError, ConfigurationError
+from prefect_ml.integrations import collectives, distributed_checkpoint, storage, tracking
+from prefect_ml.integrations.catalog import build_model, enable_gradient_checkpointing
+from prefect_ml.integrations.checkpoints import CheckpointStore, RetentionPolicy
+from prefect_ml.integrations.errors import CheckpointError, ConfigurationError
 
 if TYPE_CHECKING:
     import torch
 
-    from integrations.resources import ResourceRequest
+    from prefect_ml.integrations.resources import ResourceRequest
 
 METRICS_FILE = "metrics.json"
 TRAINER_STATE_FILE = "trainer.json"  # epoch, seed, LR schedule and loss scale, as JSON
@@ -279,7 +279,7 @@ class EpochTrainer:
     ) -> None:
         import torch
 
-        from integrations import devices
+        from prefect_ml.integrations import devices
 
         self.config, self.rank, self.world_size = config, rank, world_size
         self.device = device or torch.device("cpu")
@@ -339,7 +339,7 @@ class EpochTrainer:
         import torch
         import torch.nn.functional as F
 
-        from integrations import devices
+        from prefect_ml.integrations import devices
 
         config, model, scaler = self.config, self.model, self.scaler
         devices.reset_peak_memory(self.device)
@@ -516,7 +516,7 @@ def fit(
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from integrations import devices
+    from prefect_ml.integrations import devices
 
     use_gpu = request.gpus > 0
     # Ray Train adds the accelerator resource itself from ``accelerator_type``.

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from integrations.errors import ConfigurationError
+from prefect_ml.integrations.errors import ConfigurationError
 
 # Ray's own names: a node with GPUs of type T carries the resource "accelerator_type:T" (value 1),
 # and Ray (``ray._common.utils.resources_from_ray_options``, ``ScalingConfig.accelerator_type``)

@@ -27,11 +27,11 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
 from ray import serve
 from ray.serve import Deployment
 
-from integrations import tracking
-from integrations.errors import ConfigurationError, DeploymentError
-from integrations.inference import InferencePrecision, Predictor, serving_device
-from integrations.resources import ResourceRequest, placeable
-from integrations.settings import check_port_free
+from prefect_ml.integrations import tracking
+from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
+from prefect_ml.integrations.inference import InferencePrecision, Predictor, serving_device
+from prefect_ml.integrations.resources import ResourceRequest, placeable
+from prefect_ml.integrations.settings import check_port_free
 
 DEPLOYMENT_NAME = "ModelServer"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from integrations import tenancy
-from integrations.errors import ConfigurationError
+from prefect_ml.integrations import tenancy
+from prefect_ml.integrations.errors import ConfigurationError
 
 
 class PrefectMLSettings(BaseSettings):

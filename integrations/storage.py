@@ -22,9 +22,9 @@ from urllib.parse import unquote
 
 import numpy as np
 
-from integrations import s3_transfer, tenancy
-from integrations.errors import ConfigurationError, EnvironmentCheckError
-from integrations.settings import PrefectMLSettings, get_settings
+from prefect_ml.integrations import s3_transfer, tenancy
+from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
+from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
 
 if TYPE_CHECKING:
     import pyarrow.fs

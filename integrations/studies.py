@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from integrations.errors import ConfigurationError
+from prefect_ml.integrations.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from integrations.errors import ConfigurationError
+from prefect_ml.integrations.errors import ConfigurationError
 
 SETTING = "PREFECT_ML_TENANT"
 SEPARATOR = "."

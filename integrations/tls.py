@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from integrations.errors import ConfigurationError
+from prefect_ml.integrations.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from cryptography import x509

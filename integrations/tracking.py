@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities.model_registry import ModelVersion
 
-from integrations import tenancy
-from integrations.errors import ConfigurationError
+from prefect_ml.integrations import tenancy
+from prefect_ml.integrations.errors import ConfigurationError
 
 RUN_KEY_TAG = "prefect_ml.run_key"
 FLOW_RUN_TAG = "prefect.flow_run_id"
@@ -96,7 +96,7 @@ def _create_sqlite_database(database: str) -> None:
 def check_experiment_name(name: str) -> str:
     """``name`` if it stays inside the artifact root it names a folder of; the experiment's
     artifact location is ``<root>/<name>``, so ``../../elsewhere`` would leave the root."""
-    from integrations import storage
+    from prefect_ml.integrations import storage
 
     try:
         storage.check_key(name)
@@ -111,7 +111,7 @@ def in_namespace(name: str) -> str:
     """``name`` of an experiment or registered model in the tenant's namespace
     (``PREFECT_ML_TENANT``): ``<tenant>.<name>``, so a tenant never finds another's experiment
     or model, nor moves its aliases. Every function here that takes such a name applies it."""
-    from integrations.settings import get_settings
+    from prefect_ml.integrations.settings import get_settings
 
     return tenancy.qualify(name, get_settings().tenant)
 
@@ -297,7 +297,7 @@ def registered_version(
     """The version numbered ``version``, else the one holding ``alias``; a clear error if none."""
     from mlflow.exceptions import MlflowException
 
-    from integrations.settings import get_settings
+    from prefect_ml.integrations.settings import get_settings
 
     tenant = get_settings().tenant
     model_name = tenancy.qualify(model_name, tenant)
@@ -386,7 +386,7 @@ def load_pt2_model(model_dir: str, *, what: str) -> torch.nn.Module:
     import mlflow.pytorch
     from mlflow.models import Model
 
-    from integrations.settings import ENFORCED_ENVIRONMENT
+    from prefect_ml.integrations.settings import ENFORCED_ENVIRONMENT
 
     flavor = Model.load(model_dir).flavors.get("pytorch") or {}
     data_dir = os.path.join(model_dir, str(flavor.get("model_data", "data")))
@@ -432,7 +432,7 @@ def tag_version(client: MlflowClient, model_name: str, version: str, tags: dict[
 def check_writable(tracking_uri: str, artifact_root: str | None) -> str:
     """Connect to the tracking store and check that its backing files can be written."""
 
-    from integrations import storage
+    from prefect_ml.integrations import storage
 
     client_for(tracking_uri).search_experiments(max_results=1)
     if tracking_uri.startswith("sqlite:///"):

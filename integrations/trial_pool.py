@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from integrations.resources import ResourceRequest
-from integrations.trial_worker import EpochReport, TrialSpec, TrialWorker
+from prefect_ml.integrations.resources import ResourceRequest
+from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec, TrialWorker
 
 if TYPE_CHECKING:
     from types import TracebackType

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from integrations import distributed_checkpoint, storage
-from integrations.checkpoints import CheckpointStore
-from integrations.errors import CheckpointError, PrefectMLError
-from integrations.ray_training import (
+from prefect_ml.integrations import distributed_checkpoint, storage
+from prefect_ml.integrations.checkpoints import CheckpointStore
+from prefect_ml.integrations.errors import CheckpointError, PrefectMLError
+from prefect_ml.integrations.ray_training import (
     METRICS_FILE,
     EpochCommitter,
     EpochTrainer,
@@ -32,7 +32,7 @@ from integrations.ray_training import (
     load_shard,
     make_optimizer,
 )
-from integrations.resources import ResourceRequest
+from prefect_ml.integrations.resources import ResourceRequest
 
 
 @dataclass(frozen=True)

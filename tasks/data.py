@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any, TypeVar
 
 import numpy as np
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ValidationError
 
-from integrations import storage
-from integrations.catalog import DatasetArrays, load_dataset
-from integrations.errors import ConfigurationError
-from integrations.settings import get_settings
-from tasks.params import CampaignParams, DataParams, TrainingSections
-from tasks.retries import transient_retries
+from prefect_ml.integrations import storage
+from prefect_ml.integrations.catalog import DatasetArrays, load_dataset
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.settings import get_settings
+from prefect_ml.tasks.params import (
+    CampaignParams,
+    DataParams,
+    TrainingParams,
+    TrainingSections,
+    params_from_options,
+)
+from prefect_ml.tasks.retries import transient_retries
+
+__all__ = ["PreparedData", "preprocess"]
+
+Sections = TypeVar("Sections", bound=TrainingSections)
 
 FORMAT_VERSION = "1"
 
@@ -31,7 +42,18 @@ class DataSummary(BaseModel):
 
 
 class PreparedData(BaseModel):
-    """Where the splits are and what they hold; small enough to pass between tasks."""
+    """A prepared dataset: where its splits are and what they hold; small enough to pass
+    between tasks. What :func:`preprocess` returns and :func:`~prefect_ml.train` takes.
+
+    Attributes:
+        fingerprint: content hash of the source data and the split recipe; names the splits.
+        splits_url: storage URL of the train/val/test splits and their statistics.
+        sample_shape: shape of one sample's features, e.g. ``[64]`` or ``[1, 8, 8]``.
+        num_classes, class_names: the labels.
+        rows: rows per split (``train``, ``val``, ``test``).
+        feature_names: the columns of a tabular dataset, else None.
+        recipe: the data parameters the splits were prepared with.
+    """
 
     fingerprint: str
     splits_url: str
@@ -40,6 +62,7 @@ class PreparedData(BaseModel):
     class_names: list[str]
     rows: dict[str, int]
     feature_names: list[str] | None = None
+    recipe: DataParams | None = None
 
 
 def fingerprint_dataset(arrays: DatasetArrays, data: DataParams) -> str:
@@ -87,28 +110,51 @@ def train_rows(total_rows: int, data: DataParams) -> int:
     return rest - int(np.ceil(rest * data.val_fraction / (1 - data.test_fraction)))
 
 
-def inspect_dataset(params: TrainingSections) -> DataSummary:
-    """Load the data and check what parameters alone cannot; writes nothing anywhere."""
-    arrays = load_dataset(params.data.dataset, params.data.loader_options())
-    n_train = train_rows(len(arrays.labels), params.data)
+def check_fits_training_split(params: TrainingSections, n_train: int) -> None:
+    """Refuse a batch size or a worker count that a training split of ``n_train`` rows cannot
+    feed, before any compute."""
+    training: TrainingParams = params.training
     workers = (
         params.sweep.trial_workers
         if isinstance(params, CampaignParams)
-        else params.training.worker_range[1]  # the largest group has the smallest shards
+        else training.worker_range[1]  # the largest group has the smallest shards
     )
-    per_worker = n_train // workers
-    if params.training.batch_size > n_train:
+    if training.batch_size > n_train:
         raise ConfigurationError(
             "training.batch_size",
-            f"{params.training.batch_size} is larger than the training split ({n_train} rows); "
+            f"{training.batch_size} is larger than the training split ({n_train} rows); "
             f"set --batch-size to at most {n_train}",
         )
-    if per_worker < 1:
+    if n_train // workers < 1:
         raise ConfigurationError(
             "training.workers",
             f"{workers} workers for {n_train} training rows leaves some with none; "
             f"use at most {n_train} workers",
         )
+
+
+def params_on_data(
+    params_type: type[Sections],
+    data: PreparedData,
+    options: dict[str, Any],
+    *,
+    step: str,
+    experiment: str,
+) -> Sections:
+    """A public task's training or campaign parameters from its keyword ``options``, for the
+    prepared ``data`` (whose recipe they record) and checked against its training split."""
+    params = params_from_options(
+        params_type, options, step=step, experiment=experiment, data=data.recipe or DataParams()
+    )
+    check_fits_training_split(params, data.rows["train"])
+    return params
+
+
+def inspect_dataset(params: TrainingSections) -> DataSummary:
+    """Load the data and check what parameters alone cannot; writes nothing anywhere."""
+    arrays = load_dataset(params.data.dataset, params.data.loader_options())
+    n_train = train_rows(len(arrays.labels), params.data)
+    check_fits_training_split(params, n_train)
     return DataSummary(
         fingerprint=fingerprint_dataset(arrays, params.data),
         rows=len(arrays.labels),
@@ -118,9 +164,12 @@ def inspect_dataset(params: TrainingSections) -> DataSummary:
     )
 
 
-def preprocess_dataset(data: DataParams, fingerprint: str, storage_url: str) -> PreparedData:
-    """Split, standardise with training statistics only, write the splits under the fingerprint."""
-    arrays = load_dataset(data.dataset, data.loader_options())
+def preprocess_dataset(
+    data: DataParams, fingerprint: str, storage_url: str, arrays: DatasetArrays | None = None
+) -> PreparedData:
+    """Split, standardise with training statistics only, write the splits under the fingerprint
+    (``arrays``: the dataset, when already loaded)."""
+    arrays = arrays or load_dataset(data.dataset, data.loader_options())
     splits = split_indices(arrays.labels, data)
     train = arrays.features[splits["train"]]
     mean = train.mean(axis=0) if data.normalize else np.zeros(arrays.sample_shape, np.float32)
@@ -141,6 +190,7 @@ def preprocess_dataset(data: DataParams, fingerprint: str, storage_url: str) -> 
         class_names=arrays.class_names,
         rows={name: len(index) for name, index in splits.items()},
         feature_names=arrays.feature_names,
+        recipe=data,
     )
     storage.write_bytes(storage.join(splits_url, "meta.json"), prepared.model_dump_json().encode())
     return prepared
@@ -175,11 +225,34 @@ def inspect_data(params: TrainingSections) -> DataSummary:
 
 
 @task(name="preprocess", cache_policy=NO_CACHE, **transient_retries())
-def preprocess(data: DataParams, fingerprint: str) -> PreparedData:
-    """The same data and recipe (one fingerprint) are prepared once per storage."""
-    storage_url = storage.root_url(get_settings())
+def preprocess(dataset: str = "digits", **options: Any) -> PreparedData:
+    """Load a dataset, split it (train/val/test, seeded and stratified), standardise it with the
+    training split's statistics and write the splits to storage under its fingerprint.
+
+    The same data and recipe (one fingerprint) are prepared once per storage: a later call
+    reuses the splits.
+
+    Args:
+        dataset: ``"digits"``, ``"tabular"`` (with ``url`` and ``label_column``), a
+            ``prefect_ml.datasets`` plug-in or an allowed ``package.module:loader``.
+        **options: any other field of :class:`~prefect_ml.tasks.params.DataParams`: ``url``,
+            ``label_column``, ``dataset_options``, ``val_fraction``, ``test_fraction``,
+            ``split_seed``, ``normalize``.
+
+    Returns:
+        The prepared dataset, for :func:`~prefect_ml.train` and :func:`~prefect_ml.campaign`.
+
+    Raises:
+        ConfigurationError: an unknown or invalid option, before anything is read or written.
+    """
+    data = params_from_options(DataParams, {"dataset": dataset, **options}, step="preprocess")
+    settings = get_settings()
+    storage.prepare_storage(settings)
+    arrays = load_dataset(data.dataset, data.loader_options())
+    fingerprint = fingerprint_dataset(arrays, data)
+    storage_url = storage.root_url(settings)
     existing = prepared_splits(fingerprint, storage_url)
     if existing is not None:
         get_run_logger().info("Reusing the splits prepared at %s", existing.splits_url)
-        return existing
-    return preprocess_dataset(data, fingerprint, storage_url)
+        return existing.model_copy(update={"recipe": data})
+    return preprocess_dataset(data, fingerprint, storage_url, arrays)

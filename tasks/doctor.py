@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 
-from integrations import devices, prefect_server, storage, tracking
-from integrations.ray_cluster import ray_session
-from integrations.settings import PrefectMLSettings
+from prefect_ml.integrations import devices, prefect_server, storage, tracking
+from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations.settings import PrefectMLSettings
 
 PACKAGES = ("prefect", "ray", "torch", "mlflow", "optuna", "s3fs", "pydantic")
 

@@ -7,15 +7,22 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from integrations import storage, tracking
-from integrations.settings import get_settings
-from tasks.data import PreparedData
-from tasks.params import TrainModelParams
-from tasks.train import TrainResult, trained_model
+from prefect_ml.integrations import storage, tracking
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.settings import get_settings
+from prefect_ml.tasks.data import PreparedData
+from prefect_ml.tasks.train import TrainResult, trained_model
+
+__all__ = ["METRIC_DIRECTIONS", "Evaluation", "evaluate"]
+
+# Which way each test metric improves: what promotion compares by default.
+METRIC_DIRECTIONS = {"accuracy": "maximize", "macro_f1": "maximize", "loss": "minimize"}
 
 
 class Evaluation(BaseModel):
-    """Test-set metrics, keyed without ``test_``: ``accuracy``, ``macro_f1``, ``loss``."""
+    """What :func:`evaluate` returns: held-out test metrics, keyed without ``test_``
+    (``accuracy``, ``macro_f1``, ``loss``; see :data:`METRIC_DIRECTIONS`), and the confusion
+    matrix (rows: true class, columns: predicted)."""
 
     metrics: dict[str, float]
     confusion_matrix: list[list[int]]
@@ -51,23 +58,34 @@ def confusion_figure(matrix: np.ndarray, class_names: list[str]):  # type: ignor
     return figure
 
 
-def evaluate_model(
-    params: TrainModelParams, data: PreparedData, trained: TrainResult
-) -> Evaluation:
-    """Score the final checkpoint on the test split and log metrics and the figure to MLflow."""
+def evaluate_model(trained: TrainResult, data: PreparedData | None = None) -> Evaluation:
+    """Score the final checkpoint on the test split (of ``data``, else of the data it trained
+    on) and log the metrics and the confusion matrix to the run."""
     import torch
     from sklearn.metrics import confusion_matrix, f1_score
 
-    def read(name: str) -> np.ndarray:
-        return storage.read_array(storage.join(data.splits_url, name))
+    scored, trained_on = data or trained.data, trained.data
+    if (scored.sample_shape, scored.class_names) != (
+        trained_on.sample_shape,
+        trained_on.class_names,
+    ):
+        raise ConfigurationError(
+            "data",
+            f"samples of shape {scored.sample_shape} with classes {scored.class_names} cannot "
+            f"score a model trained on shape {trained_on.sample_shape} with classes "
+            f"{trained_on.class_names}; pass data prepared like the training data",
+        )
 
-    model = trained_model(params, data, trained)
+    def read(name: str) -> np.ndarray:
+        return storage.read_array(storage.join(scored.splits_url, name))
+
+    model = trained_model(trained)
     features = torch.from_numpy(read("test_features.npy"))
     labels = read("test_labels.npy")
     with torch.no_grad():
         logits = torch.cat([model(batch) for batch in features.split(512)])
     predictions = logits.argmax(dim=1).numpy()
-    matrix = confusion_matrix(labels, predictions, labels=range(data.num_classes))
+    matrix = confusion_matrix(labels, predictions, labels=range(scored.num_classes))
     metrics = {
         "accuracy": float((predictions == labels).mean()),
         "macro_f1": float(f1_score(labels, predictions, average="macro")),
@@ -80,11 +98,21 @@ def evaluate_model(
     fresh = {f"test_{k}": v for k, v in metrics.items() if f"test_{k}" not in logged}
     if fresh:
         tracking.log_metrics(client, trained.run_id, fresh)
-    figure = confusion_figure(matrix, data.class_names)
+    figure = confusion_figure(matrix, scored.class_names)
     tracking.log_figure(client, trained.run_id, figure, "evaluation/confusion_matrix.png")
     return Evaluation(metrics=metrics, confusion_matrix=matrix.tolist())
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate(params: TrainModelParams, data: PreparedData, trained: TrainResult) -> Evaluation:
-    return evaluate_model(params, data, trained)
+def evaluate(trained: TrainResult, data: PreparedData | None = None) -> Evaluation:
+    """Score a trained run's final checkpoint on a held-out test split.
+
+    The metrics go to the run as ``test_accuracy``, ``test_macro_f1`` and ``test_loss`` (each
+    once, also when evaluated again) with the confusion matrix as a figure.
+
+    Args:
+        trained: what :func:`~prefect_ml.train` returned.
+        data: a prepared dataset of the same shape and classes to score on; by default the one
+            the run trained on.
+    """
+    return evaluate_model(trained, data)

@@ -7,16 +7,19 @@ written. Field names are unique across sections because CLI flags mirror them.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import to_jsonable_python
 
-from integrations import storage, tracking
-from integrations.catalog import resolve_dataset, resolve_model
-from integrations.resources import GB, RequestFields, ResourceRequest
+from prefect_ml.integrations import storage, tracking
+from prefect_ml.integrations.catalog import resolve_dataset, resolve_model
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.resources import GB, RequestFields, ResourceRequest
 
 
 def _factory_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
@@ -356,16 +359,6 @@ class TrainingSections(_Section):
     def _check_experiment(cls, experiment: str) -> str:
         return tracking.check_experiment_name(experiment)
 
-
-class TrainModelParams(TrainingSections):
-    """Parameters of ``train_model``: data, model, training and registry sections."""
-
-    registry: RegistryParams = Field(
-        default_factory=RegistryParams,
-        title="Registry",
-        description="Where the model is registered and when it takes the alias.",
-    )
-
     def run_key(self, fingerprint: str) -> str:
         """Identity of a training run: the same command on the same data resumes the same run."""
         identity = {
@@ -375,6 +368,16 @@ class TrainModelParams(TrainingSections):
             "training": self.training.model_dump(mode="json", exclude=OPERATIONAL_FIELDS),
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class TrainModelParams(TrainingSections):
+    """Parameters of ``train_model``: data, model, training and registry sections."""
+
+    registry: RegistryParams = Field(
+        default_factory=RegistryParams,
+        title="Registry",
+        description="Where the model is registered and when it takes the alias.",
+    )
 
 
 # Search-space names a campaign may tune: every model and training field that shapes the result.
@@ -818,3 +821,63 @@ def with_trial_values(params: Tunable, values: dict[str, Any]) -> Tunable:
     for section, changes in updates.items():
         merged[section].update(changes)
     return type(params).model_validate(merged)
+
+
+Params = TypeVar("Params", bound=BaseModel)
+
+
+def section_options(*sections: BaseModel) -> dict[str, Any]:
+    """The fields of ``sections`` set by whoever made them, as one flat dict of keyword options:
+    what a flow passes to the public tasks. Unset fields keep their defaults there, and checks
+    that look at what was set (a pruner named with several objectives) see the same."""
+    return {k: v for section in sections for k, v in section.model_dump(exclude_unset=True).items()}
+
+
+def params_from_options(
+    params_type: type[Params], options: Mapping[str, Any], *, step: str, **fixed: Any
+) -> Params:
+    """``params_type`` from a public task's keyword ``options``, each a field of one of its
+    sections (field names are unique across sections), plus the ``fixed`` top-level values.
+
+    Raises:
+        ConfigurationError: naming the option, for an unknown one (with the close matches and
+            the full list) or an invalid value; nothing has run yet.
+    """
+    sections = {
+        name: field.annotation
+        for name, field in params_type.model_fields.items()
+        if name not in fixed
+        and isinstance(field.annotation, type)
+        and issubclass(field.annotation, _Section)
+    }
+    # The section each option belongs to; None for a field of ``params_type`` itself.
+    owner: dict[str, str | None] = {
+        name: None
+        for name in params_type.model_fields
+        if name not in fixed and name not in sections
+    }
+    owner.update(
+        {option: name for name, model in sections.items() for option in model.model_fields}
+    )
+    values: dict[str, Any] = {**fixed, **{name: {} for name in sections}}
+    for option, value in options.items():
+        if option not in owner:
+            close = difflib.get_close_matches(option, owner, n=3)
+            hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+            raise ConfigurationError(
+                option, f"{step}() has no option {option!r}; {hint}its options are {sorted(owner)}"
+            )
+        section = owner[option]
+        if section is None:
+            values[option] = value
+        else:
+            values[section][option] = value
+    try:
+        return params_type.model_validate(values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        location = [str(part) for part in error["loc"]]
+        # ("training", "epochs") is the option ``epochs``; a cross-field check names its section.
+        field = location[1] if len(location) > 1 and location[0] in sections else ".".join(location)
+        message = error["msg"].removeprefix("Value error, ")
+        raise ConfigurationError(field or step, message) from None

@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from integrations.errors import ConfigurationError
-from integrations.ray_cluster import ray_session
-from integrations.resources import (
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations.resources import (
     RequestFields,
     ResourceRequest,
     check_fits,
@@ -17,15 +17,15 @@ from integrations.resources import (
     flag_of,
     mixed_gpu_types,
 )
-from integrations.settings import get_settings
-from tasks.params import (
+from prefect_ml.integrations.settings import get_settings
+from prefect_ml.tasks.params import (
     REPLICA_FIELDS,
     TRIAL_FIELDS,
     WORKER_FIELDS,
     CampaignParams,
     TrainingSections,
 )
-from tasks.quotas import check_caps
+from prefect_ml.tasks.quotas import check_caps
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:

@@ -7,10 +7,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from integrations import tenancy
-from integrations.errors import ConfigurationError
-from integrations.settings import PrefectMLSettings, get_settings
-from tasks.params import CampaignParams, ServingParams, SweepParams, TrainingParams
+from prefect_ml.integrations import tenancy
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
+from prefect_ml.tasks.params import CampaignParams, ServingParams, SweepParams, TrainingParams
 
 
 def check_caps(params: Any, settings: PrefectMLSettings | None = None) -> None:
@@ -55,7 +55,7 @@ def check_caps(params: Any, settings: PrefectMLSettings | None = None) -> None:
 
 def apply_ray_slots(settings: PrefectMLSettings | None = None) -> None:
     """Set the tenant's Prefect concurrency limit from ``PREFECT_ML_TENANT_RAY_SLOTS``, if set."""
-    from integrations.prefect_server import set_tag_quota
+    from prefect_ml.integrations.prefect_server import set_tag_quota
 
     settings = settings or get_settings()
     if settings.tenant_ray_slots is None:

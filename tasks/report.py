@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from prefect import task
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
+from typing import TYPE_CHECKING
 
-from integrations import tracking
-from integrations.settings import get_settings
-from tasks.data import PreparedData
-from tasks.evaluate import Evaluation
-from tasks.register import Registration
-from tasks.train import TrainResult
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+
+from prefect_ml.integrations import tracking
+from prefect_ml.integrations.settings import get_settings
+
+if TYPE_CHECKING:  # the registry step publishes these; they name its types
+    from prefect_ml.tasks.evaluate import Evaluation
+    from prefect_ml.tasks.register import Registration
+    from prefect_ml.tasks.train import TrainResult
 
 
 def summary_markdown(
-    data: PreparedData,
     trained: TrainResult,
     evaluation: Evaluation,
     registration: Registration,
@@ -35,6 +35,7 @@ def summary_markdown(
         else "from scratch"
     )
     verdict = "**promoted**" if registration.promoted else "**not promoted**"
+    data = trained.data
     return f"""# Training summary
 
 | metric | value |
@@ -50,7 +51,7 @@ def summary_markdown(
 
 
 def publish_summary_artifacts(
-    data: PreparedData, trained: TrainResult, evaluation: Evaluation, registration: Registration
+    trained: TrainResult, evaluation: Evaluation, registration: Registration
 ) -> None:
     """Markdown summary, a metrics table and a link to the MLflow run on the current flow run."""
     settings = get_settings()
@@ -58,7 +59,7 @@ def publish_summary_artifacts(
     run_link = tracking.run_url(uri, trained.experiment_id, trained.run_id)
     version_link = tracking.model_version_url(uri, registration.model_name, registration.version)
     create_markdown_artifact(
-        summary_markdown(data, trained, evaluation, registration, run_link, version_link),
+        summary_markdown(trained, evaluation, registration, run_link, version_link),
         key="training-summary",
         description=f"{registration.model_name} v{registration.version}",
     )
@@ -80,10 +81,3 @@ def publish_summary_artifacts(
         link_text=f"{registration.model_name} v{registration.version} in the MLflow registry",
         key="registered-model",
     )
-
-
-@task(name="publish-summary", cache_policy=NO_CACHE)
-def publish_summary(
-    data: PreparedData, trained: TrainResult, evaluation: Evaluation, registration: Registration
-) -> None:
-    publish_summary_artifacts(data, trained, evaluation, registration)

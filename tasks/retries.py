@@ -14,9 +14,13 @@ from typing import TYPE_CHECKING, Any
 from prefect.tasks import exponential_backoff
 from pydantic import ValidationError
 
-from integrations.errors import CampaignFailedError, ConfigurationError, EnvironmentCheckError
-from integrations.leases import LeaseLostError
-from integrations.settings import get_settings
+from prefect_ml.integrations.errors import (
+    CampaignFailedError,
+    ConfigurationError,
+    EnvironmentCheckError,
+)
+from prefect_ml.integrations.leases import LeaseLostError
+from prefect_ml.integrations.settings import get_settings
 
 if TYPE_CHECKING:
     from prefect import Task

@@ -15,13 +15,21 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from integrations import serving, tls, tracking
-from integrations.errors import ConfigurationError
-from integrations.ray_cluster import ray_session
-from integrations.resources import cluster_nodes
-from integrations.settings import PrefectMLSettings, get_settings
-from tasks.params import REPLICA_FIELDS, ServingParams
-from tasks.placement import require_fits
+from prefect_ml.integrations import serving, tls, tracking
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations.resources import cluster_nodes
+from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
+from prefect_ml.tasks.params import (
+    REPLICA_FIELDS,
+    ServeModelParams,
+    ServingParams,
+    params_from_options,
+)
+from prefect_ml.tasks.placement import require_fits
+from prefect_ml.tasks.quotas import check_caps
+
+__all__ = ["ServingResult", "SmokeResult", "serve"]
 
 if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
@@ -38,7 +46,9 @@ class SmokeResult(BaseModel):
 
 
 class ServingResult(BaseModel):
-    """Where the model is served, which version, and the smoke request's outcome."""
+    """What :func:`serve` returns: where the model answers (``url``: ``POST {url}/predict``),
+    which registered version, whether requests need a bearer token, and the smoke request's
+    outcome."""
 
     url: str
     app_name: str
@@ -283,6 +293,38 @@ def _require_lasting_ray(settings: PrefectMLSettings) -> None:
 
 @task(name="serve", cache_policy=NO_CACHE)
 def serve(
-    model_name: str, alias: str, model_version: str | None, params: ServingParams
+    model_name: str,
+    *,
+    alias: str = "champion",
+    version: str | None = None,
+    **options: Any,
 ) -> ServingResult:
-    return serve_registered_model(model_name, alias, model_version, params)
+    """Serve a registered version on Ray Serve behind a validated HTTP API, and smoke-test it.
+
+    Serving the same application name again rolls it to the new version without dropping
+    requests. On a Ray this process started, the application lives as long as that Ray.
+
+    Args:
+        model_name: the registered model.
+        alias: serve the version holding this alias...
+        version: ...or this version number.
+        **options: any field of :class:`~prefect_ml.tasks.params.ServingParams`: ``host``,
+            ``port``, ``app_name``, ``batching``, ``max_batch_size``, ``min_replicas``,
+            ``max_replicas``, ``replica_cpus``, ``replica_gpus``, ``auth_token_env``, ...
+
+    Raises:
+        ConfigurationError: an unknown or invalid option, a version that does not exist, or
+            replicas the cluster cannot place, before anything is deployed.
+    """
+    params = params_from_options(
+        ServeModelParams,
+        options,
+        step="serve",
+        model_name=model_name,
+        alias=alias,
+        model_version=version,
+    )
+    check_caps(params)
+    return serve_registered_model(
+        params.model_name, params.alias, params.model_version, params.serving
+    )

@@ -4,19 +4,23 @@ view, results), and the campaign's summary artifact.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from integrations import tracking
-from integrations.prefect_server import RAY_TAG
-from integrations.settings import get_settings
-from tasks.campaign.results import CampaignResult, TrialSummary
-from tasks.campaign.run import run_campaign
-from tasks.campaign.view import slug
-from tasks.data import PreparedData
-from tasks.params import CampaignParams
-from tasks.retries import transient_retries
+from prefect_ml.integrations import tracking
+from prefect_ml.integrations.prefect_server import RAY_TAG
+from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations.settings import get_settings
+from prefect_ml.tasks.campaign.results import CampaignResult, TrialSummary
+from prefect_ml.tasks.campaign.run import run_campaign
+from prefect_ml.tasks.campaign.view import slug
+from prefect_ml.tasks.data import PreparedData, params_on_data
+from prefect_ml.tasks.params import CampaignParams
+from prefect_ml.tasks.placement import check_placement
+from prefect_ml.tasks.retries import transient_retries
 
 __all__ = ["CampaignResult", "TrialSummary", "campaign", "campaign_markdown"]
 
@@ -51,8 +55,34 @@ artifacts of the campaign's MLflow run `{result.parent_run_id}`.
     tags=[RAY_TAG, "campaign"],
     **transient_retries(),
 )
-def campaign(params: CampaignParams, data: PreparedData) -> CampaignResult:
-    result = run_campaign(params, data)
+def campaign(
+    data: PreparedData, *, experiment: str = "prefect-ml", **options: Any
+) -> CampaignResult:
+    """Search hyperparameters with Optuna, trials in parallel on warm Ray workers, each tracked
+    as a nested MLflow run; resumable by campaign name (finished trials are kept, interrupted
+    ones retried).
+
+    Args:
+        data: what :func:`~prefect_ml.preprocess` returned.
+        experiment: the MLflow experiment.
+        **options: any field of the sweep section
+            (:class:`~prefect_ml.tasks.params.SweepParams`: ``campaign``, ``search_space``,
+            ``objectives``, ``sampler``, ``pruner``, ``n_trials``, ``timeout_seconds``,
+            ``concurrency``, ...) and the fixed values of every trial (model and training
+            fields, as for :func:`~prefect_ml.train`).
+
+    Returns:
+        The campaign's counts, its best trial(s) with their parameters (``best_params``) and
+        the trial table (``trials``, best first).
+
+    Raises:
+        ConfigurationError: an unknown or invalid option, before any trial runs.
+        CampaignFailedError: the budget was spent and no trial completed.
+    """
+    params = params_on_data(CampaignParams, data, options, step="campaign", experiment=experiment)
+    with ray_session(get_settings()):  # one Ray for the placement check and the trials
+        check_placement(params)
+        result = run_campaign(params, data)
     uri = get_settings().resolved_tracking_uri
     links = {
         row.number: tracking.run_url(uri, result.experiment_id, row.run_id)

@@ -15,23 +15,37 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from integrations import catalog, ray_training, storage, tracking
-from integrations.checkpoints import CheckpointStore
-from integrations.errors import CheckpointError, PrefectMLError
-from integrations.leases import Lease
-from integrations.prefect_server import RAY_TAG
-from integrations.ray_cluster import ray_session
-from integrations.settings import get_settings
-from tasks.data import PreparedData
-from tasks.params import TrainingSections, TrainModelParams
-from tasks.retries import transient_retries
+from prefect_ml.integrations import catalog, ray_training, storage, tracking
+from prefect_ml.integrations.checkpoints import CheckpointStore
+from prefect_ml.integrations.errors import CheckpointError, PrefectMLError
+from prefect_ml.integrations.leases import Lease
+from prefect_ml.integrations.prefect_server import RAY_TAG
+from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations.settings import get_settings
+from prefect_ml.tasks.data import PreparedData, params_on_data
+from prefect_ml.tasks.params import ModelParams, TrainingSections
+from prefect_ml.tasks.placement import check_placement
+from prefect_ml.tasks.retries import transient_retries
+
+__all__ = ["TrainResult", "train"]
 
 if TYPE_CHECKING:
     import torch
 
 
 class TrainResult(BaseModel):
-    """A finished training run: where its checkpoints and metrics are."""
+    """A finished training run: what :func:`train` returns, and all that
+    :func:`~prefect_ml.evaluate` and :func:`~prefect_ml.register` need of it.
+
+    Attributes:
+        run_id, experiment_id: the MLflow run that holds its parameters, metrics and model.
+        checkpoint_url: where its verified checkpoints are.
+        final_epoch, resumed_from_epoch: the last epoch, and the epoch a resumed run started at
+            (0 from scratch).
+        epoch_metrics: the last epoch's metrics (``train_loss``, ``val_loss``, ``val_accuracy``).
+        model: the network it trained (the model section), to rebuild it from the checkpoint.
+        data: the prepared dataset it trained on.
+    """
 
     run_id: str
     experiment_id: str
@@ -39,6 +53,8 @@ class TrainResult(BaseModel):
     final_epoch: int
     resumed_from_epoch: int
     epoch_metrics: dict[str, float]
+    model: ModelParams
+    data: PreparedData
 
 
 def flatten(params: BaseModel) -> dict[str, Any]:
@@ -182,7 +198,7 @@ def check_checkpointing_hook(params: TrainingSections, data: PreparedData) -> No
     catalog.check_gradient_checkpointing(model)
 
 
-def training_lease(params: TrainModelParams, fingerprint: str) -> Lease:
+def training_lease(params: TrainingSections, fingerprint: str) -> Lease:
     """The lease that makes this process the only driver of the run with this identity."""
     run_key = params.run_key(fingerprint)
     return Lease(
@@ -193,7 +209,7 @@ def training_lease(params: TrainModelParams, fingerprint: str) -> Lease:
     )
 
 
-def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResult:
+def train_distributed(params: TrainingSections, data: PreparedData) -> TrainResult:
     """Train on Ray Train workers, resuming the unfinished run with the same identity if any.
 
     The run's lease is taken first: a second driver of the same run is refused before it
@@ -206,7 +222,7 @@ def train_distributed(params: TrainModelParams, data: PreparedData) -> TrainResu
         return _train_holding(params, data, lease)
 
 
-def _train_holding(params: TrainModelParams, data: PreparedData, lease: Lease) -> TrainResult:
+def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -> TrainResult:
     logger = get_run_logger()
     settings = get_settings()
     client = tracking.client_for(settings.resolved_tracking_uri)
@@ -281,23 +297,48 @@ def _train_holding(params: TrainModelParams, data: PreparedData, lease: Lease) -
         final_epoch=final.epoch,
         resumed_from_epoch=resumed_from,
         epoch_metrics=epoch_metrics,
+        model=params.model,
+        data=data,
     )
 
 
-def trained_model(
-    params: TrainModelParams, data: PreparedData, trained: TrainResult
-) -> torch.nn.Module:
+def trained_model(trained: TrainResult) -> torch.nn.Module:
     """The model of the run's final verified checkpoint, in eval mode."""
     model, _epoch = ray_training.load_trained_model(
         trained.checkpoint_url,
-        params.model.model,
-        data.sample_shape,
-        data.num_classes,
-        params.model.factory_options(),
+        trained.model.model,
+        trained.data.sample_shape,
+        trained.data.num_classes,
+        trained.model.factory_options(),
     )
     return model
 
 
 @task(name="train", cache_policy=NO_CACHE, tags=[RAY_TAG, "training"], **transient_retries())
-def train(params: TrainModelParams, data: PreparedData) -> TrainResult:
-    return train_distributed(params, data)
+def train(data: PreparedData, *, experiment: str = "prefect-ml", **options: Any) -> TrainResult:
+    """Train a model data-parallel on Ray Train workers, tracked as one MLflow run.
+
+    Checkpoints are written (verified) every epoch; running the same training again (same
+    experiment, data and options that shape the result) resumes that run from its last
+    checkpoint instead of starting over.
+
+    Args:
+        data: what :func:`~prefect_ml.preprocess` returned.
+        experiment: the MLflow experiment.
+        **options: any field of the model and training sections
+            (:class:`~prefect_ml.tasks.params.ModelParams`,
+            :class:`~prefect_ml.tasks.params.TrainingParams`), e.g. ``model="mlp"`` or an
+            allowed ``"my_pkg.models:build"``, ``hidden``, ``epochs``, ``workers`` (a number or
+            ``(min, max)``), ``lr``, ``batch_size``, ``use_gpu``, ``precision``, ``strategy``.
+
+    Returns:
+        The finished run, for :func:`~prefect_ml.evaluate` and :func:`~prefect_ml.register`.
+
+    Raises:
+        ConfigurationError: an unknown or invalid option, or a request the cluster cannot
+            place, before any compute.
+    """
+    params = params_on_data(TrainingSections, data, options, step="train", experiment=experiment)
+    with ray_session(get_settings()):  # one Ray for the placement check and the training
+        check_placement(params)
+        return train_distributed(params, data)

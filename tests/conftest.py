@@ -20,7 +20,7 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 # theirs; every subprocess and the session's Ray inherit it.
 os.environ["PREFECT_ML_ALLOWED_MODULES"] = "tests.fixtures"
 
-from integrations.settings import PrefectMLSettings, prepare_process_environment  # noqa: E402
+from prefect_ml.integrations.settings import PrefectMLSettings, prepare_process_environment  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 prepare_process_environment()

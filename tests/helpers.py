@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from integrations.ray_training import EpochTrainer, TrainLoopConfig
-from integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.ray_training import EpochTrainer, TrainLoopConfig
+from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.fixtures.user_code import blobs
 
 if TYPE_CHECKING:
@@ -36,6 +36,26 @@ def committed_epochs(storage_dir: Path) -> list[int]:
     )
 
 
+def linked_venv(folder: Path, packages: Path) -> Path:
+    """A new virtual environment (no pip) at ``folder`` whose site-packages adds ``packages``,
+    a folder of links to installed distributions, as a site directory; returns its python."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    python = folder / "bin" / "python"
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (Path(purelib) / "linked_packages.pth").write_text(
+        f"import site; site.addsitedir({str(packages)!r})\n"
+    )
+    return python
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -56,7 +76,7 @@ def register_classifier(
     step does: standardiser inside, schema tags on the version. Returns the version number."""
     import torch
 
-    from integrations import catalog, tracking
+    from prefect_ml.integrations import catalog, tracking
 
     torch.manual_seed(seed)
     mean, std = features.mean(axis=0), features.std(axis=0) + 1e-6

@@ -19,18 +19,18 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from integrations import studies
-from integrations.checkpoints import CheckpointStore
-from integrations.leases import LeaseLostError
-from integrations.tracking import RESUMED_TAG, WORKER_TAG
-from integrations.trial_pool import Epochs, Outcome, TrialError, TrialPool, WorkerLost
-from integrations.trial_worker import EpochReport, TrialSpec
-from tasks.campaign.results import trial_values
+from prefect_ml.integrations import studies
+from prefect_ml.integrations.checkpoints import CheckpointStore
+from prefect_ml.integrations.leases import LeaseLostError
+from prefect_ml.integrations.tracking import RESUMED_TAG, WORKER_TAG
+from prefect_ml.integrations.trial_pool import Epochs, Outcome, TrialError, TrialPool, WorkerLost
+from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec
+from prefect_ml.tasks.campaign.results import trial_values
 
 if TYPE_CHECKING:
     import optuna
 
-    from integrations.tracking import TrackingWriter
+    from prefect_ml.integrations.tracking import TrackingWriter
 
 WAIT_S = 1.0  # how long the loop waits for a result before it looks at the clock again
 VERDICT_STATES = {"complete": "COMPLETE", "prune": "PRUNED", "fail": "FAIL", "retry": "FAIL"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from integrations import storage, tenancy
+from prefect_ml.integrations import storage, tenancy
 
 
 @dataclass(frozen=True)

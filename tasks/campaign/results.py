@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from integrations import studies
+from prefect_ml.integrations import studies
 
 if TYPE_CHECKING:
     import optuna
@@ -27,7 +27,8 @@ class TrialSummary(BaseModel):
 
 
 class CampaignResult(BaseModel):
-    """A campaign's outcome: counts, the best trial(s) and where the record lives."""
+    """A campaign's outcome: counts, the best trial(s), every finished trial and where the
+    record lives (the MLflow parent run, whose nested runs are the trials)."""
 
     campaign: str
     experiment_id: str
@@ -37,11 +38,21 @@ class CampaignResult(BaseModel):
     pruned: int
     failed: int
     best: list[TrialSummary]  # one trial, or the Pareto front for several objectives
-    leaderboard: list[TrialSummary]
+    trials: list[TrialSummary]  # every finished trial, best first; failed ones last
     objectives: dict[str, str]
     # Seconds spent: setup (study, MLflow, workers), trials, conclusion (plots, records).
     timings: dict[str, float]
     target_reached_at: float | None = None  # Unix time an epoch first reached stop_at
+
+    @property
+    def best_params(self) -> dict[str, Any]:
+        """The tuned values of the best trial (the first of a Pareto front)."""
+        return dict(self.best[0].params) if self.best else {}
+
+    @property
+    def leaderboard(self) -> list[TrialSummary]:
+        """The best finished trials, at most ``LEADERBOARD_SIZE``."""
+        return self.trials[:LEADERBOARD_SIZE]
 
 
 def trial_values(trial: optuna.trial.FrozenTrial, objectives: list[str]) -> dict[str, float]:

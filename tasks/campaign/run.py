@@ -16,28 +16,28 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger
 
-from integrations import storage, studies, tracking
-from integrations.errors import CampaignFailedError, PrefectMLError
-from integrations.leases import Lease
-from integrations.ray_cluster import ray_session
-from integrations.resources import cluster_nodes
-from integrations.settings import PrefectMLSettings, get_settings
-from integrations.tracking import TrackingWriter
-from integrations.trial_pool import RayTrialPool
-from integrations.trial_worker import TrialSpec
-from tasks.campaign.coordinator import CampaignRules, Coordinator
-from tasks.campaign.identity import CampaignIdentity
-from tasks.campaign.results import (
+from prefect_ml.integrations import storage, studies, tracking
+from prefect_ml.integrations.errors import CampaignFailedError, PrefectMLError
+from prefect_ml.integrations.leases import Lease
+from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations.resources import cluster_nodes
+from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
+from prefect_ml.integrations.tracking import TrackingWriter
+from prefect_ml.integrations.trial_pool import RayTrialPool
+from prefect_ml.integrations.trial_worker import TrialSpec
+from prefect_ml.tasks.campaign.coordinator import CampaignRules, Coordinator
+from prefect_ml.tasks.campaign.identity import CampaignIdentity
+from prefect_ml.tasks.campaign.results import (
     LEADERBOARD_SIZE,
     CampaignResult,
     leaderboard,
     trial_summary,
 )
-from tasks.campaign.view import CampaignView, short
-from tasks.data import PreparedData
-from tasks.params import TRIAL_FIELDS, CampaignParams, SweepParams, with_trial_values
-from tasks.placement import require_fits
-from tasks.train import current_flow_run_id, flatten, loop_config
+from prefect_ml.tasks.campaign.view import CampaignView, short
+from prefect_ml.tasks.data import PreparedData
+from prefect_ml.tasks.params import TRIAL_FIELDS, CampaignParams, SweepParams, with_trial_values
+from prefect_ml.tasks.placement import require_fits
+from prefect_ml.tasks.train import current_flow_run_id, flatten, loop_config
 
 if TYPE_CHECKING:
     import logging
@@ -342,7 +342,7 @@ class CampaignRun:
             pruned=tally.pruned,
             failed=tally.failed,
             best=best,
-            leaderboard=rows[:LEADERBOARD_SIZE],
+            trials=rows,
             objectives=self.objectives,
             timings={**self.timings, "conclude_seconds": time.monotonic() - concluding},
             target_reached_at=tally.target_reached_at,

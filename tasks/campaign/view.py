@@ -13,8 +13,8 @@ from prefect.artifacts import (
 )
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tasks.campaign.coordinator import Tally
-from tasks.campaign.results import TrialSummary
+from prefect_ml.tasks.campaign.coordinator import Tally
+from prefect_ml.tasks.campaign.results import TrialSummary
 
 if TYPE_CHECKING:
     from uuid import UUID

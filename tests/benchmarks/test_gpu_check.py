@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import linked_venv
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # What a GPU machine lent for a quick check has (and what these need), nothing else.
@@ -69,15 +70,7 @@ def torch_only_python(tmp_path_factory: pytest.TempPathFactory) -> str:
         for entry in _top_level_entries(name):
             if entry.exists() and not (packages / entry.name).exists():
                 (packages / entry.name).symlink_to(entry)
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True)
-    python = root / "venv" / "bin" / "python"
-    site = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    (Path(site) / "torch_stack.pth").write_text(f"{packages}\n")
+    python = linked_venv(root / "venv", packages)
     for missing in ("ray", "prefect", "mlflow", "s3fs", "fastapi", "rich", "psutil"):
         probe = subprocess.run([python, "-c", f"import {missing}"], capture_output=True)
         assert probe.returncode != 0, f"{missing} is importable in the torch-only venv"

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from integrations.settings import SERVE_INGRESS_ENVIRONMENT, PrefectMLSettings
+from prefect_ml.integrations.settings import SERVE_INGRESS_ENVIRONMENT, PrefectMLSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENTS = REPO_ROOT / "deployments"
@@ -611,7 +611,14 @@ def test_compose_ray_nodes_start_with_the_serve_ingress_environment(
 
 def test_dockerfile_copies_only_what_exists_and_is_not_ignored() -> None:
     sources = copy_sources()
-    assert {"pyproject.toml", "README.md", "flows/", "tasks/", "integrations/"} <= set(sources)
+    assert {
+        "pyproject.toml",
+        "README.md",
+        "flows/",
+        "tasks/",
+        "integrations/",
+        "prefect_ml/",
+    } <= set(sources)
     patterns = dockerignore_patterns()
     for source in sources:
         assert (REPO_ROOT / source).exists(), f"COPY {source}: not in the repo"

@@ -17,12 +17,12 @@ from optuna.trial import TrialState
 from prefect.settings import PREFECT_API_URL
 from sqlalchemy.exc import SQLAlchemyError
 
-from flows.cli import app
-from integrations import studies, tracking
-from integrations.settings import PrefectMLSettings
-from integrations.tracking import RESUMED_TAG
-from tasks.campaign import coordinator
-from tasks.campaign.identity import CampaignIdentity
+from prefect_ml.flows.cli import app
+from prefect_ml.integrations import studies, tracking
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.tracking import RESUMED_TAG
+from prefect_ml.tasks.campaign import coordinator
+from prefect_ml.tasks.campaign.identity import CampaignIdentity
 from tests.conftest import REPO_ROOT
 from tests.e2e.test_resume_after_kill import _kill_tree
 from tests.helpers import wait_for
@@ -36,7 +36,7 @@ def _command(campaign: str, n_trials: int, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "flows.cli",
+        "prefect_ml.flows.cli",
         "sweep",
         "--campaign",
         campaign,
@@ -195,7 +195,7 @@ def test_issue_15_reproduction_resumes_with_pruned_trials_told_late(
     in this process with the ordering that crashed forced: the study writer runs each job only
     when a later result needs it (every tell after the loop moved on), and every new trial is
     pruned at its second epoch."""
-    command = [sys.executable, "-m", "flows.cli", *REPRODUCTION, "--epochs", "3"]
+    command = [sys.executable, "-m", "prefect_ml.flows.cli", *REPRODUCTION, "--epochs", "3"]
     log = (tmp_path / "first.log").open("wb")
     first = subprocess.Popen(
         command, cwd=REPO_ROOT, env=_env(home), stdout=log, stderr=subprocess.STDOUT

@@ -18,13 +18,13 @@ import psutil
 import pytest
 from prefect import flow
 
-from integrations import ray_training, storage, tracking
-from integrations.errors import PrefectMLError
-from integrations.prefect_server import RAY_TAG
-from integrations.settings import PrefectMLSettings, get_settings
-from tasks.data import PreparedData, inspect_dataset, preprocess_dataset
-from tasks.params import TrainModelParams
-from tasks.train import TrainResult, train, train_distributed
+from prefect_ml.integrations import ray_training, storage, tracking
+from prefect_ml.integrations.errors import PrefectMLError
+from prefect_ml.integrations.prefect_server import RAY_TAG
+from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
+from prefect_ml.tasks.data import PreparedData, inspect_dataset, preprocess_dataset
+from prefect_ml.tasks.params import TrainModelParams, section_options
+from prefect_ml.tasks.train import TrainResult, train, train_distributed
 from tests.e2e import test_prefect_ui
 from tests.e2e.test_prefect_ui import PrefectUI, _start
 from tests.fixtures.faulty_code import BUDGET_FILE
@@ -53,7 +53,9 @@ def train_with_a_retry(params: TrainModelParams, data: PreparedData) -> tuple[Tr
     """The training task with one immediate retry; its result and how many attempts ran."""
     from prefect.client.orchestration import get_client
 
-    state = train.with_options(retries=1, retry_delay_seconds=0)(params, data, return_state=True)
+    retried = train.with_options(retries=1, retry_delay_seconds=0)
+    options = section_options(params.model, params.training)
+    state = retried(data, experiment=params.experiment, **options, return_state=True)
     task_run_id = state.state_details.task_run_id
     assert task_run_id is not None
     with get_client(sync_client=True) as client:

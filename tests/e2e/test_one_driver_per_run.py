@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from prefect.settings import PREFECT_API_URL
 
-from integrations import tracking
-from integrations.leases import LeaseHeldError
-from integrations.settings import PrefectMLSettings
-from tasks.params import TrainModelParams
+from prefect_ml.integrations import tracking
+from prefect_ml.integrations.leases import LeaseHeldError
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.params import TrainModelParams
 from tests.conftest import REPO_ROOT
 from tests.helpers import wait_for
 from tests.tasks.test_train import train_flow
@@ -30,7 +30,7 @@ def test_second_driver_of_a_running_training_is_refused(
     """The first command's model waits for a gate file, so it is certainly training when the
     second (the same parameters and steps, in this process) asks for the run's lease."""
     options = {"delay": 0.0, "gate": str(tmp_path / "gate")}
-    command = [sys.executable, "-m", "flows.cli", "train", "--model", MODEL]
+    command = [sys.executable, "-m", "prefect_ml.flows.cli", "train", "--model", MODEL]
     command += ["--model-options", json.dumps(options), "--epochs", str(EPOCHS)]
     command += ["--workers", "1"]
     env = {

@@ -16,10 +16,10 @@ from prefect.client.orchestration import get_client
 from ray import serve
 from sklearn.datasets import load_digits
 
-from flows.pipeline import ml_pipeline
-from integrations import storage, tracking
-from integrations.settings import PrefectMLSettings
-from tasks.params import PipelineParams
+from prefect_ml.flows.pipeline import ml_pipeline
+from prefect_ml.integrations import storage, tracking
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.params import PipelineParams
 from tests.helpers import free_port, wait_for
 from tests.s3 import TEST_BUCKET, MotoS3
 

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from integrations import tracking
-from integrations.prefect_server import basic_auth_header, server_is_up
+from prefect_ml.integrations import tracking
+from prefect_ml.integrations.prefect_server import basic_auth_header, server_is_up
 from tests.conftest import REPO_ROOT
 from tests.e2e.ui_driver import (
     log_in,

@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 from prefect.settings import PREFECT_API_URL
 
-from integrations import ray_training, tracking
-from integrations.settings import PrefectMLSettings
+from prefect_ml.integrations import ray_training, tracking
+from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
 from tests.helpers import committed_epochs, wait_for
 
@@ -25,7 +25,7 @@ EPOCHS = 5
 COMMAND = [
     sys.executable,
     "-m",
-    "flows.cli",
+    "prefect_ml.flows.cli",
     "train",
     "--model",
     "tests.fixtures.user_code:slow_model",

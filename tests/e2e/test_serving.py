@@ -28,10 +28,10 @@ from ray import serve
 from ray.serve.context import _get_global_client
 from sklearn.datasets import load_digits
 
-from flows.serve import serve_model
-from integrations import tracking
-from integrations.settings import PrefectMLSettings
-from tasks.params import ServeModelParams
+from prefect_ml.flows.serve import serve_model
+from prefect_ml.integrations import tracking
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.params import ServeModelParams
 from tests.e2e.test_pipeline import _artifacts
 from tests.e2e.test_resume_after_kill import _kill_tree
 from tests.helpers import free_port, register_classifier, wait_for
@@ -294,7 +294,7 @@ def test_a_bearer_token_shorter_than_32_bytes_is_refused_before_deploying(
 def test_a_model_that_returns_nan_gets_a_500_that_says_so_never_invalid_json() -> None:
     from fastapi import HTTPException
 
-    from integrations.serving import predictions_body
+    from prefect_ml.integrations.serving import predictions_body
 
     identity = {"name": "m", "version": "1", "run_id": "r"}
     good = json.loads(predictions_body(np.array([[0.25, 0.75]]), ["a", "b"], identity))
@@ -453,7 +453,7 @@ def test_the_cli_serves_in_the_foreground_follows_the_alias_and_stops_on_ctrl_c(
         "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "42000",
         "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "43000",
     }
-    command = [sys.executable, "-m", "flows.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "prefect_ml.flows.cli", "serve", "--port", str(port)]
     log = tmp_path / "serve.log"
     with log.open("wb") as sink:
         server = subprocess.Popen(

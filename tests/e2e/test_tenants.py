@@ -12,13 +12,13 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-from flows.sweep import hpo_campaign
-from flows.train import train_model
-from integrations import tenancy, tracking
-from integrations.errors import ConfigurationError
-from integrations.prefect_server import RAY_TAG
-from integrations.settings import PrefectMLSettings
-from tasks.params import CampaignParams, TrainModelParams
+from prefect_ml.flows.sweep import hpo_campaign
+from prefect_ml.flows.train import train_model
+from prefect_ml.integrations import tenancy, tracking
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.prefect_server import RAY_TAG
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.params import CampaignParams, TrainModelParams
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

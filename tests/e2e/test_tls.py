@@ -21,8 +21,8 @@ import pytest
 from prefect.settings import PREFECT_API_URL
 from sklearn.datasets import load_digits
 
-from integrations import tls, tracking
-from integrations.settings import SERVE_INGRESS_ENVIRONMENT, PrefectMLSettings
+from prefect_ml.integrations import tls, tracking
+from prefect_ml.integrations.settings import SERVE_INGRESS_ENVIRONMENT, PrefectMLSettings
 from tests.conftest import REPO_ROOT
 from tests.e2e.test_resume_after_kill import _kill_tree
 from tests.helpers import free_port, wait_for
@@ -155,7 +155,16 @@ def test_prefect_ml_trains_on_a_tls_cluster_and_serves_over_https(
         PREFECT_ML_RAY_ADDRESS=tls_cluster.address,
         PREFECT_ML_RAY_TLS_DIR=str(certificates.folder),
     )
-    train = [sys.executable, "-m", "flows.cli", "train", "--epochs", "1", "--workers", "1"]
+    train = [
+        sys.executable,
+        "-m",
+        "prefect_ml.flows.cli",
+        "train",
+        "--epochs",
+        "1",
+        "--workers",
+        "1",
+    ]
     trained = subprocess.run(
         train, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400
     )
@@ -169,7 +178,7 @@ def test_prefect_ml_trains_on_a_tls_cluster_and_serves_over_https(
         PREFECT_ML_SERVE_TLS_CERT=str(certificates.serve_cert),
         PREFECT_ML_SERVE_TLS_KEY=str(certificates.serve_key),
     )
-    serve = [sys.executable, "-m", "flows.cli", "serve", "--port", str(port)]
+    serve = [sys.executable, "-m", "prefect_ml.flows.cli", "serve", "--port", str(port)]
     haproxy = {**env, "RAY_SERVE_ENABLE_HA_PROXY": "1"}
     refused = subprocess.run(serve, env=haproxy, cwd=REPO_ROOT, capture_output=True, timeout=300)
     assert refused.returncode == 1

@@ -9,9 +9,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from flows.cli import app
-from integrations import devices
-from integrations.settings import PrefectMLSettings
+from prefect_ml.flows.cli import app
+from prefect_ml.integrations import devices
+from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
 from tests.helpers import free_port
 
@@ -36,8 +36,8 @@ def test_flags_mirror_parameter_names(command: str) -> None:
 
 
 def test_gpu_layer_flags_parse_into_the_training_section() -> None:
-    from flows.cli import parse_parameters
-    from tasks.params import TrainModelParams
+    from prefect_ml.flows.cli import parse_parameters
+    from prefect_ml.tasks.params import TrainModelParams
 
     usage = CliRunner().invoke(app, ["train", "--help"]).output
     for flag in ("--precision", "--strategy", "--gradient-checkpointing", "--accelerator-type"):

@@ -10,9 +10,9 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-from flows.sweep import hpo_campaign
-from flows.train import train_model
-from integrations.settings import PrefectMLSettings
+from prefect_ml.flows.sweep import hpo_campaign
+from prefect_ml.flows.train import train_model
+from prefect_ml.integrations.settings import PrefectMLSettings
 
 
 def _task_names(flow_run_id: str) -> list[str]:

@@ -21,14 +21,14 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 from prefect.client.orchestration import get_client
 
-from flows.sweep import hpo_campaign
-from integrations import studies, tracking
-from integrations.leases import Lease
-from integrations.settings import PrefectMLSettings
-from integrations.tracking import RESUMED_TAG, WORKER_TAG
-from tasks.campaign.identity import CampaignIdentity
-from tasks.params import CampaignParams
-from tasks.sweep import CampaignResult
+from prefect_ml.flows.sweep import hpo_campaign
+from prefect_ml.integrations import studies, tracking
+from prefect_ml.integrations.leases import Lease
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.tracking import RESUMED_TAG, WORKER_TAG
+from prefect_ml.tasks.campaign.identity import CampaignIdentity
+from prefect_ml.tasks.params import CampaignParams
+from prefect_ml.tasks.sweep import CampaignResult
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from flows.cli import app
-from flows.train import train_model
-from integrations.settings import PrefectMLSettings
+from prefect_ml.flows.cli import app
+from prefect_ml.flows.train import train_model
+from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.flows.test_invalid_parameters import _assert_nothing_written, _task_names
 
 

@@ -7,14 +7,14 @@ import pandas as pd
 import pytest
 import torch
 
-from integrations.catalog import (
+from prefect_ml.integrations.catalog import (
     build_model,
     load_dataset,
     resolve_dataset,
     resolve_model,
     with_standardizer,
 )
-from integrations.errors import ConfigurationError
+from prefect_ml.integrations.errors import ConfigurationError
 
 
 def test_digits_is_image_shaped() -> None:

@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from integrations import storage
-from integrations.checkpoints import (
+from prefect_ml.integrations import storage
+from prefect_ml.integrations.checkpoints import (
     MANIFEST,
     SIGNATURE,
     CheckpointStore,
     RetentionPolicy,
     manifest_signature,
 )
-from integrations.distributed_checkpoint import load_files, to_files
-from integrations.errors import CheckpointError
-from integrations.ray_training import METRICS_FILE
+from prefect_ml.integrations.distributed_checkpoint import load_files, to_files
+from prefect_ml.integrations.errors import CheckpointError
+from prefect_ml.integrations.ray_training import METRICS_FILE
 
 STATE_FILE = "__0_0.distcp"
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from integrations import collectives
-from integrations.errors import ConfigurationError
+from prefect_ml.integrations import collectives
+from prefect_ml.integrations.errors import ConfigurationError
 from tests.helpers import blob_trainer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

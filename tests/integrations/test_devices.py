@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from integrations import devices
+from prefect_ml.integrations import devices
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,7 +105,7 @@ _CPU_PEAK_PROBE = """
 import gc, json
 import numpy as np
 import torch
-from integrations import devices
+from prefect_ml.integrations import devices
 
 cpu = torch.device("cpu")
 devices.reset_peak_memory(cpu)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from integrations.distributed_checkpoint import _MetadataUnpickler, load_files, to_files
-from integrations.errors import CheckpointError
+from prefect_ml.integrations.distributed_checkpoint import _MetadataUnpickler, load_files, to_files
+from prefect_ml.integrations.errors import CheckpointError
 
 # Attribute chains from a class or function to something that runs code when called.
 _CHAINS = (

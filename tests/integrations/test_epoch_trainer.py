@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from integrations.checkpoints import CheckpointStore
-from integrations.ray_training import METRICS_FILE
+from prefect_ml.integrations.checkpoints import CheckpointStore
+from prefect_ml.integrations.ray_training import METRICS_FILE
 from tests.helpers import blob_trainer
 
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from integrations.catalog import build_model
-from integrations.errors import ConfigurationError
-from integrations.inference import Predictor, serving_device
+from prefect_ml.integrations.catalog import build_model
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.inference import Predictor, serving_device
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

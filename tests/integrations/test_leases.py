@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from prefect import flow, task
 
-from integrations import storage
-from integrations.errors import ConfigurationError
-from integrations.leases import (
+from prefect_ml.integrations import storage
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.leases import (
     Lease,
     LeaseHeldError,
     LeaseLostError,

@@ -17,9 +17,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from integrations import catalog, ray_training
-from integrations.errors import ConfigurationError
-from integrations.ray_training import EpochCommitter, EpochTrainer, TrainLoopConfig, shard_bounds
+from prefect_ml.integrations import catalog, ray_training
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.ray_training import (
+    EpochCommitter,
+    EpochTrainer,
+    TrainLoopConfig,
+    shard_bounds,
+)
 from tests.fixtures.user_code import blobs
 from tests.helpers import free_port
 
@@ -234,7 +239,7 @@ def test_fp16_on_cuda_scales_the_loss_and_checkpoints_the_scale(tmp_path: Path) 
 def _nccl_worker(rank: int, world_size: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from integrations import devices
+    from prefect_ml.integrations import devices
 
     backend = devices.collective_backend(use_gpu=True)
     dist.init_process_group(

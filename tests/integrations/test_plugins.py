@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from integrations.catalog import load_dataset, resolve_dataset, resolve_model
-from integrations.errors import ConfigurationError
-from integrations.storage import check_data_url
+from prefect_ml.integrations.catalog import load_dataset, resolve_dataset, resolve_model
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.storage import check_data_url
 
 
 @pytest.fixture
@@ -80,9 +80,7 @@ def test_standard_library_and_lookalike_prefixes_are_refused(name: str, field: s
     assert error.value.field == field
 
 
-def test_allowed_prefixes_admit_their_modules(
-    site: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_allowed_prefixes_admit_their_modules(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "other, third_party_data")
     assert load_dataset("third_party_data:load", {}).class_names == ["0", "1"]
 

@@ -9,9 +9,9 @@ import stat
 
 import pytest
 
-from integrations.errors import ConfigurationError
-from integrations.prefect_server import server_auth_string
-from integrations.settings import PrefectMLSettings, prepare_process_environment
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.prefect_server import server_auth_string
+from prefect_ml.integrations.settings import PrefectMLSettings, prepare_process_environment
 
 CLIENT_VARIABLES = ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")
 

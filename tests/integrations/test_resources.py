@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from integrations.errors import ConfigurationError
-from integrations.resources import (
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.resources import (
     GB,
     RequestFields,
     ResourceRequest,

@@ -16,10 +16,14 @@ import numpy as np
 import pytest
 from s3fs import S3FileSystem
 
-from integrations import storage
-from integrations.checkpoints import CheckpointStore
-from integrations.errors import CheckpointError, ConfigurationError, EnvironmentCheckError
-from integrations.ray_training import METRICS_FILE, EpochCommitter
+from prefect_ml.integrations import storage
+from prefect_ml.integrations.checkpoints import CheckpointStore
+from prefect_ml.integrations.errors import (
+    CheckpointError,
+    ConfigurationError,
+    EnvironmentCheckError,
+)
+from prefect_ml.integrations.ray_training import METRICS_FILE, EpochCommitter
 from tests.helpers import blob_trainer, wait_for
 from tests.s3 import TEST_BUCKET, FaultyProxy, MotoS3
 
@@ -186,7 +190,7 @@ def test_training_rides_out_a_short_s3_outage_and_resumes_after_a_long_one(
 
 _SLOW_WRITER = """
 import os, sys
-from integrations import storage
+from prefect_ml.integrations import storage
 storage.S3_PART_SIZE = 5 * 2**20  # S3's smallest part: many parts, a long upload
 storage.write_bytes(sys.argv[1], os.urandom(200 * 2**20))
 """
@@ -228,7 +232,7 @@ def test_credentials_from_a_prefect_secret_block_are_used(
 ) -> None:
     from prefect.blocks.system import Secret
 
-    from integrations.settings import PrefectMLSettings
+    from prefect_ml.integrations.settings import PrefectMLSettings
 
     for variable in storage.CREDENTIAL_VARIABLES.values():
         monkeypatch.delenv(variable, raising=False)

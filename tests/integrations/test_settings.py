@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.settings import (
+from prefect_ml.integrations.settings import (
     PrefectMLSettings,
     prepare_process_environment,
     running_local_server,
@@ -89,8 +89,8 @@ def test_every_process_we_start_refuses_pickled_models(
 
 _WORKER_SETTING = """
 import ray
-from integrations.ray_cluster import ray_session
-from integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations.settings import PrefectMLSettings
 
 @ray.remote
 def setting():

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from integrations import storage
+from prefect_ml.integrations import storage
 
 
 def test_read_array_rows_reads_a_slice(tmp_path: Path) -> None:

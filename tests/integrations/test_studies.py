@@ -8,8 +8,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from integrations import studies
-from integrations.errors import ConfigurationError
+from prefect_ml.integrations import studies
+from prefect_ml.integrations.errors import ConfigurationError
 
 SPACE = {
     "lr": {"type": "float", "low": 1e-4, "high": 1e-1, "log": True, "step": None},

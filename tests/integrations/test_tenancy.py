@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from integrations import storage, tenancy
-from integrations.errors import ConfigurationError
-from integrations.settings import PrefectMLSettings
+from prefect_ml.integrations import storage, tenancy
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.settings import PrefectMLSettings
 
 
 @pytest.mark.parametrize(

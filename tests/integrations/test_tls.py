@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from integrations import tls
-from integrations.errors import ConfigurationError
-from integrations.settings import (
+from prefect_ml.integrations import tls
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.settings import (
     SERVE_INGRESS_ENVIRONMENT,
     PrefectMLSettings,
     prepare_process_environment,
@@ -25,7 +25,16 @@ def test_tls_command_writes_a_ca_and_certificates_with_private_keys(tmp_path: Pa
 
     folder = tmp_path / "tls"
     env = {**os.environ, "PREFECT_ML_HOME": str(tmp_path / "home"), "COLUMNS": "400"}
-    command = [sys.executable, "-m", "flows.cli", "tls", "--dir", str(folder), "--host", "head.lan"]
+    command = [
+        sys.executable,
+        "-m",
+        "prefect_ml.flows.cli",
+        "tls",
+        "--dir",
+        str(folder),
+        "--host",
+        "head.lan",
+    ]
     run = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert f"PREFECT_ML_RAY_TLS_DIR={folder}" in run.stderr

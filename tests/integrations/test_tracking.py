@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from integrations import tracking
-from integrations.errors import ConfigurationError
-from integrations.settings import PrefectMLSettings
+from prefect_ml.integrations import tracking
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.settings import PrefectMLSettings
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -66,7 +66,7 @@ def test_unfinished_runs_are_resumed_finished_ones_are_not(home: PrefectMLSettin
 _KILLED_MID_MIGRATION = """
 import os, signal, sys
 import mlflow.store.db.utils as db_utils
-from integrations import tracking
+from prefect_ml.integrations import tracking
 
 def die(*args, **kwargs):  # the moment the chaos run hit: tables created, migrations not done
     os.kill(os.getpid(), signal.SIGKILL)

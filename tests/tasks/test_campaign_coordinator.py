@@ -20,13 +20,13 @@ import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
-from integrations import studies, tracking
-from integrations.leases import LeaseLostError
-from integrations.ray_training import TrainLoopConfig
-from integrations.tracking import TrackingWriter
-from integrations.trial_pool import Epochs, Outcome, TrialError, WorkerLost
-from integrations.trial_worker import EpochReport, TrialSpec
-from tasks.campaign.coordinator import CampaignRules, Coordinator
+from prefect_ml.integrations import studies, tracking
+from prefect_ml.integrations.leases import LeaseLostError
+from prefect_ml.integrations.ray_training import TrainLoopConfig
+from prefect_ml.integrations.tracking import TrackingWriter
+from prefect_ml.integrations.trial_pool import Epochs, Outcome, TrialError, WorkerLost
+from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec
+from prefect_ml.tasks.campaign.coordinator import CampaignRules, Coordinator
 
 EPOCHS = 3
 SPACE = {"lr": FloatDistribution(1e-4, 1e-1, log=True)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasks.campaign.identity import CampaignIdentity
+from prefect_ml.tasks.campaign.identity import CampaignIdentity
 
 
 def test_the_same_database_with_other_credentials_is_the_same_campaign() -> None:

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from prefect import flow
 
-from integrations import storage
-from integrations.catalog import load_dataset
-from integrations.errors import ConfigurationError
-from integrations.settings import PrefectMLSettings
-from tasks.data import (
+from prefect_ml.integrations import storage
+from prefect_ml.integrations.catalog import load_dataset
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.data import (
     PreparedData,
     inspect_dataset,
     prepared_splits,
@@ -19,7 +19,7 @@ from tasks.data import (
     split_indices,
     train_rows,
 )
-from tasks.params import DataParams, TrainModelParams
+from prefect_ml.tasks.params import DataParams, TrainModelParams
 
 
 def test_splits_are_stratified_disjoint_and_seeded() -> None:
@@ -75,7 +75,7 @@ def test_preprocess_reuses_splits_it_finds_by_their_own_metadata(home: PrefectML
 
     @flow
     def prepare_twice() -> list[PreparedData]:
-        return [preprocess(DataParams(), summary.fingerprint) for _ in range(2)]
+        return [preprocess() for _ in range(2)]
 
     first, second = prepare_twice()
     assert first == second
@@ -112,7 +112,7 @@ def test_a_planted_cache_record_is_never_unpickled(home: PrefectMLSettings, tmp_
     @flow
     def plant_then_prepare() -> PreparedData:
         ResultStore(serializer=PickleSerializer()).write(_Planted(canary), key=key)
-        return preprocess(DataParams(), summary.fingerprint)
+        return preprocess()
 
     prepared = plant_then_prepare()
     assert not canary.exists()

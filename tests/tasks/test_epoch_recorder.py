@@ -6,10 +6,10 @@ import json
 
 from prefect import flow
 
-from integrations import ray_training, tracking
-from integrations.checkpoints import CheckpointStore
-from integrations.settings import PrefectMLSettings
-from tasks.train import EpochRecorder
+from prefect_ml.integrations import ray_training, tracking
+from prefect_ml.integrations.checkpoints import CheckpointStore
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.train import EpochRecorder
 
 
 def _commit(store: CheckpointStore, epoch: int) -> None:

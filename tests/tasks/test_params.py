@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tasks.params import (
+from prefect_ml.tasks.params import (
     CampaignParams,
     PipelineParams,
     SweepParams,
@@ -197,7 +197,7 @@ def test_grid_values_cover_int_float_and_choices() -> None:
 
 
 def test_half_precision_inference_needs_a_gpu_replica() -> None:
-    from tasks.params import ServingParams
+    from prefect_ml.tasks.params import ServingParams
 
     with pytest.raises(ValidationError, match="inference_precision bf16 needs a GPU replica"):
         ServingParams(inference_precision="bf16")

@@ -6,17 +6,17 @@ import logging
 
 import pytest
 
-from integrations.errors import ConfigurationError
-from integrations.resources import ResourceRequest
-from integrations.settings import PrefectMLSettings
-from tasks.params import (
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.resources import ResourceRequest
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.params import (
     REPLICA_FIELDS,
     WORKER_FIELDS,
     CampaignParams,
     PipelineParams,
     TrainModelParams,
 )
-from tasks.placement import check_placement, require_fits, require_one_gpu_type
+from prefect_ml.tasks.placement import check_placement, require_fits, require_one_gpu_type
 
 
 def test_requests_that_fit_pass_and_each_section_is_checked(
@@ -53,7 +53,7 @@ def test_with_the_check_off_an_impossible_request_only_warns(
         require_fits(request, 1, nodes, what="replica(s)", fields=REPLICA_FIELDS)
     monkeypatch.setenv("PREFECT_ML_CHECK_RESOURCES", "false")
     # Prefect's logging setup replaces the root handlers, so listen on the module's logger.
-    logger = logging.getLogger("tasks.placement")
+    logger = logging.getLogger("prefect_ml.tasks.placement")
     logger.addHandler(caplog.handler)
     try:
         fits = require_fits(request, 1, nodes, what="replica(s)", fields=REPLICA_FIELDS)
@@ -95,7 +95,7 @@ def test_a_gpu_group_that_could_span_gpu_types_is_refused_unless_pinned_or_allow
         require_one_gpu_type(
             request, count, nodes, what="worker(s)", fields=WORKER_FIELDS, allowed=False
         )
-    logger = logging.getLogger("tasks.placement")
+    logger = logging.getLogger("prefect_ml.tasks.placement")
     logger.addHandler(caplog.handler)
     try:
         require_one_gpu_type(

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from integrations.errors import ConfigurationError
-from integrations.settings import PrefectMLSettings
-from tasks.params import CampaignParams, PipelineParams, ServeModelParams
-from tasks.quotas import apply_ray_slots, check_caps
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.params import CampaignParams, PipelineParams, ServeModelParams
+from prefect_ml.tasks.quotas import apply_ray_slots, check_caps
 
 _BIG = PipelineParams.model_validate(
     {

@@ -12,12 +12,11 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
 
-from integrations.prefect_server import RAY_TAG, ray_quota, set_ray_quota
-from integrations.settings import PrefectMLSettings
-from tasks.data import PreparedData
-from tasks.params import TrainModelParams
-from tasks.sweep import campaign
-from tasks.train import train
+from prefect_ml.integrations.prefect_server import RAY_TAG, ray_quota, set_ray_quota
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.data import PreparedData
+from prefect_ml.tasks.sweep import campaign
+from prefect_ml.tasks.train import train
 
 
 def test_ray_heavy_tasks_carry_the_quota_tag() -> None:
@@ -55,7 +54,7 @@ def test_training_waits_until_the_other_run_frees_the_ray_slot(
     data = PreparedData(
         fingerprint="f" * 16,
         splits_url=(home.home_dir / "nowhere").as_uri(),
-        rows={"train": 0},
+        rows={"train": 100},
         sample_shape=[4],
         num_classes=2,
         class_names=["a", "b"],
@@ -64,7 +63,7 @@ def test_training_waits_until_the_other_run_frees_the_ray_slot(
 
     @flow
     def second_run() -> tuple[UUID | None, bool, str]:
-        state = train(TrainModelParams(), data, return_state=True)
+        state = train(data, return_state=True)
         error = str(state.result(raise_on_failure=False))
         return state.state_details.task_run_id, state.is_failed(), error
 

@@ -12,18 +12,18 @@ import pytest
 from prefect import flow, task
 from prefect.client.orchestration import get_client
 
-from integrations.errors import (
+from prefect_ml.integrations.errors import (
     CampaignFailedError,
     ConfigurationError,
     EnvironmentCheckError,
     PrefectMLError,
 )
-from integrations.leases import LeaseLostError
-from integrations.settings import get_settings
-from tasks.data import inspect_data, preprocess
-from tasks.retries import is_transient, transient_retries
-from tasks.sweep import campaign
-from tasks.train import train
+from prefect_ml.integrations.leases import LeaseLostError
+from prefect_ml.integrations.settings import get_settings
+from prefect_ml.tasks.data import inspect_data, preprocess
+from prefect_ml.tasks.retries import is_transient, transient_retries
+from prefect_ml.tasks.sweep import campaign
+from prefect_ml.tasks.train import train
 
 
 def test_the_resumable_steps_carry_the_retry_policy_of_the_settings() -> None:

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from integrations import ray_training, storage, tracking
-from integrations.leases import LeaseLostError, LeaseRecord
-from integrations.settings import PrefectMLSettings
-from tasks.data import inspect_dataset, preprocess_dataset
-from tasks.evaluate import Evaluation, evaluate_model
-from tasks.params import TrainModelParams
-from tasks.train import TrainResult, train_distributed
+from prefect_ml.integrations import ray_training, storage, tracking
+from prefect_ml.integrations.leases import LeaseLostError, LeaseRecord
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.data import inspect_dataset, preprocess_dataset
+from prefect_ml.tasks.evaluate import Evaluation, evaluate_model
+from prefect_ml.tasks.params import TrainModelParams
+from prefect_ml.tasks.train import TrainResult, train_distributed
 from tests.helpers import committed_epochs, ray_train_workers, wait_for
 
 EPOCHS = 4
@@ -34,12 +34,8 @@ def train_flow(params: TrainModelParams) -> TrainResult:
 
 
 @flow
-def evaluate_flow(params: TrainModelParams, trained: TrainResult) -> Evaluation:
-    summary = inspect_dataset(params)
-    data = preprocess_dataset(
-        params.data, summary.fingerprint, PrefectMLSettings().resolved_storage_url
-    )
-    return evaluate_model(params, data, trained)
+def evaluate_flow(trained: TrainResult) -> Evaluation:
+    return evaluate_model(trained)
 
 
 def _train_in_thread(
@@ -100,7 +96,7 @@ def test_elastic_group_trains_on_what_the_cluster_has_and_carries_on_after_losin
 
     # A rerun killed between evaluation and registration evaluates the same run again: its test
     # metrics stay logged once.
-    evaluations = [evaluate_flow(params, result) for _ in range(2)]
+    evaluations = [evaluate_flow(result) for _ in range(2)]
     assert evaluations[0].metrics == evaluations[1].metrics
     history = client.get_metric_history(result.run_id, "test_accuracy")
     assert [m.value for m in history] == [evaluations[0].metrics["accuracy"]]
