@@ -61,8 +61,7 @@ def training_chain(params: TrainModelParams) -> TrainingOutcome:
             evaluation,
             model_name=registry.model_name,
             alias=registry.alias,
-            promote_if={registry.metric: registry.min_delta},
-            directions={registry.metric: registry.direction},
+            **registry.promotion(data.problem),
         )
     return TrainingOutcome(
         data=data, trained=trained, evaluation=evaluation, registration=registration

@@ -3,9 +3,11 @@
 Contracts for user code:
 
 * a dataset loader is ``loader(**options) -> (features, labels)`` returning NumPy arrays:
-  ``features`` shaped ``(n, *sample_shape)``, ``labels`` shaped ``(n,)`` with class labels;
+  ``features`` shaped ``(n, *sample_shape)``, ``labels`` shaped ``(n,)``: class labels, or
+  numbers for ``--task regression``;
 * a model factory is ``factory(input_shape, num_classes, **options) -> torch.nn.Module``
-  returning logits of shape ``(batch, num_classes)``;
+  returning ``(batch, num_classes)`` logits; for regression ``num_classes`` is 1 and the output
+  ``(batch, 1)`` is the prediction;
 * gradient checkpointing (``--gradient-checkpointing``) works on any ``nn.Sequential`` model; any
   other user model opts in by defining ``gradient_checkpointing_enable()`` (the name Hugging Face
   models use), which must make its forward recompute activations in backward instead of keeping
@@ -38,9 +40,13 @@ TABULAR_SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 
 @dataclass(frozen=True)
 class DatasetArrays:
-    """A whole dataset in memory: float32 features, int64 class ids and their names.
+    """A whole dataset in memory: float32 features and the labels of its task type: int64
+    class ids with their names (classification), or float32 target values (regression, no
+    class names).
 
-    ``feature_names`` names the columns of a tabular dataset; serving accepts rows by name.
+    ``feature_names`` names the columns of a tabular dataset; serving accepts rows by name. The
+    built-in loaders return their raw labels here; :func:`load_dataset` turns them into the
+    task's.
     """
 
     features: np.ndarray
@@ -59,7 +65,7 @@ def load_digits_dataset() -> DatasetArrays:
 
     bunch = load_digits()
     features = bunch.images.astype(np.float32)[:, None, :, :]
-    return DatasetArrays(features, bunch.target.astype(np.int64), [str(c) for c in range(10)])
+    return DatasetArrays(features, bunch.target.astype(np.int64), [])
 
 
 def tabular_format(url: str) -> str:
@@ -106,11 +112,10 @@ def load_tabular_dataset(url: str, label_column: str) -> DatasetArrays:
         raise ConfigurationError(
             "data.url", f"feature columns {non_numeric} are not numeric; encode or drop them"
         )
-    classes, labels = np.unique(frame[label_column].to_numpy(), return_inverse=True)
     return DatasetArrays(
         feature_frame.to_numpy(dtype=np.float32),
-        labels.astype(np.int64),
-        [str(c) for c in classes],
+        frame[label_column].to_numpy(),
+        [],
         [str(c) for c in feature_frame.columns],
     )
 
@@ -284,23 +289,53 @@ def accepted_options(target: Callable[..., Any], options: dict[str, Any]) -> dic
     return {k: v for k, v in options.items() if k in params}
 
 
-def load_dataset(name: str, options: dict[str, Any]) -> DatasetArrays:
-    """Load a dataset through its loader and normalise the result to :class:`DatasetArrays`."""
+def load_dataset(name: str, options: dict[str, Any], task: str = "classification") -> DatasetArrays:
+    """Load a dataset through its loader, with the labels of ``task``: class ids (the sorted
+    unique values become classes 0..k-1) or numeric targets."""
     result = resolve_dataset(name, options)(**options)
     if isinstance(result, DatasetArrays):
-        return result
-    try:
-        features, labels = result
-    except (TypeError, ValueError) as exc:
-        raise ConfigurationError(
-            "data.dataset", f"{name} must return (features, labels) arrays, got {type(result)}"
-        ) from exc
-    classes, label_ids = np.unique(np.asarray(labels), return_inverse=True)
-    return DatasetArrays(
-        np.asarray(features, dtype=np.float32),
-        label_ids.astype(np.int64),
-        [str(c) for c in classes],
+        features, raw, feature_names = result.features, result.labels, result.feature_names
+    else:
+        try:
+            features, raw = result
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                "data.dataset", f"{name} must return (features, labels) arrays, got {type(result)}"
+            ) from exc
+        feature_names = None
+    where = (
+        ("data.label_column", f"column {options.get('label_column')!r}")
+        if name == "tabular"
+        else ("data.dataset", f"the labels of {name}")
     )
+    labels, class_names = task_labels(np.asarray(raw), task, field=where[0], what=where[1])
+    return DatasetArrays(np.asarray(features, dtype=np.float32), labels, class_names, feature_names)
+
+
+def task_labels(
+    raw: np.ndarray, task: str, *, field: str, what: str
+) -> tuple[np.ndarray, list[str]]:
+    """``(labels, class_names)`` of ``raw`` labels for ``task``.
+
+    Raises:
+        ConfigurationError: a regression target with missing or non-numeric values, naming
+            ``what`` (the column) and how many rows.
+    """
+    if task == "classification":
+        classes, ids = np.unique(raw, return_inverse=True)
+        return ids.astype(np.int64), [str(c) for c in classes]
+    import pandas as pd
+
+    values = pd.to_numeric(pd.Series(raw.reshape(-1)), errors="coerce").to_numpy(np.float64)
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        raise ConfigurationError(
+            field,
+            f"the regression target ({what}) is not a number in {bad.size} of {values.size} "
+            f"rows (missing, NaN, infinite or text), e.g. rows {bad[:5].tolist()}; drop or "
+            "fill those rows, or use --task classification for class labels",
+        )
+    return values.astype(np.float32), []
 
 
 def build_model(
@@ -381,3 +416,34 @@ def with_standardizer(
     if len(sample_shape) > 1:
         layers.append(nn.Unflatten(1, tuple(int(d) for d in sample_shape)))
     return nn.Sequential(*layers, model).eval()
+
+
+def with_target_scale(model: torch.nn.Module, mean: float, std: float) -> torch.nn.Module:
+    """``model`` (one standardised output) followed by ``y * std + mean``: predictions in the
+    target's units, as a plain ``nn.Linear`` that ``mlflow models serve`` loads without this
+    project's code."""
+    import torch
+    from torch import nn
+
+    scale = nn.Linear(1, 1)
+    with torch.no_grad():
+        scale.weight.fill_(std)
+        scale.bias.fill_(mean)
+    return nn.Sequential(model, scale).eval()
+
+
+def taking_float64(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` behind a cast of its float64 input to float32.
+
+    A tabular model is logged this way: MLflow reads a CSV (``mlflow models predict -t csv``)
+    as float64 and checks it against the tensor signature without casting, and pt2, the only
+    format loaded here, takes only tensor signatures. torch.export traces the cast into the
+    graph, so the logged model needs none of this project's code.
+    """
+    from torch import nn
+
+    class AsFloat32(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.float()
+
+    return nn.Sequential(AsFloat32(), model).eval()

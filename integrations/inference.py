@@ -54,7 +54,8 @@ class DeviceDescription:
 
 
 class Predictor:
-    """A model in eval mode on its device; turns a float32 matrix into class probabilities."""
+    """A model in eval mode on its device; turns a float32 matrix into class probabilities
+    (classification) or predicted values (regression)."""
 
     def __init__(
         self,
@@ -62,9 +63,18 @@ class Predictor:
         sample_shape: list[int],
         device: torch.device,
         precision: InferencePrecision = "fp32",
+        task: str = "classification",
+        input_dtype: str = "float32",
     ) -> None:
         self.sample_shape, self.device, self.precision = sample_shape, device, precision
+        self.task, self.input_dtype = task, input_dtype  # what the model's first op takes
         self.model = model.to(device)
+
+    def outputs(self, matrix: np.ndarray) -> np.ndarray:
+        """What the task answers for each row: class probabilities, or ``(rows, 1)`` values."""
+        if self.task == "classification":
+            return self.probabilities(matrix)
+        return self._forward(matrix).float().cpu().numpy().reshape(len(matrix), -1)
 
     def _autocast(self) -> Any:
         import torch
@@ -78,11 +88,15 @@ class Predictor:
         """Softmax of the model's logits for each row of ``matrix``, as float32 on the host."""
         import torch
 
+        return torch.softmax(self._forward(matrix).float(), dim=1).cpu().numpy()
+
+    def _forward(self, matrix: np.ndarray) -> torch.Tensor:
+        import torch
+
         samples = torch.from_numpy(matrix).reshape(-1, *self.sample_shape)
-        samples = samples.to(self.device, non_blocking=True)
+        samples = samples.to(self.device, getattr(torch, self.input_dtype), non_blocking=True)
         with torch.inference_mode(), self._autocast():
-            logits = self.model(samples)
-        return torch.softmax(logits.float(), dim=1).cpu().numpy()
+            return self.model(samples)  # type: ignore[no-any-return]
 
     def describe(self) -> DeviceDescription:
         import torch

@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prefect_ml.integrations import collectives, distributed_checkpoint, storage, tracking
+from prefect_ml.integrations import (
+    collectives,
+    distributed_checkpoint,
+    problems,
+    storage,
+    tracking,
+)
 from prefect_ml.integrations.catalog import build_model, enable_gradient_checkpointing
 from prefect_ml.integrations.checkpoints import CheckpointStore, RetentionPolicy
 from prefect_ml.integrations.errors import CheckpointError, ConfigurationError
@@ -69,15 +75,19 @@ class TrainLoopConfig:
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast; fp16 adds a gradient scaler)
     gradient_checkpointing: bool = False
     strategy: str = "ddp"  # "ddp" | "fsdp" (FSDP2 ``fully_shard``); one worker trains unwrapped
+    task: str = "classification"  # the task type (integrations.problems): loss and metrics
+    target_mean: float = 0.0  # regression: the targets train standardised by these
+    target_std: float = 1.0
 
     def retention(self) -> RetentionPolicy | None:
         if self.keep_checkpoints < 1:
             return None
         metric = None if self.best_checkpoint_metric == "none" else self.best_checkpoint_metric
+        maximised = metric is not None and problems.EPOCH_METRICS.get(metric) == "maximize"
         return RetentionPolicy(
             keep_last=self.keep_checkpoints,
             metric=metric,
-            mode="max" if metric == "val_accuracy" else "min",
+            mode="max" if maximised else "min",
             metrics_file=METRICS_FILE,
             kept_files=(METRICS_FILE,),
         )
@@ -240,23 +250,27 @@ class EpochCommitter:
 
 
 def evaluate_batches(
-    model: torch.nn.Module, features: torch.Tensor, labels: torch.Tensor, batch_size: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(summed loss, correct predictions, rows) of ``model`` on the given rows; the sums stay on
+    model: torch.nn.Module,
+    features: torch.Tensor,
+    targets: torch.Tensor,
+    batch_size: int,
+    problem: problems.Problem,
+) -> list[torch.Tensor]:
+    """The task's summed validation statistics of ``model`` on the given rows; the sums stay on
     the rows' device (no host sync per batch) until the epoch's one all-reduce reads them."""
     import torch
-    import torch.nn.functional as F
 
-    loss_sum = torch.zeros((), dtype=torch.float64, device=labels.device)
-    correct = torch.zeros((), dtype=torch.int64, device=labels.device)
+    sums = [
+        torch.zeros((), dtype=torch.float64, device=targets.device)
+        for _ in range(problem.validation_width)
+    ]  # also what a worker with no validation rows adds
     model.eval()
     with torch.no_grad():
-        for start in range(0, len(labels), batch_size):
-            logits = model(features[start : start + batch_size])
-            target = labels[start : start + batch_size]
-            loss_sum += F.cross_entropy(logits.float(), target, reduction="sum")
-            correct += (logits.argmax(dim=1) == target).sum()
-    return loss_sum, correct, len(labels)
+        for start in range(0, len(targets), batch_size):
+            outputs = model(features[start : start + batch_size])
+            batch = problem.validation_sums(outputs, targets[start : start + batch_size])
+            sums = [total + part for total, part in zip(sums, batch, strict=True)]
+    return sums
 
 
 class EpochTrainer:
@@ -282,6 +296,7 @@ class EpochTrainer:
         from prefect_ml.integrations import devices
 
         self.config, self.rank, self.world_size = config, rank, world_size
+        self.problem = problems.problem(config.task)
         self.device = device or torch.device("cpu")
         collectives.check_group_device(self.device)
         check_precision(config.precision, self.device)
@@ -308,11 +323,19 @@ class EpochTrainer:
             split: load_shard(config.splits_url, split, rank, world_size)
             for split in ("train", "val")
         }
-        self.train_features, self.train_labels = (
-            torch.from_numpy(a).to(self.device) for a in shards["train"]
-        )
-        self.val_features, self.val_labels = (
-            torch.from_numpy(a).to(self.device) for a in shards["val"]
+        self.train_features, self.train_labels = self._on_device(*shards["train"])
+        self.val_features, self.val_labels = self._on_device(*shards["val"])
+
+    def _on_device(
+        self, features: np.ndarray, labels: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A shard's features and its task's training targets, on this worker's device."""
+        import torch
+
+        targets = self.problem.targets(labels, self.config.target_mean, self.config.target_std)
+        return (
+            torch.from_numpy(features).to(self.device),
+            torch.from_numpy(targets).to(self.device),
         )
 
     def _restore(self, files: dict[str, bytes]) -> None:
@@ -337,7 +360,6 @@ class EpochTrainer:
     def train_epoch(self, epoch: int) -> dict[str, float]:
         """Train one epoch, then evaluate; metrics are summed (memory: maxed) over all workers."""
         import torch
-        import torch.nn.functional as F
 
         from prefect_ml.integrations import devices
 
@@ -356,8 +378,8 @@ class EpochTrainer:
             index = order[step * config.batch_size : (step + 1) * config.batch_size]
             self.optimizer.zero_grad(set_to_none=True)
             with precision_context(config.precision, self.device):
-                logits = model(self.train_features[index])
-            loss = F.cross_entropy(logits.float(), self.train_labels[index])
+                outputs = model(self.train_features[index])
+            loss = self.problem.loss(outputs, self.train_labels[index])
             scaler.scale(loss).backward()
             scaler.step(self.optimizer)
             scaler.update()
@@ -365,28 +387,20 @@ class EpochTrainer:
         self.scheduler.step()
         train_seconds = time.perf_counter() - started
         with precision_context(config.precision, self.device):
-            val_loss, val_correct, val_rows = evaluate_batches(
-                model, self.val_features, self.val_labels, max(config.batch_size, 256)
+            val_sums = evaluate_batches(
+                model, self.val_features, self.val_labels, max(config.batch_size, 256), self.problem
             )
-        totals = collectives.all_reduce(
-            [
-                loss_sum,
-                len(self.train_labels),
-                val_loss,
-                val_correct,
-                val_rows,
-                train_seconds,
-            ],
+        train_rows, val_rows, seconds, *totals = collectives.all_reduce(
+            [len(self.train_labels), len(self.val_labels), train_seconds, loss_sum, *val_sums],
             self.device,
         )
         peak_memory = collectives.all_reduce(
             [devices.peak_memory_bytes(self.device)], self.device, op="max"
         )[0]
         return {
-            "train_loss": totals[0] / totals[1],
-            "val_loss": totals[2] / totals[4],
-            "val_accuracy": totals[3] / totals[4],
-            "samples_per_second": totals[1] / (totals[5] / self.world_size),
+            "train_loss": totals[0] / train_rows,
+            **self.problem.validation_metrics(totals[1:], val_rows, config.target_std),
+            "samples_per_second": train_rows / (seconds / self.world_size),
             "peak_memory_mib": peak_memory / 2**20,  # the largest worker's
             "workers": self.world_size,  # elastic groups change size between restarts
         }

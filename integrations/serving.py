@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple, cast
+from typing import Annotated, Any, Literal, NamedTuple, cast
 
 import numpy as np
 from fastapi import FastAPI, HTTPException, Request
@@ -63,8 +63,12 @@ class ModelIdentity(BaseModel):
 
 
 class PredictResponse(BaseModel):
-    predictions: list[str]
-    probabilities: list[list[float]]
+    predictions: list[str] | list[float] = Field(
+        description="Per row: the predicted class, or for a regression model the value."
+    )
+    probabilities: list[list[float]] | None = Field(
+        None, description="Classification: per row, the probability of each class."
+    )
     model: ModelIdentity
 
 
@@ -79,6 +83,8 @@ class ServedModel(BaseModel):
     feature_names: list[str] | None = None
     class_names: list[str] | None = None
     dataset_fingerprint: str | None = None
+    task: Literal["classification", "regression"] = "classification"
+    input_dtype: Literal["float32", "float64"] = "float32"
 
     @property
     def uri(self) -> str:
@@ -180,19 +186,27 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 
 
 def predictions_body(
-    probabilities: np.ndarray, class_names: list[str] | None, identity: dict[str, Any]
+    outputs: np.ndarray,
+    class_names: list[str] | None,
+    identity: dict[str, Any],
+    task: str = "classification",
 ) -> str:
-    """The JSON of a ``/predict`` answer; a model that returned NaN or infinity gets a 500 that
-    says so, never a body that is not JSON."""
-    if not np.isfinite(probabilities).all():
-        rows = np.flatnonzero(~np.isfinite(probabilities).all(axis=1)).tolist()
-        _problem(500, f"the model returned non-finite probabilities for rows {rows[:10]}")
-    indices = probabilities.argmax(axis=1).tolist()
-    content = {
-        "predictions": [class_names[i] if class_names else str(i) for i in indices],
-        "probabilities": probabilities.astype(np.float64).round(6).tolist(),
-        "model": identity,
-    }
+    """The JSON of a ``/predict`` answer: classes and their probabilities, or for regression
+    the values; a model that returned NaN or infinity gets a 500 that says so, never a body
+    that is not JSON."""
+    if not np.isfinite(outputs).all():
+        rows = np.flatnonzero(~np.isfinite(outputs).all(axis=1)).tolist()
+        _problem(500, f"the model returned non-finite outputs for rows {rows[:10]}")
+    content: dict[str, Any]
+    if task == "regression":
+        content = {"predictions": outputs[:, 0].astype(np.float64).tolist(), "model": identity}
+    else:
+        indices = outputs.argmax(axis=1).tolist()
+        content = {
+            "predictions": [class_names[i] if class_names else str(i) for i in indices],
+            "probabilities": outputs.astype(np.float64).round(6).tolist(),
+            "model": identity,
+        }
     return json.dumps(content, allow_nan=False)
 
 
@@ -231,6 +245,8 @@ class ModelServer:
             self.served.sample_shape,
             serving_device(self.limits.gpus, torch.cuda.is_available()),
             self.limits.inference_precision,
+            task=self.served.task,
+            input_dtype=self.served.input_dtype,
         )
         example = Model.load(local).load_input_example(local)
         self.input_example = np.asarray(example).reshape(-1, self.served.width)[:2].tolist()
@@ -260,8 +276,8 @@ class ModelServer:
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
     async def forward_batch(self, matrices: list[np.ndarray]) -> list[np.ndarray]:
         """Requests that arrive together go through the model as one matrix."""
-        probabilities = self.predictor.probabilities(np.concatenate(matrices))
-        return np.split(probabilities, np.cumsum([len(m) for m in matrices])[:-1])
+        outputs = self.predictor.outputs(np.concatenate(matrices))
+        return np.split(outputs, np.cumsum([len(m) for m in matrices])[:-1])
 
     @api.get("/healthz", summary="Liveness: the replica is up and its model is loaded")
     async def healthz(self, request: Request) -> dict[str, Any]:
@@ -279,11 +295,12 @@ class ModelServer:
             "model_uri": served.uri,
             "dataset_fingerprint": served.dataset_fingerprint,
             "input_schema": {
-                "type": "float32",
+                "type": served.input_dtype,
                 "features": served.width,
                 "sample_shape": served.sample_shape,
                 "feature_names": served.feature_names,
             },
+            "task": served.task,
             "classes": served.class_names,
             "limits": {
                 "max_rows": self.limits.max_rows,
@@ -300,7 +317,7 @@ class ModelServer:
 
     @api.post(
         "/predict",
-        summary="Class predictions and probabilities for a batch of rows",
+        summary="Predictions for a batch of rows: classes and probabilities, or values",
         response_model=PredictResponse,
         openapi_extra={
             "requestBody": {
@@ -329,10 +346,12 @@ class ModelServer:
             )
         matrix = _rows_to_array(parsed, self.served)
         if self.limits.batching:
-            probabilities = await self.forward_batch(matrix)
+            outputs = await self.forward_batch(matrix)
         else:
-            probabilities = self.predictor.probabilities(matrix)
-        body_text = predictions_body(probabilities, self.served.class_names, self.identity)
+            outputs = self.predictor.outputs(matrix)
+        body_text = predictions_body(
+            outputs, self.served.class_names, self.identity, self.served.task
+        )
         return Response(body_text, media_type="application/json")
 
 

@@ -34,6 +34,8 @@ SOURCE_RUN_TAG = "prefect_ml.mlflow_run_id"
 SAMPLE_SHAPE_TAG = "prefect_ml.sample_shape"  # JSON, on model versions: what serving validates
 CLASS_NAMES_TAG = "prefect_ml.class_names"
 FEATURE_NAMES_TAG = "prefect_ml.feature_names"
+TASK_TAG = "prefect_ml.task"  # on model versions: classification or regression
+INPUT_DTYPE_TAG = "prefect_ml.input_dtype"  # on model versions: float32 unless it says float64
 
 
 _INITIALISED: set[str] = set()
@@ -341,7 +343,11 @@ def log_and_register_model(
     model_name: str,
     tags: dict[str, str],
 ) -> str:
-    """Log ``model`` (signature, input example) to the run and register it; return the version."""
+    """Log ``model`` (signature, input example) to the run and register it; return the version.
+
+    The signature is a tensor of the example's dtype and shape: the pt2 format (torch.export,
+    no pickle) accepts no other kind, so column names travel in :data:`FEATURE_NAMES_TAG`.
+    """
     import mlflow
     import mlflow.pytorch
     import torch

@@ -11,7 +11,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ValidationError
 
-from prefect_ml.integrations import storage
+from prefect_ml.integrations import problems, storage
 from prefect_ml.integrations.catalog import DatasetArrays, load_dataset
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import get_settings
@@ -39,6 +39,7 @@ class DataSummary(BaseModel):
     train_rows: int
     sample_shape: list[int]
     num_classes: int
+    task: str = "classification"
 
 
 class PreparedData(BaseModel):
@@ -49,7 +50,11 @@ class PreparedData(BaseModel):
         fingerprint: content hash of the source data and the split recipe; names the splits.
         splits_url: storage URL of the train/val/test splits and their statistics.
         sample_shape: shape of one sample's features, e.g. ``[64]`` or ``[1, 8, 8]``.
-        num_classes, class_names: the labels.
+        task: ``classification`` or ``regression``.
+        num_classes, class_names: the classes; for regression 1 (the model's one output) and
+            none.
+        target_mean, target_std: regression: the training split's target statistics the
+            model trains on (0 and 1 when not standardised); the stored labels stay raw.
         rows: rows per split (``train``, ``val``, ``test``).
         feature_names: the columns of a tabular dataset, else None.
         recipe: the data parameters the splits were prepared with.
@@ -63,6 +68,13 @@ class PreparedData(BaseModel):
     rows: dict[str, int]
     feature_names: list[str] | None = None
     recipe: DataParams | None = None
+    task: problems.TaskType = "classification"
+    target_mean: float = 0.0
+    target_std: float = 1.0
+
+    @property
+    def problem(self) -> problems.Problem:
+        return problems.problem(self.task)
 
 
 def fingerprint_dataset(arrays: DatasetArrays, data: DataParams) -> str:
@@ -74,6 +86,8 @@ def fingerprint_dataset(arrays: DatasetArrays, data: DataParams) -> str:
     recipe = data.model_dump(
         mode="json", include={"val_fraction", "test_fraction", "split_seed", "normalize"}
     )
+    if data.task != "classification":  # classification data keeps the fingerprint it had
+        recipe.update(task=data.task, standardize_target=data.standardize_target)
     digest.update(
         json.dumps({"classes": arrays.class_names, **recipe, "v": FORMAT_VERSION}).encode()
     )
@@ -81,24 +95,30 @@ def fingerprint_dataset(arrays: DatasetArrays, data: DataParams) -> str:
 
 
 def split_indices(labels: np.ndarray, data: DataParams) -> dict[str, np.ndarray]:
-    """Seeded, stratified train/val/test row indices (each split shuffled)."""
+    """Seeded train/val/test row indices (each split shuffled), stratified by class for
+    classification and random for regression."""
     from sklearn.model_selection import train_test_split
 
     rows = np.arange(len(labels))
+    stratified = data.task == "classification"
     try:
         rest, test = train_test_split(
-            rows, test_size=data.test_fraction, stratify=labels, random_state=data.split_seed
+            rows,
+            test_size=data.test_fraction,
+            stratify=labels if stratified else None,
+            random_state=data.split_seed,
         )
         train, val = train_test_split(
             rest,
             test_size=data.val_fraction / (1 - data.test_fraction),
-            stratify=labels[rest],
+            stratify=labels[rest] if stratified else None,
             random_state=data.split_seed,
         )
     except ValueError as exc:
         raise ConfigurationError(
             "data.dataset",
-            f"cannot make a stratified split ({exc}); every class needs a few rows in each split",
+            f"cannot make a stratified split ({exc}); every class needs a few rows in each "
+            "split. If the label is a number to predict, not a class, set --task regression",
         ) from exc
     return {"train": train, "val": val, "test": test}
 
@@ -152,7 +172,8 @@ def params_on_data(
 
 def inspect_dataset(params: TrainingSections) -> DataSummary:
     """Load the data and check what parameters alone cannot; writes nothing anywhere."""
-    arrays = load_dataset(params.data.dataset, params.data.loader_options())
+    arrays = load_dataset(params.data.dataset, params.data.loader_options(), params.data.task)
+    split_indices(arrays.labels, params.data)  # a split that cannot be made fails here, not later
     n_train = train_rows(len(arrays.labels), params.data)
     check_fits_training_split(params, n_train)
     return DataSummary(
@@ -160,7 +181,8 @@ def inspect_dataset(params: TrainingSections) -> DataSummary:
         rows=len(arrays.labels),
         train_rows=n_train,
         sample_shape=list(arrays.sample_shape),
-        num_classes=len(arrays.class_names),
+        num_classes=len(arrays.class_names) or 1,
+        task=params.data.task,
     )
 
 
@@ -169,9 +191,13 @@ def preprocess_dataset(
 ) -> PreparedData:
     """Split, standardise with training statistics only, write the splits under the fingerprint
     (``arrays``: the dataset, when already loaded)."""
-    arrays = arrays or load_dataset(data.dataset, data.loader_options())
+    arrays = arrays or load_dataset(data.dataset, data.loader_options(), data.task)
     splits = split_indices(arrays.labels, data)
     train = arrays.features[splits["train"]]
+    target_mean, target_std = 0.0, 1.0
+    if data.task == "regression" and data.standardize_target:
+        targets = arrays.labels[splits["train"]].astype(np.float64)
+        target_mean, target_std = float(targets.mean()), float(targets.std()) or 1.0
     mean = train.mean(axis=0) if data.normalize else np.zeros(arrays.sample_shape, np.float32)
     std = train.std(axis=0) if data.normalize else np.ones(arrays.sample_shape, np.float32)
     std = np.where(std < 1e-6, 1.0, std).astype(np.float32)
@@ -186,11 +212,14 @@ def preprocess_dataset(
         fingerprint=fingerprint,
         splits_url=splits_url,
         sample_shape=list(arrays.sample_shape),
-        num_classes=len(arrays.class_names),
+        num_classes=len(arrays.class_names) or 1,
         class_names=arrays.class_names,
         rows={name: len(index) for name, index in splits.items()},
         feature_names=arrays.feature_names,
         recipe=data,
+        task=data.task,
+        target_mean=target_mean,
+        target_std=target_std,
     )
     storage.write_bytes(storage.join(splits_url, "meta.json"), prepared.model_dump_json().encode())
     return prepared
@@ -248,7 +277,7 @@ def preprocess(dataset: str = "digits", **options: Any) -> PreparedData:
     data = params_from_options(DataParams, {"dataset": dataset, **options}, step="preprocess")
     settings = get_settings()
     storage.prepare_storage(settings)
-    arrays = load_dataset(data.dataset, data.loader_options())
+    arrays = load_dataset(data.dataset, data.loader_options(), data.task)
     fingerprint = fingerprint_dataset(arrays, data)
     storage_url = storage.root_url(settings)
     existing = prepared_splits(fingerprint, storage_url)

@@ -13,19 +13,17 @@ from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.data import PreparedData
 from prefect_ml.tasks.train import TrainResult, trained_model
 
-__all__ = ["METRIC_DIRECTIONS", "Evaluation", "evaluate"]
-
-# Which way each test metric improves: what promotion compares by default.
-METRIC_DIRECTIONS = {"accuracy": "maximize", "macro_f1": "maximize", "loss": "minimize"}
+__all__ = ["Evaluation", "evaluate"]
 
 
 class Evaluation(BaseModel):
-    """What :func:`evaluate` returns: held-out test metrics, keyed without ``test_``
-    (``accuracy``, ``macro_f1``, ``loss``; see :data:`METRIC_DIRECTIONS`), and the confusion
-    matrix (rows: true class, columns: predicted)."""
+    """What :func:`evaluate` returns: held-out test metrics of the task, keyed without
+    ``test_`` (``accuracy``, ``macro_f1``, ``loss``; for regression ``rmse``, ``mae``, ``r2``,
+    ``loss``), and for classification the confusion matrix (rows: true class, columns:
+    predicted)."""
 
     metrics: dict[str, float]
-    confusion_matrix: list[list[int]]
+    confusion_matrix: list[list[int]] | None = None
 
 
 def confusion_figure(matrix: np.ndarray, class_names: list[str]):  # type: ignore[no-untyped-def]
@@ -58,22 +56,43 @@ def confusion_figure(matrix: np.ndarray, class_names: list[str]):  # type: ignor
     return figure
 
 
+def predicted_figure(predictions: np.ndarray, actual: np.ndarray):  # type: ignore[no-untyped-def]
+    """Predicted against actual values of a regression's test split, with the identity line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(5, 5))
+    axes.scatter(actual, predictions, s=10, alpha=0.6)
+    low = float(min(actual.min(), predictions.min())) if actual.size else 0.0
+    high = float(max(actual.max(), predictions.max())) if actual.size else 1.0
+    axes.plot([low, high], [low, high], color="grey", linewidth=1, linestyle="--")
+    axes.set_xlabel("actual")
+    axes.set_ylabel("predicted")
+    axes.set_title("Test split: predicted vs actual")
+    figure.tight_layout()
+    return figure
+
+
 def evaluate_model(trained: TrainResult, data: PreparedData | None = None) -> Evaluation:
     """Score the final checkpoint on the test split (of ``data``, else of the data it trained
-    on) and log the metrics and the confusion matrix to the run."""
+    on) with its task's metrics, and log them and a figure (the confusion matrix, or predicted
+    against actual values) to the run."""
     import torch
-    from sklearn.metrics import confusion_matrix, f1_score
 
     scored, trained_on = data or trained.data, trained.data
-    if (scored.sample_shape, scored.class_names) != (
+    if (scored.task, scored.sample_shape, scored.class_names) != (
+        trained_on.task,
         trained_on.sample_shape,
         trained_on.class_names,
     ):
         raise ConfigurationError(
             "data",
-            f"samples of shape {scored.sample_shape} with classes {scored.class_names} cannot "
-            f"score a model trained on shape {trained_on.sample_shape} with classes "
-            f"{trained_on.class_names}; pass data prepared like the training data",
+            f"{scored.task} samples of shape {scored.sample_shape} with classes "
+            f"{scored.class_names} cannot score a {trained_on.task} model trained on shape "
+            f"{trained_on.sample_shape} with classes {trained_on.class_names}; pass data "
+            "prepared like the training data",
         )
 
     def read(name: str) -> np.ndarray:
@@ -83,14 +102,20 @@ def evaluate_model(trained: TrainResult, data: PreparedData | None = None) -> Ev
     features = torch.from_numpy(read("test_features.npy"))
     labels = read("test_labels.npy")
     with torch.no_grad():
-        logits = torch.cat([model(batch) for batch in features.split(512)])
-    predictions = logits.argmax(dim=1).numpy()
-    matrix = confusion_matrix(labels, predictions, labels=range(scored.num_classes))
-    metrics = {
-        "accuracy": float((predictions == labels).mean()),
-        "macro_f1": float(f1_score(labels, predictions, average="macro")),
-        "loss": float(torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels))),
-    }
+        outputs = torch.cat([model(batch) for batch in features.split(512)]).float().numpy()
+    problem = trained_on.problem
+    matrix = None
+    if problem.name == "regression":  # the model predicts standardised targets
+        outputs = outputs * trained_on.target_std + trained_on.target_mean
+        figure = predicted_figure(outputs.reshape(-1), labels)
+        figure_path = "evaluation/predicted_vs_actual.png"
+    else:
+        from sklearn.metrics import confusion_matrix
+
+        matrix = confusion_matrix(labels, outputs.argmax(axis=1), labels=range(scored.num_classes))
+        figure = confusion_figure(matrix, scored.class_names)
+        figure_path = "evaluation/confusion_matrix.png"
+    metrics = problem.scores(outputs, labels)
     client = tracking.client_for(get_settings().resolved_tracking_uri)
     # A process killed after evaluating and before registration is evaluated again by the rerun
     # (same checkpoint, same split, same numbers): each test metric is logged once.
@@ -98,17 +123,18 @@ def evaluate_model(trained: TrainResult, data: PreparedData | None = None) -> Ev
     fresh = {f"test_{k}": v for k, v in metrics.items() if f"test_{k}" not in logged}
     if fresh:
         tracking.log_metrics(client, trained.run_id, fresh)
-    figure = confusion_figure(matrix, scored.class_names)
-    tracking.log_figure(client, trained.run_id, figure, "evaluation/confusion_matrix.png")
-    return Evaluation(metrics=metrics, confusion_matrix=matrix.tolist())
+    tracking.log_figure(client, trained.run_id, figure, figure_path)
+    return Evaluation(metrics=metrics, confusion_matrix=None if matrix is None else matrix.tolist())
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate(trained: TrainResult, data: PreparedData | None = None) -> Evaluation:
     """Score a trained run's final checkpoint on a held-out test split.
 
-    The metrics go to the run as ``test_accuracy``, ``test_macro_f1`` and ``test_loss`` (each
-    once, also when evaluated again) with the confusion matrix as a figure.
+    The task's metrics go to the run as ``test_<name>`` (``test_accuracy``, ``test_macro_f1``,
+    ``test_loss``; for regression ``test_rmse``, ``test_mae``, ``test_r2``, ``test_loss``), each
+    once also when evaluated again, with a figure: the confusion matrix, or predicted against
+    actual values.
 
     Args:
         trained: what :func:`~prefect_ml.train` returned.

@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import to_jsonable_python
 
-from prefect_ml.integrations import storage, tracking
+from prefect_ml.integrations import problems, storage, tracking
 from prefect_ml.integrations.catalog import resolve_dataset, resolve_model
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.resources import GB, RequestFields, ResourceRequest
@@ -69,8 +69,17 @@ class DataParams(_Section):
         description="For 'tabular': URL of a CSV or Parquet file (a path, file://, s3://, gs://, "
         "abfs://; other schemes only if PREFECT_ML_EXTRA_URL_SCHEMES allows them).",
     )
+    task: problems.TaskType = Field(
+        "classification",
+        title="Task type",
+        description="classification: labels are classes (cross-entropy; accuracy, macro-F1); "
+        "regression: labels are numbers (mean squared error; RMSE, MAE, R²).",
+    )
     label_column: str | None = Field(
-        None, title="Label column", description="For 'tabular': the column holding the class label."
+        None,
+        title="Label column",
+        description="For 'tabular': the column holding the label (a class, or the regression "
+        "target).",
     )
     dataset_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -83,11 +92,22 @@ class DataParams(_Section):
     test_fraction: float = Field(
         0.15, gt=0, lt=0.5, title="Test fraction", description="Share of rows held out for testing."
     )
-    split_seed: int = Field(0, title="Split seed", description="Seed of the stratified split.")
+    split_seed: int = Field(
+        0,
+        title="Split seed",
+        description="Seed of the split (stratified by class for classification, random for "
+        "regression).",
+    )
     normalize: bool = Field(
         True,
         title="Normalise",
         description="Standardise features with mean and std fitted on the training split only.",
+    )
+    standardize_target: bool = Field(
+        True,
+        title="Standardise the target",
+        description="Regression: train on the target standardised by the training split's mean "
+        "and std; metrics and predictions stay in the target's units.",
     )
 
     @field_validator("url")
@@ -245,11 +265,13 @@ class TrainingParams(_Section):
         description="Newest checkpoints that keep their weights; older ones keep only their "
         "metrics (the best one by the best-checkpoint metric is kept too).",
     )
-    best_checkpoint_metric: Literal["val_loss", "val_accuracy", "none"] = Field(
+    best_checkpoint_metric: Literal[
+        "val_loss", "val_accuracy", "val_rmse", "val_mae", "val_r2", "none"
+    ] = Field(
         "val_loss",
         title="Best-checkpoint metric",
-        description="Validation metric whose best epoch keeps its weights whatever its age; "
-        "'none' keeps only the newest.",
+        description="Validation metric whose best epoch keeps its weights whatever its age "
+        "(one the task type produces); 'none' keeps only the newest.",
     )
 
     @field_validator("workers", mode="before")
@@ -311,11 +333,17 @@ class RegistryParams(_Section):
         title="Registered model name",
         description="Name of the model in the MLflow registry.",
     )
-    metric: Literal["accuracy", "macro_f1", "loss"] = Field(
-        "accuracy", title="Promotion metric", description="Test metric compared with the champion."
+    metric: Literal["accuracy", "macro_f1", "loss", "rmse", "mae", "r2"] | None = Field(
+        None,
+        title="Promotion metric",
+        description="Test metric compared with the champion (one the task type produces); by "
+        "default accuracy for classification, rmse for regression.",
     )
-    direction: Literal["maximize", "minimize"] = Field(
-        "maximize", title="Direction", description="Whether a higher or lower metric is better."
+    direction: Literal["maximize", "minimize"] | None = Field(
+        None,
+        title="Direction",
+        description="Whether a higher or lower metric is better; by default the metric's own "
+        "(loss, rmse and mae are minimised, the others maximised).",
     )
     min_delta: float = Field(
         0.0,
@@ -327,6 +355,12 @@ class RegistryParams(_Section):
     alias: str = Field(
         "champion", min_length=1, title="Alias", description="Alias given to the best version."
     )
+
+    def promotion(self, problem: problems.Problem) -> dict[str, dict[str, Any]]:
+        """The ``promote_if`` and ``directions`` options of the registry step for ``problem``."""
+        metric = self.metric or problem.promotion
+        directions = {metric: self.direction} if self.direction else {}
+        return {"promote_if": {metric: self.min_delta}, "directions": directions}
 
 
 class TrainingSections(_Section):
@@ -359,6 +393,37 @@ class TrainingSections(_Section):
     def _check_experiment(cls, experiment: str) -> str:
         return tracking.check_experiment_name(experiment)
 
+    @model_validator(mode="after")
+    def _check_task_metrics(self) -> TrainingSections:
+        """Every metric a section names is one the data's task type produces; a campaign that
+        names no objective optimises the task's headline metric."""
+        problem = problems.problem(self.data.task)
+        named: list[tuple[str, str]] = [
+            ("training.best_checkpoint_metric", self.training.best_checkpoint_metric)
+        ]
+        registry: RegistryParams | None = getattr(self, "registry", None)
+        if registry is not None and registry.metric is not None:
+            named.append(("registry.metric", registry.metric))
+        for field, metric in named:
+            known = problem.test_metrics if field == "registry.metric" else problem.epoch_metrics
+            if metric != "none" and metric not in known:
+                raise ValueError(
+                    f"{field}: {problem.name} produces no {metric!r}; use one of {list(known)} "
+                    "(or set --task)"
+                )
+        sweep: SweepParams | None = getattr(self, "sweep", None)
+        if sweep is not None:
+            if "objectives" not in sweep.model_fields_set:
+                headline = {problem.headline: problem.epoch_metrics[problem.headline]}
+                sweep.objectives = headline  # type: ignore[assignment]
+            unknown = [name for name in sweep.objectives if name not in problem.epoch_metrics]
+            if unknown:
+                raise ValueError(
+                    f"sweep.objectives: {problem.name} produces no {unknown}; choose from "
+                    f"{list(problem.epoch_metrics)}"
+                )
+        return self
+
     def run_key(self, fingerprint: str) -> str:
         """Identity of a training run: the same command on the same data resumes the same run."""
         identity = {
@@ -383,7 +448,7 @@ class TrainModelParams(TrainingSections):
 # Search-space names a campaign may tune: every model and training field that shapes the result.
 SEARCHABLE_SECTIONS: dict[str, type[_Section]] = {"model": ModelParams, "training": TrainingParams}
 NOT_SEARCHABLE = {"model", "model_options", "workers", "use_gpu", *OPERATIONAL_FIELDS}
-EPOCH_METRICS = ("val_accuracy", "val_loss", "train_loss")
+EPOCH_METRICS = tuple(problems.EPOCH_METRICS)  # of every task type; each flow checks its own
 
 
 class SearchDimension(_Section):

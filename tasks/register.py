@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
-from typing import Literal
+from dataclasses import dataclass
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from prefect_ml.integrations import storage, tracking
-from prefect_ml.integrations.catalog import with_standardizer
+from prefect_ml.integrations import problems, storage, tracking
+from prefect_ml.integrations.catalog import taking_float64, with_standardizer, with_target_scale
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.problems import Direction
 from prefect_ml.integrations.settings import get_settings
-from prefect_ml.tasks.evaluate import METRIC_DIRECTIONS, Evaluation
-from prefect_ml.tasks.params import RegistryParams
+from prefect_ml.tasks.evaluate import Evaluation
 from prefect_ml.tasks.report import publish_summary_artifacts
 from prefect_ml.tasks.train import TrainResult, current_flow_run_id, trained_model
 
@@ -43,14 +44,27 @@ class Registration(BaseModel):
     previous_champion: str | None
 
 
+@dataclass(frozen=True)
+class PromotionRule:
+    """The new version must beat the champion's ``test_<metric>`` by ``min_delta``."""
+
+    metric: str
+    direction: Direction
+    min_delta: float
+
+
 def promotion_rules(
-    model_name: str,
-    alias: str,
+    problem: problems.Problem,
     promote_if: Mapping[str, float],
-    directions: Mapping[str, Literal["maximize", "minimize"]],
-) -> list[RegistryParams]:
+    directions: Mapping[str, str],
+) -> list[PromotionRule]:
     """One checked rule per metric of ``promote_if`` (test metric -> minimum improvement), each
-    in its direction: ``directions``' or the metric's own (:data:`METRIC_DIRECTIONS`)."""
+    in its direction: ``directions``' or the metric's own.
+
+    Raises:
+        ConfigurationError: a metric the task type does not produce, an improvement below 0,
+            a direction other than maximize/minimize.
+    """
     if not promote_if:
         raise ConfigurationError(
             "promote_if", "name at least one test metric, e.g. {'accuracy': 0}"
@@ -59,31 +73,29 @@ def promotion_rules(
         raise ConfigurationError("directions", f"{stray} are not metrics of promote_if")
     rules = []
     for metric, min_delta in promote_if.items():
-        try:
-            rules.append(
-                RegistryParams(
-                    model_name=model_name,
-                    alias=alias,
-                    metric=metric,  # type: ignore[arg-type]
-                    direction=directions.get(metric) or METRIC_DIRECTIONS.get(metric, "maximize"),  # type: ignore[arg-type]
-                    min_delta=min_delta,
-                )
+        if metric not in problem.test_metrics:
+            raise ConfigurationError(
+                "promote_if",
+                f"{problem.name} produces no test metric {metric!r}; use one of "
+                f"{list(problem.test_metrics)}",
             )
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            name = str(error["loc"][0]) if error["loc"] else ""
-            field = {
-                "metric": "promote_if",
-                "min_delta": f"promote_if[{metric!r}]",
-                "direction": f"directions[{metric!r}]",
-            }.get(name, name)
-            raise ConfigurationError(field, error["msg"]) from None
+        if not (isinstance(min_delta, int | float) and math.isfinite(min_delta) and min_delta >= 0):
+            raise ConfigurationError(
+                f"promote_if[{metric!r}]",
+                f"the improvement must be a number >= 0, not {min_delta!r}",
+            )
+        direction = directions.get(metric, problem.test_metrics[metric])
+        if direction not in ("maximize", "minimize"):
+            raise ConfigurationError(
+                f"directions[{metric!r}]", f"{direction!r} is neither 'maximize' nor 'minimize'"
+            )
+        rules.append(PromotionRule(metric, direction, float(min_delta)))  # type: ignore[arg-type]
     return rules
 
 
 def decide(
     evaluation: Evaluation,
-    rules: list[RegistryParams],
+    rules: list[PromotionRule],
     champion_metrics: Mapping[str, float],
     champion_version: str | None,
 ) -> tracking.PromotionDecision:
@@ -109,10 +121,16 @@ def decide(
 
 
 def register_model(
-    trained: TrainResult, evaluation: Evaluation, rules: list[RegistryParams]
+    trained: TrainResult,
+    evaluation: Evaluation,
+    *,
+    model_name: str,
+    alias: str,
+    rules: list[PromotionRule],
 ) -> Registration:
-    """Register the trained model (raw features in, logits out) and move the alias to it only
-    if it beats the alias's current version on every rule's metric.
+    """Register the trained model (raw features in; logits out, or for regression predictions
+    in the target's units) and move the alias to it only if it beats the alias's current
+    version on every rule's metric.
 
     The logged model includes the training split's standardisation, so it takes the same raw
     features as the source data: ``mlflow models serve -m models:/<name>@champion`` serves it as is.
@@ -120,7 +138,6 @@ def register_model(
     logger = get_run_logger()
     settings = get_settings()
     data = trained.data
-    registry = rules[0]  # every rule names the same model and alias
     client = tracking.client_for(settings.resolved_tracking_uri)
     model = trained_model(trained)
     mean = storage.read_array(storage.join(data.splits_url, "mean.npy"))
@@ -129,19 +146,31 @@ def register_model(
         storage.join(data.splits_url, "test_features.npy"), 0, INPUT_EXAMPLE_ROWS
     )
     raw_example = (test_rows * std + mean).astype("float32")
+    served = with_standardizer(model, mean, std, data.sample_shape)
+    if data.task == "regression":
+        served = with_target_scale(served, data.target_mean, data.target_std)
+    input_dtype = "float32"
+    if data.feature_names:  # tabular: rows read from a CSV are float64
+        served, raw_example, input_dtype = (
+            taking_float64(served),
+            raw_example.astype("float64"),
+            "float64",
+        )
 
-    current = tracking.champion(client, registry.model_name, registry.alias)
+    current = tracking.champion(client, model_name, alias)
     champion_metrics = tracking.run_metrics(client, current[1]) if current is not None else {}
     decision = decide(evaluation, rules, champion_metrics, current[0] if current else None)
     version = tracking.log_and_register_model(
         client,
         settings.resolved_tracking_uri,
         trained.run_id,
-        with_standardizer(model, mean, std, data.sample_shape),
+        served,
         raw_example,
-        model_name=registry.model_name,
+        model_name=model_name,
         tags={
             tracking.FINGERPRINT_TAG: data.fingerprint,
+            tracking.TASK_TAG: data.task,
+            tracking.INPUT_DTYPE_TAG: input_dtype,
             tracking.SAMPLE_SHAPE_TAG: json.dumps(data.sample_shape),
             tracking.CLASS_NAMES_TAG: json.dumps(data.class_names),
             **(
@@ -155,21 +184,19 @@ def register_model(
         },
     )
     if decision.promoted:
-        tracking.set_alias(client, registry.model_name, registry.alias, version)
+        tracking.set_alias(client, model_name, alias, version)
     verdict = "promoted" if decision.promoted else "not promoted"
     decision_tags = {"promotion.decision": verdict, "promotion.reason": decision.reason}
-    tracking.tag_version(client, registry.model_name, version, decision_tags)
+    tracking.tag_version(client, model_name, version, decision_tags)
     tracking.set_tags(client, trained.run_id, {**decision_tags, "registered_version": version})
     tracking.finish_run(client, trained.run_id)
-    model_name = tracking.in_namespace(registry.model_name)  # what the registry calls it
-    logger.info(
-        "%s v%s %s to @%s: %s", model_name, version, verdict, registry.alias, decision.reason
-    )
+    registered_name = tracking.in_namespace(model_name)  # what the registry calls it
+    logger.info("%s v%s %s to @%s: %s", registered_name, version, verdict, alias, decision.reason)
     return Registration(
-        model_name=model_name,
+        model_name=registered_name,
         version=version,
-        model_uri=f"models:/{model_name}/{version}",
-        alias=registry.alias,
+        model_uri=f"models:/{registered_name}/{version}",
+        alias=alias,
         promoted=decision.promoted,
         reason=decision.reason,
         previous_champion=decision.previous_version,
@@ -184,7 +211,7 @@ def register(
     model_name: str,
     alias: str = "champion",
     promote_if: Mapping[str, float] | None = None,
-    directions: Mapping[str, Literal["maximize", "minimize"]] | None = None,
+    directions: Mapping[str, Direction] | None = None,
 ) -> Registration:
     """Register a trained run's model in MLflow and give it the alias only if it is better.
 
@@ -199,15 +226,22 @@ def register(
         model_name: the registered model's name.
         alias: the alias it competes for.
         promote_if: test metric -> minimum improvement, e.g. ``{"macro_f1": 0.01}``; by
-            default ``{"accuracy": 0.0}`` (any improvement).
+            default the task's metric with any improvement (``{"accuracy": 0.0}``, for
+            regression ``{"rmse": 0.0}``).
         directions: ``"maximize"`` or ``"minimize"`` per metric, where not the metric's own
-            (accuracy and macro_f1 are maximised, loss minimised).
+            (loss, rmse and mae are minimised, the others maximised).
 
     Raises:
-        ConfigurationError: an unknown metric, a negative improvement or an empty name, before
-            anything is registered.
+        ConfigurationError: a metric the task does not produce, a negative improvement or an
+            empty name, before anything is registered.
     """
-    rules = promotion_rules(model_name, alias, promote_if or {"accuracy": 0.0}, directions or {})
-    registration = register_model(trained, evaluation, rules)
+    for field, name in (("model_name", model_name), ("alias", alias)):
+        if not name:
+            raise ConfigurationError(field, "must not be empty")
+    problem = trained.data.problem
+    rules = promotion_rules(problem, promote_if or {problem.promotion: 0.0}, directions or {})
+    registration = register_model(
+        trained, evaluation, model_name=model_name, alias=alias, rules=rules
+    )
     publish_summary_artifacts(trained, evaluation, registration)
     return registration

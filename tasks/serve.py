@@ -99,6 +99,8 @@ def resolve_served_model(
         feature_names=_json_tag(version, tracking.FEATURE_NAMES_TAG),
         class_names=_json_tag(version, tracking.CLASS_NAMES_TAG),
         dataset_fingerprint=version.tags.get(tracking.FINGERPRINT_TAG),
+        task=version.tags.get(tracking.TASK_TAG, "classification"),
+        input_dtype=version.tags.get(tracking.INPUT_DTYPE_TAG, "float32"),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -42,7 +43,8 @@ class TrainResult(BaseModel):
         checkpoint_url: where its verified checkpoints are.
         final_epoch, resumed_from_epoch: the last epoch, and the epoch a resumed run started at
             (0 from scratch).
-        epoch_metrics: the last epoch's metrics (``train_loss``, ``val_loss``, ``val_accuracy``).
+        epoch_metrics: the last epoch's metrics (``train_loss``, ``val_loss`` and the task's:
+            ``val_accuracy``, or ``val_rmse``, ``val_mae``, ``val_r2``).
         model: the network it trained (the model section), to rebuild it from the checkpoint.
         data: the prepared dataset it trained on.
     """
@@ -90,8 +92,10 @@ class EpochRecorder:
         checkpoint_url: str,
         epochs: int,
         lease: Lease | None = None,
+        headline: str = "val_accuracy",
     ) -> None:
         self._client = tracking.client_for(tracking_uri)
+        self._headline = headline  # the task's metric shown next to the loss
         self._lease = lease
         self._run_id, self._epochs = run_id, epochs
         self._store = CheckpointStore(checkpoint_url)
@@ -144,7 +148,8 @@ class EpochRecorder:
             )
             self._logged.add(epoch)
             line = (
-                f"train_loss {metrics['train_loss']:.4f}  val_acc {metrics['val_accuracy']:.4f}  "
+                f"train_loss {metrics['train_loss']:.4f}  "
+                f"{self._headline} {metrics[self._headline]:.4f}  "
                 f"{metrics['samples_per_second']:,.0f} samples/s"
             )
             self._logger.info("epoch %d/%d  %s", epoch, self._epochs, line)
@@ -159,28 +164,28 @@ def loop_config(
     tracking_uri: str,
     run_id: str,
 ) -> ray_training.TrainLoopConfig:
-    """What every training worker needs to know, from the parameters and the prepared data."""
+    """What every training worker needs to know: each loop field that the model or training
+    section has, taken from it (no second list of names), plus the data and where to write."""
+    sections = {**params.training.model_dump(), **params.model.model_dump()}
+    shared = {
+        field.name: sections[field.name]
+        for field in dataclasses.fields(ray_training.TrainLoopConfig)
+        if field.name in sections
+    }
     return ray_training.TrainLoopConfig(
-        splits_url=data.splits_url,
-        input_shape=data.sample_shape,
-        num_classes=data.num_classes,
-        model=params.model.model,
-        model_options=params.model.factory_options(),
-        epochs=params.training.epochs,
-        batch_size=params.training.batch_size,
-        lr=params.training.lr,
-        optimizer=params.training.optimizer,
-        weight_decay=params.training.weight_decay,
-        scheduler=params.training.scheduler,
-        seed=params.training.seed,
-        checkpoint_url=checkpoint_url,
-        tracking_uri=tracking_uri,
-        run_id=run_id,
-        keep_checkpoints=params.training.keep_checkpoints,
-        best_checkpoint_metric=params.training.best_checkpoint_metric,
-        precision=params.training.precision,
-        gradient_checkpointing=params.training.gradient_checkpointing,
-        strategy=params.training.strategy,
+        **{
+            **shared,
+            "model_options": params.model.factory_options(),  # built-in shape options too
+            "splits_url": data.splits_url,
+            "input_shape": data.sample_shape,
+            "num_classes": data.num_classes,
+            "task": data.task,
+            "target_mean": data.target_mean,
+            "target_std": data.target_std,
+            "checkpoint_url": checkpoint_url,
+            "tracking_uri": tracking_uri,
+            "run_id": run_id,
+        }
     )
 
 
@@ -261,7 +266,12 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
     # Workers stop at the next epoch boundary once another driver took the lease over.
     config = replace(config, stop_url=lease.superseded_url)
     recorder = EpochRecorder(
-        settings.resolved_tracking_uri, run_id, checkpoint_url, params.training.epochs, lease
+        settings.resolved_tracking_uri,
+        run_id,
+        checkpoint_url,
+        params.training.epochs,
+        lease,
+        headline=data.problem.headline,
     )
     with recorder:  # also logs epochs a killed process committed but never logged
         if resumed_from < params.training.epochs:

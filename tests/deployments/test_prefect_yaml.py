@@ -110,8 +110,14 @@ def test_choices_render_as_enums() -> None:
         "cmaes",
         "grid",
     ]
-    assert definitions["RegistryParams"]["properties"]["metric"]["enum"] == [
-        "accuracy",
-        "macro_f1",
-        "loss",
+    assert definitions["DataParams"]["properties"]["task"]["enum"] == [
+        "classification",
+        "regression",
+    ]
+    # Optional choices (none: the task's own) are an enum or null.
+    metric = definitions["RegistryParams"]["properties"]["metric"]
+    assert metric["default"] is None
+    assert [option.get("enum") for option in metric["anyOf"]] == [
+        ["accuracy", "macro_f1", "loss", "rmse", "mae", "r2"],
+        None,
     ]

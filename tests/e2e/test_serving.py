@@ -302,7 +302,11 @@ def test_a_model_that_returns_nan_gets_a_500_that_says_so_never_invalid_json() -
     with pytest.raises(HTTPException) as error:
         predictions_body(np.array([[0.5, 0.5], [np.nan, 0.5]]), None, identity)
     assert error.value.status_code == 500
-    assert "non-finite probabilities for rows [1]" in str(error.value.detail)
+    assert "non-finite outputs for rows [1]" in str(error.value.detail)
+    values = json.loads(predictions_body(np.array([[151.25], [3.5]]), None, identity, "regression"))
+    assert values == {"predictions": [151.25, 3.5], "model": identity}
+    with pytest.raises(HTTPException, match="non-finite outputs for rows \\[0\\]"):
+        predictions_body(np.array([[np.inf], [1.0]]), None, identity, "regression")
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,29 @@ def test_cpu_predictor_returns_the_models_softmax_in_its_sample_shape() -> None:
     assert predictor.describe().type == "cpu" and predictor.describe().precision == "fp32"
 
 
+def test_a_regression_predictor_returns_values_and_feeds_a_float64_model_float64() -> None:
+    """A tabular model is logged behind a float64-to-float32 cast (``taking_float64``)."""
+    from prefect_ml.integrations.catalog import taking_float64, with_target_scale
+
+    torch.manual_seed(0)
+    network = build_model("mlp", [5], 1, {"hidden": 8}).eval()
+    model = taking_float64(with_target_scale(network, mean=150.0, std=70.0))
+    batch = ({0: torch.export.Dim("batch")},)
+    example = (torch.zeros(2, 5, dtype=torch.float64),)
+    exported = torch.export.export(model, example, dynamic_shapes=batch).module()
+    rows = np.random.default_rng(1).normal(size=(7, 5)).astype(np.float32)
+    predictor = Predictor(
+        exported, [5], torch.device("cpu"), task="regression", input_dtype="float64"
+    )
+    found = predictor.outputs(rows)
+    with torch.no_grad():
+        expected = network(torch.from_numpy(rows)).numpy() * 70.0 + 150.0
+    assert found.shape == (7, 1)
+    np.testing.assert_allclose(found, expected, rtol=1e-5)
+    with pytest.raises(RuntimeError):  # the exported graph takes float64 only
+        Predictor(exported, [5], torch.device("cpu"), task="regression").outputs(rows)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

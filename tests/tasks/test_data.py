@@ -12,6 +12,7 @@ from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.data import (
     PreparedData,
+    fingerprint_dataset,
     inspect_dataset,
     prepared_splits,
     preprocess,
@@ -135,3 +136,56 @@ def test_a_record_pointing_elsewhere_is_not_followed(
     storage.write_bytes(storage.join(splits, "meta.json"), record.model_dump_json().encode())
     found = prepared_splits(summary.fingerprint, home.resolved_storage_url)
     assert found is not None and found.splits_url == splits
+
+
+def _diabetes_csv(folder: Path) -> Path:
+    from sklearn.datasets import load_diabetes
+
+    path = folder / "diabetes.csv"
+    load_diabetes(as_frame=True).frame.to_csv(path, index=False)
+    return path
+
+
+def _tabular(path: Path, task: str) -> TrainModelParams:
+    data = {"dataset": "tabular", "url": path.as_uri(), "label_column": "target", "task": task}
+    return TrainModelParams.model_validate({"data": data})
+
+
+def test_a_continuous_target_splits_at_random_as_regression(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    """The issue's reproduction: as classes, 214 target values cannot be stratified."""
+    csv = _diabetes_csv(tmp_path)
+    with pytest.raises(ConfigurationError, match="set --task regression"):
+        inspect_dataset(_tabular(csv, "classification"))
+    params = _tabular(csv, "regression")
+    summary = inspect_dataset(params)
+    assert (summary.task, summary.num_classes, summary.rows) == ("regression", 1, 442)
+    prepared = preprocess_dataset(params.data, summary.fingerprint, home.resolved_storage_url)
+    assert prepared.rows == {"train": 308, "val": 67, "test": 67}
+    assert prepared.class_names == [] and prepared.feature_names[:2] == ["age", "sex"]
+    splits = Path(prepared.splits_url.removeprefix("file://"))
+    train_targets = np.load(splits / "train_labels.npy")
+    assert train_targets.dtype == np.float32  # raw values, standardised by the training loop
+    assert prepared.target_mean == pytest.approx(float(train_targets.mean()), rel=1e-5)
+    assert prepared.target_std == pytest.approx(float(train_targets.std()), rel=1e-5)
+    unscaled = _tabular(csv, "regression").data
+    unscaled.standardize_target = False
+    arrays = load_dataset("tabular", unscaled.loader_options(), "regression")
+    assert fingerprint_dataset(arrays, unscaled) != summary.fingerprint  # another recipe
+
+
+@pytest.mark.parametrize("bad", ["", "n/a", "inf"])
+def test_a_regression_target_that_is_not_a_number_fails_naming_the_column_and_rows(
+    tmp_path: Path, bad: str
+) -> None:
+    csv = tmp_path / "broken.csv"
+    rows = [f"{i},{i * 2}" for i in range(30)]
+    rows[3], rows[17] = f"3,{bad}", "17,seventeen"
+    csv.write_text("x,y\n" + "\n".join(rows) + "\n")
+    data = {"dataset": "tabular", "url": csv.as_uri(), "label_column": "y", "task": "regression"}
+    with pytest.raises(ConfigurationError) as refused:
+        inspect_dataset(TrainModelParams.model_validate({"data": data}))
+    assert refused.value.field == "data.label_column"
+    assert "column 'y'" in str(refused.value) and "in 2 of 30 rows" in str(refused.value)
+    assert "rows [3, 17]" in str(refused.value)

@@ -37,6 +37,25 @@ from prefect_ml.tasks.params import (
         ({"model": {"model": "tests.fixtures.nope:build"}}, "model", "cannot import module"),
         ({"model": {"model_options": {"widht": 3}}}, "model", "does not accept ['widht']"),
         ({"training": {"wokers": 2}}, "training.wokers", "Extra inputs are not permitted"),
+        ({"data": {"task": "ranking"}}, "data.task", "'classification' or 'regression'"),
+        (
+            {"data": {"task": "regression"}, "registry": {"metric": "accuracy"}},
+            "",
+            "registry.metric: regression produces no 'accuracy'; use one of ['rmse',",
+        ),
+        (
+            {
+                "data": {"task": "regression"},
+                "training": {"best_checkpoint_metric": "val_accuracy"},
+            },
+            "",
+            "training.best_checkpoint_metric: regression produces no 'val_accuracy'",
+        ),
+        (
+            {"training": {"best_checkpoint_metric": "val_r2"}},
+            "",
+            "classification produces no 'val_r2'",
+        ),
     ],
 )
 def test_invalid_parameters_name_the_field(given: dict[str, Any], field: str, message: str) -> None:
@@ -202,3 +221,17 @@ def test_half_precision_inference_needs_a_gpu_replica() -> None:
     with pytest.raises(ValidationError, match="inference_precision bf16 needs a GPU replica"):
         ServingParams(inference_precision="bf16")
     assert ServingParams(inference_precision="fp16", replica_gpus=0.5).inference_precision == "fp16"
+
+
+def test_a_campaign_optimises_metrics_its_task_produces() -> None:
+    regression = {"data": {"task": "regression", "dataset": "tests.fixtures.user_code:blobs"}}
+    assert CampaignParams.model_validate(regression).sweep.objectives == {"val_rmse": "minimize"}
+    assert CampaignParams().sweep.objectives == {"val_accuracy": "maximize"}
+    chosen = {**regression, "sweep": {"objectives": {"val_r2": "maximize"}}}
+    assert CampaignParams.model_validate(chosen).sweep.objectives == {"val_r2": "maximize"}
+    with pytest.raises(ValidationError, match="regression produces no \\['val_accuracy'\\]"):
+        CampaignParams.model_validate(
+            {**regression, "sweep": {"objectives": {"val_accuracy": "maximize"}}}
+        )
+    with pytest.raises(ValidationError, match="classification produces no \\['val_rmse'\\]"):
+        PipelineParams.model_validate({"sweep": {"objectives": {"val_rmse": "minimize"}}})

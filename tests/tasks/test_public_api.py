@@ -14,6 +14,7 @@ from prefect import Task
 
 import prefect_ml
 from prefect_ml import ConfigurationError, Evaluation, PreparedData, TrainResult
+from prefect_ml.integrations.problems import PROBLEMS
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import (
     CampaignParams,
@@ -122,7 +123,7 @@ def test_no_module_imports_the_old_top_level_packages() -> None:
                 promote_if={"f1": 0.1},
             ),
             "promote_if",
-            "'accuracy', 'macro_f1' or 'loss'",
+            "classification produces no test metric 'f1'",
         ),
         (
             lambda: prefect_ml.register.fn(
@@ -132,7 +133,7 @@ def test_no_module_imports_the_old_top_level_packages() -> None:
                 promote_if={"loss": -1.0},
             ),
             "promote_if['loss']",
-            "greater than or equal to 0",
+            "a number >= 0",
         ),
         (
             lambda: prefect_ml.evaluate.fn(_trained(), _prepared(shape=[1, 8, 8])),
@@ -189,7 +190,7 @@ def test_promotion_needs_every_metric_of_promote_if_in_its_direction() -> None:
     )
 
     def verdict(promote_if: dict[str, float], directions: dict | None = None) -> tuple[bool, str]:
-        rules = promotion_rules("m", "champion", promote_if, directions or {})
+        rules = promotion_rules(PROBLEMS["classification"], promote_if, directions or {})
         decision = decide(better_but_less_sure, rules, champion, "3")
         return decision.promoted, decision.reason
 
@@ -200,12 +201,17 @@ def test_promotion_needs_every_metric_of_promote_if_in_its_direction() -> None:
     assert not promoted
     assert "test_accuracy=0.9500 beats" in reason and "test_loss=0.3500 does not beat" in reason
     assert verdict({"loss": 0.0}, {"loss": "maximize"})[0]  # the direction given wins
-    first = decide(better_but_less_sure, promotion_rules("m", "a", {"loss": 0}, {}), {}, None)
+    rules = promotion_rules(PROBLEMS["classification"], {"loss": 0}, {})
+    first = decide(better_but_less_sure, rules, {}, None)
     assert first.promoted and "no current champion" in first.reason
     with pytest.raises(ConfigurationError, match="directions"):
-        promotion_rules("m", "champion", {"accuracy": 0.0}, {"loss": "minimize"})
+        promotion_rules(PROBLEMS["classification"], {"accuracy": 0.0}, {"loss": "minimize"})
     with pytest.raises(ConfigurationError, match="at least one"):
-        promotion_rules("m", "champion", {}, {})
+        promotion_rules(PROBLEMS["classification"], {}, {})
+    with pytest.raises(ConfigurationError, match="regression produces no test metric 'accuracy'"):
+        promotion_rules(PROBLEMS["regression"], {"accuracy": 0.0}, {})
+    (rmse,) = promotion_rules(PROBLEMS["regression"], {"rmse": 0.5}, {})
+    assert (rmse.metric, rmse.direction, rmse.min_delta) == ("rmse", "minimize", 0.5)
 
 
 def test_repository_imports_the_package_it_installs() -> None:
