@@ -258,7 +258,7 @@ def training_loop(
     as :data:`LOOPS` says for ``name``."""
     from prefect_ml.integrations.checkpoints import CheckpointStore
     from prefect_ml.integrations.distributed_checkpoint import to_files
-    from prefect_ml.integrations.ray_training import METRICS_FILE, EpochCommitter
+    from prefect_ml.integrations.epoch_trainer import METRICS_FILE, EpochCommitter
 
     asynchronous, share = LOOPS[name]
     work_seconds *= share

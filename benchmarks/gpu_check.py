@@ -164,7 +164,7 @@ def _worker_shard(rank: int, world: int) -> tuple[Any, Any]:
     """This rank's rows of a learnable random dataset (the label: the largest of 10 columns)."""
     import numpy as np
 
-    from prefect_ml.integrations.ray_training import shard_bounds
+    from prefect_ml.integrations.epoch_trainer import shard_bounds
 
     rows = 4096
     x = np.random.default_rng(0).standard_normal((rows, FEATURES), dtype=np.float32)
@@ -179,7 +179,7 @@ def _trainer(
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from prefect_ml.integrations.ray_training import EpochTrainer, TrainLoopConfig
+    from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig
 
     def ddp(model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(device)

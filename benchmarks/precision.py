@@ -3,7 +3,7 @@ checkpointing cost and save in our training step, against a bare PyTorch loop, i
 
 An arm is one loop on one workload at one precision, with or without checkpointing:
 
-* ``ours``: ``integrations.ray_training.EpochTrainer`` (the step our Ray Train workers and campaign
+* ``ours``: ``integrations.epoch_trainer.EpochTrainer`` (the step our Ray Train workers and campaign
   trials run) built from ``TrainLoopConfig(precision=..., gradient_checkpointing=...)``, on
   in-memory shards, in one process;
 * ``bare``: the bare-limit peer, the same catalog model, Adam and batches in a hand-written loop:
@@ -272,7 +272,7 @@ class OursArm:
         shards: dict[str, Any],
         checkpoint_url: str,
     ) -> None:
-        from prefect_ml.integrations.ray_training import EpochTrainer, TrainLoopConfig
+        from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig
 
         config = TrainLoopConfig(
             splits_url="",
@@ -298,7 +298,7 @@ class OursArm:
         self.model, self.optimizer = self.trainer.model, self.trainer.optimizer
 
     def autocast(self) -> AbstractContextManager[Any]:
-        from prefect_ml.integrations.ray_training import precision_context
+        from prefect_ml.integrations.epoch_trainer import precision_context
 
         return precision_context(self.precision, self.device)  # type: ignore[no-any-return]
 
@@ -495,7 +495,7 @@ def run_jobs(jobs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         import torch
 
         # Both loops import the product's training module, so their RSS baselines match.
-        import prefect_ml.integrations.ray_training  # noqa: F401
+        import prefect_ml.integrations.epoch_trainer  # noqa: F401
 
         torch.set_num_threads(THREADS)
         results = []

@@ -7,7 +7,9 @@ Each workload (same data files, model, optimizer, batch size and epochs) is trai
   checkpoints, ``ray.train.report`` after every epoch as Ray's docs do;
 * ``b-lean``   the same, with one ``ray.train.report`` at the end (what our loop does);
 * ``c-ours``   ``tasks.train.train_distributed`` inside a Prefect flow: per-epoch verified
-  checkpoints and MLflow logging, 2 workers.
+  checkpoints and MLflow logging, 2 workers;
+* ``d-hooked`` the same with the same network behind its own ``training_step`` and
+  ``validation_step`` (``integrations.hooks``): what the hook path costs over the built-in one.
 
 Steady state is every epoch after the first, measured as wall time per epoch *including* its
 per-epoch overheads (reports, checkpoints, MLflow logging): for a and b from timestamps taken
@@ -52,7 +54,38 @@ CHECKPOINT_TARGET = 0.05  # seconds the loop is blocked by checkpoints over epoc
 Report = Literal["epoch", "final"] | None
 # The modes in the order they run; a and b are the plain loop, reporting to Ray like this.
 PLAIN_MODES: dict[str, Report] = {"a-bare": None, "b-ray": "epoch", "b-lean": "final"}
-MODES = (*PLAIN_MODES, "c-ours")
+OURS = {"c-ours": "", "d-hooked": "benchmarks.training:hooked_mlp"}  # mode -> model override
+MODES = (*PLAIN_MODES, *OURS)
+HOOKED_TARGET = 0.95  # steady samples/s of d over c
+
+
+def hooked_mlp(input_shape: tuple[int, ...], num_classes: int, **options: Any) -> torch.nn.Module:
+    """The built-in MLP of ``options``, trained through hooks that compute what the built-in
+    path does (cross-entropy), as a LightningModule-shaped user model would."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from prefect_ml.integrations.catalog import accepted_options, build_mlp
+
+    class HookedMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.network = build_mlp(
+                input_shape, num_classes, **accepted_options(build_mlp, options)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.network(x)  # type: ignore[no-any-return]
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            features, labels = batch
+            return F.cross_entropy(self(features).float(), labels)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+            features, labels = batch
+            return {"hooked_loss": F.cross_entropy(self(features).float(), labels)}
+
+    return HookedMLP()
 
 
 def synthetic_dataset(
@@ -112,9 +145,9 @@ def plain_loop(config_dict: dict[str, Any]) -> None:
     import torch.nn.functional as F
 
     from prefect_ml.integrations.catalog import build_model
-    from prefect_ml.integrations.ray_training import TrainLoopConfig
+    from prefect_ml.integrations.epoch_trainer import TrainLoopConfig
 
-    config = PlainLoopConfig(**config_dict)
+    config = PlainLoopConfig**config_dict
     loop = TrainLoopConfig(**config.loop)
     rank, world = 0, 1
     if config.report is not None:
@@ -267,7 +300,7 @@ def _timed_train(params: TrainModelParams, data: PreparedData) -> tuple[TrainRes
     return result, time.perf_counter() - started
 
 
-def run_ours(params: TrainModelParams, data: PreparedData) -> Measurement:
+def run_ours(params: TrainModelParams, data: PreparedData, mode: str) -> Measurement:
     """Our train step in a Prefect flow; per-epoch walls from its ``epoch_seconds`` metric."""
     from prefect import flow
 
@@ -287,7 +320,7 @@ def run_ours(params: TrainModelParams, data: PreparedData) -> Measurement:
     per_worker = data.rows["train"] // workers
     samples = per_worker * workers
     return Measurement(
-        mode="c-ours",
+        mode=mode,
         samples_per_epoch=samples,
         steps_per_epoch=math.ceil(per_worker / params.training.batch_size),
         epoch_seconds=[m.value for m in history("epoch_seconds")[1:]],
@@ -305,7 +338,10 @@ def measure(mode: str, params: TrainModelParams, data: PreparedData, work_dir: P
     if mode in PLAIN_MODES:
         measurement = run_plain(params, data, mode, PLAIN_MODES[mode], work_dir)
     else:
-        measurement = run_ours(params, data)
+        if OURS[mode]:
+            params = params.model_copy(deep=True)
+            params.model.model = OURS[mode]
+        measurement = run_ours(params, data, mode)
     measurement.extra["loadavg_1m_after"] = os.getloadavg()[0]
     return measurement
 
@@ -337,7 +373,16 @@ def ratios(modes: dict[str, Measurement]) -> dict[str, float]:
     for short, peer in (("b", "b-ray"), ("b_lean", "b-lean"), ("a", "a-bare")):
         out[f"throughput_c_over_{short}"] = ours.samples_per_second / modes[peer].samples_per_second
         out[f"wall_c_over_{short}"] = ours.end_to_end_seconds / modes[peer].end_to_end_seconds
+    if "d-hooked" in modes:
+        out["throughput_d_over_c"] = modes["d-hooked"].samples_per_second / ours.samples_per_second
     return out
+
+
+def _hooked_cell(r: dict[str, float]) -> str:
+    if "throughput_d_over_c" not in r:
+        return "not run"
+    ratio = r["throughput_d_over_c"]
+    return f"{ratio:.2f}x {'met' if ratio >= HOOKED_TARGET else 'missed'}"
 
 
 def summarize(modes: dict[str, Measurement]) -> dict[str, Any]:
@@ -349,8 +394,8 @@ def markdown(measured: dict[str, dict[str, Measurement]]) -> str:
     """The two tables of BENCHMARKS.md: ratios first, then the measurements behind them."""
     lines = [
         "| workload | throughput c/b | c/b-lean | c/a | wall c/b | c/b-lean | c/a "
-        "| c checkpoint share | targets (>= 0.9x b, <= 5%) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| c checkpoint share | targets (>= 0.9x b, <= 5%) | hooked d/c (>= 0.95x) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, modes in measured.items():
         r, share = ratios(modes), modes["c-ours"].checkpoint_share or 0.0
@@ -359,7 +404,7 @@ def markdown(measured: dict[str, dict[str, Measurement]]) -> str:
             f"| {name} | {r['throughput_c_over_b']:.2f}x | {r['throughput_c_over_b_lean']:.2f}x "
             f"| {r['throughput_c_over_a']:.2f}x | {r['wall_c_over_b']:.2f}x "
             f"| {r['wall_c_over_b_lean']:.2f}x | {r['wall_c_over_a']:.2f}x | {share:.1%} "
-            f"| {'met' if met else 'missed'} |"
+            f"| {'met' if met else 'missed'} | {_hooked_cell(r)} |"
         )
     lines += [
         "",

@@ -22,16 +22,16 @@ import numpy as np
 
 from prefect_ml.integrations import distributed_checkpoint, storage
 from prefect_ml.integrations.checkpoints import CheckpointStore
-from prefect_ml.integrations.errors import CheckpointError, PrefectMLError
-from prefect_ml.integrations.ray_training import (
+from prefect_ml.integrations.epoch_trainer import (
     METRICS_FILE,
     EpochCommitter,
     EpochTrainer,
     TrainLoopConfig,
-    fit,
     load_shard,
     make_optimizer,
 )
+from prefect_ml.integrations.errors import CheckpointError, PrefectMLError
+from prefect_ml.integrations.ray_training import fit
 from prefect_ml.integrations.resources import ResourceRequest
 
 

@@ -42,6 +42,7 @@ _EXPORTS = {
     "train_model": "prefect_ml.flows.train",
     "hpo_campaign": "prefect_ml.flows.sweep",
     "serve_model": "prefect_ml.flows.serve",
+    "TrainingModule": "prefect_ml.integrations.hooks",
     "PrefectMLSettings": "prefect_ml.integrations.settings",
     "get_settings": "prefect_ml.integrations.settings",
     "PrefectMLError": "prefect_ml.integrations.errors",
@@ -66,6 +67,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.integrations.errors import (
         PrefectMLError as PrefectMLError,
     )
+    from prefect_ml.integrations.hooks import TrainingModule as TrainingModule
     from prefect_ml.integrations.settings import (
         PrefectMLSettings as PrefectMLSettings,
     )

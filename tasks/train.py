@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import prefect.runtime
 from prefect import get_run_logger, task
@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from prefect_ml.integrations import catalog, ray_training, storage, tracking
+from prefect_ml.integrations import catalog, epoch_trainer, hooks, ray_training, storage, tracking
 from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.errors import CheckpointError, PrefectMLError
 from prefect_ml.integrations.leases import Lease
@@ -140,7 +140,7 @@ class EpochRecorder:
             if epoch in self._logged:
                 continue
             try:
-                metrics = json.loads(self._store.read_verified(epoch, ray_training.METRICS_FILE))
+                metrics = json.loads(self._store.read_verified(epoch, epoch_trainer.METRICS_FILE))
             except CheckpointError:
                 continue  # not committed yet; a later poll sees it
             tracking.log_epoch(
@@ -163,16 +163,16 @@ def loop_config(
     checkpoint_url: str,
     tracking_uri: str,
     run_id: str,
-) -> ray_training.TrainLoopConfig:
+) -> epoch_trainer.TrainLoopConfig:
     """What every training worker needs to know: each loop field that the model or training
     section has, taken from it (no second list of names), plus the data and where to write."""
     sections = {**params.training.model_dump(), **params.model.model_dump()}
     shared = {
         field.name: sections[field.name]
-        for field in dataclasses.fields(ray_training.TrainLoopConfig)
+        for field in dataclasses.fields(epoch_trainer.TrainLoopConfig)
         if field.name in sections
     }
-    return ray_training.TrainLoopConfig(
+    return epoch_trainer.TrainLoopConfig(
         **{
             **shared,
             "model_options": params.model.factory_options(),  # built-in shape options too
@@ -189,18 +189,50 @@ def loop_config(
     )
 
 
-def check_checkpointing_hook(params: TrainingSections, data: PreparedData) -> None:
-    """Refuse ``--gradient-checkpointing`` for a model without the hook, before any run starts.
+def check_model(params: TrainingSections, data: PreparedData) -> None:
+    """Refuse, before any run starts, a model that cannot train as asked: one without the
+    ``--gradient-checkpointing`` hook, or one whose own hooks (integrations.hooks: steps,
+    ``compute_loss``, ``compute_metrics``) break their contract.
 
-    The model is built on torch's meta device: no memory, no initialisation cost.
+    The model is built on torch's meta device (no memory, no initialisation cost); a model
+    with hooks is then built on the CPU and tried once on two training rows, so a hook that
+    returns the wrong thing fails here, naming the hook, not in every worker.
     """
     import torch
 
+    def build() -> torch.nn.Module:
+        options = params.model.factory_options()
+        return catalog.build_model(params.model.model, data.sample_shape, data.num_classes, options)
+
     with torch.device("meta"):
-        model = catalog.build_model(
-            params.model.model, data.sample_shape, data.num_classes, params.model.factory_options()
-        )
-    catalog.check_gradient_checkpointing(model)
+        model = build()
+    if params.training.gradient_checkpointing:
+        catalog.check_gradient_checkpointing(model)
+    own = [
+        name for name in ("compute_loss", "compute_metrics") if callable(getattr(model, name, None))
+    ]
+    if not (hooks.is_hooked(model) or own):
+        return
+    if hooks.is_hooked(model):
+        hooks.check_contract(model, strategy=params.training.strategy)
+    model = build()
+    rows = {
+        name: storage.read_array_rows(storage.join(data.splits_url, f"train_{name}.npy"), 0, 2)
+        for name in ("features", "labels")
+    }
+    targets = data.problem.targets(rows["labels"], data.target_mean, data.target_std)
+    features, labels = torch.from_numpy(rows["features"]), torch.from_numpy(targets)
+    if hooks.is_hooked(model):
+        hooked = cast(hooks.TrainingModule, model)
+        hooks.check_loss(hooked.training_step((features, labels), 0), model)
+        with torch.no_grad():
+            hooks.checked_metrics(hooked.validation_step((features, labels), 0), model)
+        return
+    loss = hooks.loss_function(model, data.problem)(model(features), labels)
+    hooks.check_loss(loss, model, "compute_loss")
+    if extra := hooks.metrics_function(model):
+        with torch.no_grad():
+            hooks.checked_metrics(extra(model(features), labels), model, "compute_metrics")
 
 
 def training_lease(params: TrainingSections, fingerprint: str) -> Lease:
@@ -221,8 +253,7 @@ def train_distributed(params: TrainingSections, data: PreparedData) -> TrainResu
     reopens the MLflow run or touches its uploads, and is released on the way out (a Prefect
     retry in this process takes it again).
     """
-    if params.training.gradient_checkpointing:
-        check_checkpointing_hook(params, data)
+    check_model(params, data)
     with training_lease(params, data.fingerprint) as lease:
         return _train_holding(params, data, lease)
 
@@ -299,7 +330,7 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
         raise PrefectMLError(
             f"training ended without a verified final checkpoint in {checkpoint_url}"
         )
-    epoch_metrics = json.loads(final.files[ray_training.METRICS_FILE])
+    epoch_metrics = json.loads(final.files[epoch_trainer.METRICS_FILE])
     return TrainResult(
         run_id=run_id,
         experiment_id=experiment_id,
@@ -314,7 +345,7 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
 
 def trained_model(trained: TrainResult) -> torch.nn.Module:
     """The model of the run's final verified checkpoint, in eval mode."""
-    model, _epoch = ray_training.load_trained_model(
+    model, _epoch = epoch_trainer.load_trained_model(
         trained.checkpoint_url,
         trained.model.model,
         trained.data.sample_shape,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prefect_ml.integrations.ray_training import EpochTrainer, TrainLoopConfig
+from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig
 from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.fixtures.user_code import blobs
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from prefect_ml.integrations.checkpoints import CheckpointStore
-from prefect_ml.integrations.ray_training import METRICS_FILE
+from prefect_ml.integrations.epoch_trainer import METRICS_FILE
 from tests.helpers import blob_trainer
 
 

@@ -17,14 +17,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from prefect_ml.integrations import catalog, ray_training
-from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.ray_training import (
+from prefect_ml.integrations import catalog, epoch_trainer
+from prefect_ml.integrations.epoch_trainer import (
     EpochCommitter,
     EpochTrainer,
     TrainLoopConfig,
     shard_bounds,
 )
+from prefect_ml.integrations.errors import ConfigurationError
 from tests.fixtures.user_code import blobs
 from tests.helpers import free_port
 
@@ -151,7 +151,7 @@ def test_fsdp_trains_like_ddp_and_its_checkpoint_restores_under_other_layouts(
     assert single.first_epoch == 4
     _assert_same_weights(_full_state(single), resumed_state["final"])
     assert single.scheduler.last_epoch == 3, "the LR schedule resumed where it stopped"
-    model, epoch = ray_training.load_trained_model(
+    model, epoch = epoch_trainer.load_trained_model(
         fsdp_url, "mlp", [6], 3, _config("").model_options
     )
     assert epoch == 3
@@ -162,13 +162,13 @@ def test_checkpoints_are_distributed_checkpoint_directories(tmp_path: Path) -> N
     trainer = EpochTrainer(_config(tmp_path.as_uri()), shards=_shards(0, 1))
     files = trainer.snapshot(1)
     assert ".metadata" in files and any(name.endswith(".distcp") for name in files)
-    state = json.loads(files[ray_training.TRAINER_STATE_FILE])
+    state = json.loads(files[epoch_trainer.TRAINER_STATE_FILE])
     assert state["epoch"] == 1 and state["scaler"] is None
 
 
 def test_bf16_autocast_trains_on_cpu_and_reports_peak_memory(tmp_path: Path) -> None:
     trainer = EpochTrainer(_config(tmp_path.as_uri(), precision="bf16"), shards=_shards(0, 1))
-    with ray_training.precision_context("bf16", trainer.device):
+    with epoch_trainer.precision_context("bf16", trainer.device):
         logits = trainer.model(trainer.train_features[:4])
     assert logits.dtype == torch.bfloat16
     first = trainer.train_epoch(1)
@@ -233,7 +233,7 @@ def test_fp16_on_cuda_scales_the_loss_and_checkpoints_the_scale(tmp_path: Path) 
     first, last = trainer.train_epoch(1), trainer.train_epoch(2)
     assert last["train_loss"] < first["train_loss"]
     files = trainer.snapshot(2)
-    assert json.loads(files[ray_training.TRAINER_STATE_FILE])["scaler"]["scale"] > 0
+    assert json.loads(files[epoch_trainer.TRAINER_STATE_FILE])["scaler"]["scale"] > 0
 
 
 def _nccl_worker(rank: int, world_size: int, port: int, out: str) -> None:

@@ -18,12 +18,12 @@ from s3fs import S3FileSystem
 
 from prefect_ml.integrations import storage
 from prefect_ml.integrations.checkpoints import CheckpointStore
+from prefect_ml.integrations.epoch_trainer import METRICS_FILE, EpochCommitter
 from prefect_ml.integrations.errors import (
     CheckpointError,
     ConfigurationError,
     EnvironmentCheckError,
 )
-from prefect_ml.integrations.ray_training import METRICS_FILE, EpochCommitter
 from tests.helpers import blob_trainer, wait_for
 from tests.s3 import TEST_BUCKET, FaultyProxy, MotoS3
 

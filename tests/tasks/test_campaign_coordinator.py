@@ -21,8 +21,8 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
 from prefect_ml.integrations import studies, tracking
+from prefect_ml.integrations.epoch_trainer import TrainLoopConfig
 from prefect_ml.integrations.leases import LeaseLostError
-from prefect_ml.integrations.ray_training import TrainLoopConfig
 from prefect_ml.integrations.tracking import TrackingWriter
 from prefect_ml.integrations.trial_pool import Epochs, Outcome, TrialError, WorkerLost
 from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec

@@ -139,3 +139,29 @@ def test_driver_whose_lease_is_taken_over_stops_at_the_next_epoch_boundary(
     client = tracking.client_for(home.resolved_tracking_uri)
     (run,) = client.search_runs(["1"])
     assert run.info.status == "RUNNING", "left for the driver that took it over"
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_model_with_its_own_steps_trains_on_two_ddp_workers_and_is_evaluated(
+    home: PrefectMLSettings,
+) -> None:
+    """A LightningModule-shaped model (training_step, validation_step, configure_optimizers)
+    on 2 Ray Train workers: its steps run inside DDP, its validation metric reaches MLflow
+    every epoch, and evaluation scores its forward."""
+    params = TrainModelParams.model_validate(
+        {
+            "data": {"dataset": "tests.fixtures.user_code:blobs"},
+            "model": {"model": "tests.fixtures.user_code:steps_model"},
+            "training": {"epochs": 3, "workers": 2, "batch_size": 16},
+        }
+    )
+    result = train_flow(params)
+    client = tracking.client_for(home.resolved_tracking_uri)
+    run = client.get_run(result.run_id)
+    assert run.data.tags[ray_training.WORLD_SIZE_TAG] == "2"
+    history = client.get_metric_history(result.run_id, "val_top2_accuracy")
+    assert [m.step for m in history] == [1, 2, 3]
+    assert run.data.params["training.optimizer"] == "adam"  # the flag, overridden by the hook
+    assert result.epoch_metrics["val_accuracy"] > 0.9  # blobs are well separated
+    evaluation = evaluate_flow(result)
+    assert evaluation.metrics["accuracy"] > 0.9

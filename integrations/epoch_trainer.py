@@ -1,0 +1,535 @@
+"""One worker's training, a epoch at a time: the loop config, the data shard, the strategy
+(DDP, FSDP2), precision, the task's loss and metrics or the model's own hooks, and the
+checkpoint each epoch commits. Only torch and numpy: Ray Train workers
+(:mod:`integrations.ray_training`), campaign trials in one warm process and the GPU check run it.
+
+The loop owns checkpointing through :class:`CheckpointStore` (atomic, verified) instead of Ray
+Train's checkpoints, so that a restarted worker group, a restarted process and a reader on
+another machine all resume from the same verified bytes. Rank 0 commits one checkpoint per
+epoch, its metrics included; the driver logs those metrics to MLflow once each.
+
+Checkpoints are ``torch.distributed.checkpoint`` (DCP) directories holding the unsharded
+model and optimiser state under their plain parameter names (``get_state_dict`` strips the DDP
+and FSDP wrappers). Loading goes through DCP into the current layout, so a checkpoint written
+by 2 FSDP workers restores into 3 DDP workers, into one campaign trial, or into a plain model
+for evaluation. Gathering the full state on rank 0 bounds a model by one host's memory, not by
+one device's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from prefect_ml.integrations import (
+    collectives,
+    distributed_checkpoint,
+    hooks,
+    problems,
+    storage,
+)
+from prefect_ml.integrations.catalog import build_model, enable_gradient_checkpointing
+from prefect_ml.integrations.checkpoints import CheckpointStore, RetentionPolicy
+from prefect_ml.integrations.errors import CheckpointError, ConfigurationError
+
+if TYPE_CHECKING:
+    import torch
+
+METRICS_FILE = "metrics.json"
+TRAINER_STATE_FILE = "trainer.json"  # epoch, seed, LR schedule and loss scale, as JSON
+PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class TrainLoopConfig:
+    """Everything a worker needs, as plain data (it crosses process boundaries)."""
+
+    splits_url: str
+    input_shape: list[int]
+    num_classes: int
+    model: str
+    model_options: dict[str, Any]
+    epochs: int
+    batch_size: int
+    lr: float
+    optimizer: str
+    weight_decay: float
+    scheduler: str
+    seed: int
+    checkpoint_url: str
+    tracking_uri: str
+    run_id: str  # MLflow run told where the worker group started; "" for none
+    stop_url: str = ""  # a file whose existence asks the workers to stop after this epoch
+    keep_checkpoints: int = 0  # newest checkpoints that keep their weights; 0 keeps every one
+    best_checkpoint_metric: str = "val_loss"  # also kept; "none" keeps no best
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast; fp16 adds a gradient scaler)
+    gradient_checkpointing: bool = False
+    strategy: str = "ddp"  # "ddp" | "fsdp" (FSDP2 ``fully_shard``); one worker trains unwrapped
+    task: str = "classification"  # the task type (integrations.problems): loss and metrics
+    target_mean: float = 0.0  # regression: the targets train standardised by these
+    target_std: float = 1.0
+
+    def retention(self) -> RetentionPolicy | None:
+        if self.keep_checkpoints < 1:
+            return None
+        metric = None if self.best_checkpoint_metric == "none" else self.best_checkpoint_metric
+        maximised = metric is not None and problems.EPOCH_METRICS.get(metric) == "maximize"
+        return RetentionPolicy(
+            keep_last=self.keep_checkpoints,
+            metric=metric,
+            mode="max" if maximised else "min",
+            metrics_file=METRICS_FILE,
+            kept_files=(METRICS_FILE,),
+        )
+
+
+def shard_bounds(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of worker ``rank``; every worker gets the same count.
+
+    Equal shards keep DDP's collective calls in step; the at most ``world_size - 1`` rows left
+    over are dropped (the split was shuffled, so they are a random few).
+    """
+    per_worker = rows // world_size
+    return rank * per_worker, (rank + 1) * per_worker
+
+
+def load_shard(
+    splits_url: str, split: str, rank: int, world_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """This worker's rows of one split, reading only those bytes."""
+    labels_url = storage.join(splits_url, f"{split}_labels.npy")
+    rows = storage.read_array(labels_url).shape[0]
+    start, stop = shard_bounds(rows, rank, world_size)
+    features = storage.read_array_rows(
+        storage.join(splits_url, f"{split}_features.npy"), start, stop
+    )
+    labels = storage.read_array_rows(labels_url, start, stop)
+    return features, labels
+
+
+def make_optimizer(name: str, params: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+
+
+def make_scheduler(name: str, optimizer: torch.optim.Optimizer, epochs: int) -> Any:
+    import torch
+
+    if name == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+def precision_context(precision: str, device: torch.device) -> Any:
+    """The autocast context of the training and evaluation forwards (a no-op for fp32)."""
+    import torch
+
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
+def apply_strategy(
+    model: torch.nn.Module, strategy: str, device: torch.device, prepare_ddp: Any
+) -> torch.nn.Module:
+    """``model`` on ``device``, wrapped for data-parallel training by ``strategy``.
+
+    ``fsdp`` shards every top-level child that holds parameters, then the root, with FSDP2's
+    ``fully_shard`` over all workers (gloo on CPU, NCCL on GPUs); ``ddp`` uses ``prepare_ddp``
+    (Ray Train's ``prepare_model``). Outside a process group the model trains unwrapped.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return model.to(device)
+    if strategy == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = model.to(device)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for child in model.children():
+            if next(child.parameters(), None) is not None:
+                fully_shard(child, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    return prepare_ddp(model) if prepare_ddp else model.to(device)
+
+
+def epoch_seed(seed: int, epoch: int, rank: int) -> int:
+    """The seed of one worker's epoch: shuffling and dropout are a pure function of it.
+
+    Reseeding every epoch makes a resumed run draw exactly the numbers the uninterrupted run
+    would have, without gathering per-worker RNG states into every checkpoint.
+    """
+    return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
+
+
+class EpochCommitter:
+    """Rank 0's background writer: commits each epoch's checkpoint while training carries on.
+
+    The loop hands over the checkpoint's files as bytes. One commit is in flight at a time, so
+    commits stay in epoch order and memory stays bounded. After each commit the retention
+    policy, if any, prunes the checkpoints it does not keep. Workers never write metrics
+    anywhere else: the driver turns committed checkpoints into MLflow history (see
+    ``tasks.train.EpochRecorder``), which keeps MLflow's client work off the training
+    process's interpreter lock.
+    """
+
+    def __init__(self, store: CheckpointStore, retention: RetentionPolicy | None = None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._store, self._retention = store, retention
+        self.committed_epoch = 0  # the newest epoch this committer committed
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._in_flight: Future[str] | None = None
+
+    def submit(
+        self,
+        epoch: int,
+        files: dict[str, bytes],
+        metrics: dict[str, float],
+        *,
+        epoch_started: float,
+        blocked_since: float,
+    ) -> None:
+        """Queue one epoch; the loop was blocked from ``blocked_since`` until this returns."""
+        self.wait()
+        now = time.perf_counter()
+        metrics = {
+            **metrics,
+            # What checkpointing cost the loop: the snapshot plus waiting for the previous commit.
+            "checkpoint_blocking_seconds": now - blocked_since,
+            "epoch_seconds": now - epoch_started,  # wall time of the whole epoch on rank 0
+        }
+        files = {**files, METRICS_FILE: json.dumps(metrics).encode()}
+        self._in_flight = self._executor.submit(self._commit, epoch, files)
+
+    def _commit(self, epoch: int, files: dict[str, bytes]) -> str:
+        url = self._store.save(epoch, files)
+        self.committed_epoch = epoch
+        if self._retention is not None:
+            self._store.prune(self._retention)
+        return url
+
+    def wait(self) -> None:
+        """Block until the queued commit is done; raise a :class:`CheckpointError` if it failed
+        (storage unreachable past its retries): the run then resumes from the last commit."""
+        if self._in_flight is None:
+            return
+        in_flight, self._in_flight = self._in_flight, None
+        try:
+            in_flight.result()
+        except Exception as exc:
+            last = f"epoch {self.committed_epoch}" if self.committed_epoch else "none yet"
+            raise CheckpointError(
+                f"could not commit a checkpoint to {self._store.root_url} "
+                f"({type(exc).__name__}: {exc}); the last one committed here is {last}. "
+                "Run again to resume from the last verified checkpoint."
+            ) from exc
+
+    def close(self) -> None:
+        self.wait()
+        self._executor.shutdown()
+
+
+def evaluate_batches(
+    model: torch.nn.Module,
+    features: torch.Tensor,
+    targets: torch.Tensor,
+    batch_size: int,
+    problem: problems.Problem,
+) -> list[torch.Tensor]:
+    """The task's summed validation statistics of ``model`` on the given rows; the sums stay on
+    the rows' device (no host sync per batch) until the epoch's one all-reduce reads them."""
+    import torch
+
+    sums = [
+        torch.zeros((), dtype=torch.float64, device=targets.device)
+        for _ in range(problem.validation_width)
+    ]  # also what a worker with no validation rows adds
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(targets), batch_size):
+            outputs = model(features[start : start + batch_size])
+            batch = problem.validation_sums(outputs, targets[start : start + batch_size])
+            sums = [total + part for total, part in zip(sums, batch, strict=True)]
+    return sums
+
+
+class EpochTrainer:
+    """One worker's model, optimiser and data shard, trained one epoch at a time.
+
+    Shared by Ray Train workers (``train_loop_per_worker``, DDP or FSDP) and campaign trials that
+    train in one warm process. It resumes from the newest verified checkpoint in
+    ``checkpoint_url``, whatever strategy and worker count wrote it.
+    """
+
+    def __init__(
+        self,
+        config: TrainLoopConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | None = None,
+        prepare_model: Any = None,
+        shards: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> None:
+        import torch
+
+        from prefect_ml.integrations import devices
+
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.problem = problems.problem(config.task)
+        self.device = device or torch.device("cpu")
+        collectives.check_group_device(self.device)
+        check_precision(config.precision, self.device)
+        torch.manual_seed(epoch_seed(config.seed, 0, 0))  # the same initial weights everywhere
+        model = build_model(
+            config.model, config.input_shape, config.num_classes, config.model_options
+        )
+        # A model with its own steps (integrations.hooks) trains through them; any other
+        # through the task's loss and metrics.
+        self.hooked = hooks.is_hooked(model)
+        if self.hooked:
+            hooks.check_contract(model, strategy=config.strategy)
+        if config.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        self.loss = hooks.loss_function(model, self.problem)
+        self.extra_metrics = hooks.metrics_function(model)
+        self.network = model  # what forward() runs: validation, evaluation and serving
+        if self.hooked:  # DDP wraps the steps; checkpoints hold the network's own state
+            self.model = apply_strategy(hooks.step_module(model), "ddp", self.device, prepare_model)
+            self.state_module = model
+        else:
+            self.model = apply_strategy(model, config.strategy, self.device, prepare_model)
+            self.network = self.state_module = self.model
+        self.optimizer = hooks.configured_optimizer(model) or make_optimizer(
+            config.optimizer, self.model.parameters(), config.lr, config.weight_decay
+        )
+        self.scheduler = make_scheduler(config.scheduler, self.optimizer, config.epochs)
+        # Loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's range.
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16")
+        self.store = CheckpointStore(config.checkpoint_url)
+        self.first_epoch = 1
+        self.peak_memory_kind = devices.peak_memory_kind(self.device)
+        latest = self.store.latest()
+        if latest is not None:
+            self._restore(latest.files)
+        shards = shards or {
+            split: load_shard(config.splits_url, split, rank, world_size)
+            for split in ("train", "val")
+        }
+        self.train_features, self.train_labels = self._on_device(*shards["train"])
+        self.val_features, self.val_labels = self._on_device(*shards["val"])
+
+    def _on_device(
+        self, features: np.ndarray, labels: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A shard's features and its task's training targets, on this worker's device."""
+        import torch
+
+        targets = self.problem.targets(labels, self.config.target_mean, self.config.target_std)
+        return (
+            torch.from_numpy(features).to(self.device),
+            torch.from_numpy(targets).to(self.device),
+        )
+
+    def _restore(self, files: dict[str, bytes]) -> None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.state_module, self.optimizer)
+        distributed_checkpoint.load_files(
+            files, {"model": model_state, "optimizer": optimizer_state}
+        )
+        set_state_dict(
+            self.state_module,
+            self.optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=optimizer_state,
+        )
+        trainer_state = json.loads(files[TRAINER_STATE_FILE])
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        if trainer_state.get("scaler"):
+            self.scaler.load_state_dict(trainer_state["scaler"])
+        self.first_epoch = int(trainer_state["epoch"]) + 1
+
+    def train_epoch(self, epoch: int) -> dict[str, float]:
+        """Train one epoch, then evaluate; metrics are summed (memory: maxed) over all workers."""
+        import torch
+
+        from prefect_ml.integrations import devices
+
+        config, model, scaler = self.config, self.model, self.scaler
+        devices.reset_peak_memory(self.device)
+        started = time.perf_counter()
+        model.train()
+        seed = epoch_seed(config.seed, epoch, self.rank)
+        torch.manual_seed(seed)
+        # The order is drawn on the host (the same on every device) and indexes on the device: a
+        # host index would be copied to the GPU, synchronously, twice per step.
+        order = torch.from_numpy(np.random.default_rng(seed).permutation(len(self.train_labels)))
+        order = order.to(self.device)
+        loss_sum = torch.zeros((), device=self.device)  # summed on device: no host sync per step
+        for step in range(math.ceil(len(self.train_labels) / config.batch_size)):
+            index = order[step * config.batch_size : (step + 1) * config.batch_size]
+            self.optimizer.zero_grad(set_to_none=True)
+            features, targets = self.train_features[index], self.train_labels[index]
+            with precision_context(config.precision, self.device):
+                if self.hooked:
+                    loss = model((features, targets), step).float()
+                else:
+                    loss = self.loss(model(features), targets)
+            scaler.scale(loss).backward()
+            scaler.step(self.optimizer)
+            scaler.update()
+            loss_sum += loss.detach() * len(index)
+        self.scheduler.step()
+        train_seconds = time.perf_counter() - started
+        val_batch = max(config.batch_size, 256)
+        with precision_context(config.precision, self.device):
+            val_sums = evaluate_batches(
+                self.network, self.val_features, self.val_labels, val_batch, self.problem
+            )
+            model_sums = self._model_validation(val_batch)
+        train_rows, val_rows, seconds, *totals = collectives.all_reduce(
+            [
+                len(self.train_labels),
+                len(self.val_labels),
+                train_seconds,
+                loss_sum,
+                *val_sums,
+                *model_sums.values(),
+            ],
+            self.device,
+        )
+        model_metrics = dict(zip(model_sums, totals[1 + len(val_sums) :], strict=True))
+        peak_memory = collectives.all_reduce(
+            [devices.peak_memory_bytes(self.device)], self.device, op="max"
+        )[0]
+        return {
+            "train_loss": totals[0] / train_rows,
+            **self.problem.validation_metrics(
+                totals[1 : 1 + len(val_sums)], val_rows, config.target_std
+            ),
+            **{name: total / val_rows for name, total in model_metrics.items()},
+            "samples_per_second": train_rows / (seconds / self.world_size),
+            "peak_memory_mib": peak_memory / 2**20,  # the largest worker's
+            "workers": self.world_size,  # elastic groups change size between restarts
+        }
+
+    def _model_validation(self, batch_size: int) -> dict[str, torch.Tensor]:
+        """The metrics the model adds (its ``validation_step``, or ``compute_metrics`` of its
+        outputs), summed weighted by batch size on the device (the epoch's all-reduce adds the
+        workers' up); empty for a model without either hook."""
+        import torch
+
+        if not (self.hooked or self.extra_metrics):
+            return {}
+        sums: dict[str, torch.Tensor] = {}
+        self.model.eval()
+        with torch.no_grad():
+            for batch_idx, start in enumerate(range(0, len(self.val_labels), batch_size)):
+                stop = start + batch_size
+                features, targets = self.val_features[start:stop], self.val_labels[start:stop]
+                if self.hooked:
+                    found = self.model((features, targets), batch_idx, True)
+                    metrics = hooks.checked_metrics(found, self.network)
+                else:
+                    assert self.extra_metrics is not None
+                    found = self.extra_metrics(self.network(features), targets)
+                    metrics = hooks.checked_metrics(found, self.network, "compute_metrics")
+                for name, value in metrics.items():
+                    weighted = value * len(targets)
+                    sums[name] = sums[name] + weighted if name in sums else weighted
+        return sums
+
+    def snapshot(self, epoch: int) -> dict[str, bytes]:
+        """The training state after ``epoch`` as checkpoint files; empty on ranks other than 0.
+
+        Every worker must call it: under FSDP, gathering the full state is a collective.
+        """
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        distributed = dist.is_available() and dist.is_initialized()
+        model_state, optimizer_state = get_state_dict(
+            self.state_module,
+            self.optimizer,
+            options=StateDictOptions(full_state_dict=distributed, cpu_offload=distributed),
+        )
+        if self.rank != 0:
+            return {}
+        state = {"model": model_state, "optimizer": optimizer_state}
+        files = distributed_checkpoint.to_files(state)
+        trainer_state = {
+            "epoch": epoch,
+            "seed": self.config.seed,
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+        }
+        files[TRAINER_STATE_FILE] = json.dumps(trainer_state).encode()
+        return files
+
+    def committed_metrics(self) -> dict[int, dict[str, float]]:
+        """Metrics of every verified epoch before ``first_epoch`` (a resumed trial's history)."""
+        history = {}
+        for epoch in range(1, self.first_epoch):
+            try:
+                history[epoch] = json.loads(self.store.read_verified(epoch, METRICS_FILE))
+            except CheckpointError:
+                continue  # a broken checkpoint: that epoch's values are missing, not shifted
+        return history
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    """Refuse a precision the worker's device cannot train in, before the first step."""
+    import torch
+
+    if precision == "fp16" and device.type == "cpu":
+        raise ConfigurationError(
+            "training.precision",
+            "fp16 needs a GPU (its gradient scaler and kernels are GPU features); "
+            "use --precision bf16 on CPU, or --use-gpu",
+        )
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigurationError(
+            "training.precision",
+            f"{torch.cuda.get_device_name(device)} has no bf16 support; use --precision fp16",
+        )
+
+
+def stop_requested(stop_url: str, device: torch.device) -> bool:
+    """Whether someone asked this run to stop (a pruned trial); every worker agrees."""
+    return collectives.any_worker(bool(stop_url) and storage.exists(stop_url), device)
+
+
+def load_trained_model(
+    checkpoint_url: str,
+    model_name: str,
+    input_shape: list[int],
+    num_classes: int,
+    model_options: dict[str, Any],
+) -> tuple[torch.nn.Module, int]:
+    """The model of the newest verified checkpoint under ``checkpoint_url``, and its epoch."""
+    latest = CheckpointStore(checkpoint_url).latest()
+    if latest is None:
+        raise CheckpointError(f"no verified checkpoint under {checkpoint_url}")
+    model = build_model(model_name, input_shape, num_classes, model_options)
+    state = {"model": model.state_dict()}
+    distributed_checkpoint.load_files(latest.files, state)
+    model.load_state_dict(state["model"])
+    return model.eval(), latest.epoch
