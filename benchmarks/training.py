@@ -147,7 +147,7 @@ def plain_loop(config_dict: dict[str, Any]) -> None:
     from prefect_ml.integrations.catalog import build_model
     from prefect_ml.integrations.epoch_trainer import TrainLoopConfig
 
-    config = PlainLoopConfig**config_dict
+    config = PlainLoopConfig(**config_dict)
     loop = TrainLoopConfig(**config.loop)
     rank, world = 0, 1
     if config.report is not None:

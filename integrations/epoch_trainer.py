@@ -390,7 +390,7 @@ class EpochTrainer:
             features, targets = self.train_features[index], self.train_labels[index]
             with precision_context(config.precision, self.device):
                 if self.hooked:
-                    loss = model((features, targets), step).float()
+                    loss = model(hooks.batch_of(self.network, features, targets), step).float()
                 else:
                     loss = self.loss(model(features), targets)
             scaler.scale(loss).backward()
@@ -446,7 +446,8 @@ class EpochTrainer:
                 stop = start + batch_size
                 features, targets = self.val_features[start:stop], self.val_labels[start:stop]
                 if self.hooked:
-                    found = self.model((features, targets), batch_idx, True)
+                    batch = hooks.batch_of(self.network, features, targets)
+                    found = self.model(batch, batch_idx, True)
                     metrics = hooks.checked_metrics(found, self.network)
                 else:
                     assert self.extra_metrics is not None

@@ -36,7 +36,8 @@ checkpointing, resume and retention::
         return Regressor(input_shape, num_classes)
 
 A batch is ``(features, targets)``: a float32 tensor of ``(batch, *sample_shape)`` and the
-task's targets (class ids, or regression targets standardised as the data was prepared).
+task's targets (class ids, or regression targets standardised as the data was prepared); a
+model with ``batch_format = "dict"`` gets ``{"features": ..., "targets": ...}`` instead.
 ``validation_step`` metrics are logged as ``val_<name>`` (batch-size-weighted means over every
 worker's validation rows) next to the task's own, which ``forward`` still provides: evaluation,
 registration and serving call ``forward``. Hooked models train with ``--strategy ddp`` (the
@@ -86,6 +87,14 @@ def metrics_function(model: Any) -> Callable[[Any, Any], Mapping[str, torch.Tens
     task's (the simpler hook), or None."""
     hook = getattr(model, "compute_metrics", None)
     return hook if callable(hook) else None
+
+
+def batch_of(model: Any, features: torch.Tensor, targets: torch.Tensor) -> Any:
+    """A batch as the model's hooks take it: ``(features, targets)``, or with
+    ``batch_format = "dict"`` on the model ``{"features": ..., "targets": ...}``."""
+    if getattr(model, "batch_format", "tuple") == "dict":
+        return {"features": features, "targets": targets}
+    return features, targets
 
 
 def is_hooked(model: Any) -> bool:

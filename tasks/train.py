@@ -223,10 +223,10 @@ def check_model(params: TrainingSections, data: PreparedData) -> None:
     targets = data.problem.targets(rows["labels"], data.target_mean, data.target_std)
     features, labels = torch.from_numpy(rows["features"]), torch.from_numpy(targets)
     if hooks.is_hooked(model):
-        hooked = cast(hooks.TrainingModule, model)
-        hooks.check_loss(hooked.training_step((features, labels), 0), model)
+        hooked, batch = cast(hooks.TrainingModule, model), hooks.batch_of(model, features, labels)
+        hooks.check_loss(hooked.training_step(batch, 0), model)
         with torch.no_grad():
-            hooks.checked_metrics(hooked.validation_step((features, labels), 0), model)
+            hooks.checked_metrics(hooked.validation_step(batch, 0), model)
         return
     loss = hooks.loss_function(model, data.problem)(model(features), labels)
     hooks.check_loss(loss, model, "compute_loss")

@@ -1,0 +1,1 @@
+"""User-facing examples of prefect-ml's contracts, each run by the test suite."""
