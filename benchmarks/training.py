@@ -61,7 +61,9 @@ HOOKED_TARGET = 0.95  # steady samples/s of d over c
 
 def hooked_mlp(input_shape: tuple[int, ...], num_classes: int, **options: Any) -> torch.nn.Module:
     """The built-in MLP of ``options``, trained through hooks that compute what the built-in
-    path does (cross-entropy), as a LightningModule-shaped user model would."""
+    path does (cross-entropy; validation loss and accuracy), as a LightningModule-shaped user
+    model would. Its validation_step returns the task's metrics, so the trainer's own
+    validation pass is skipped, as for any such model."""
     import torch.nn.functional as F
     from torch import nn
 
@@ -83,7 +85,11 @@ def hooked_mlp(input_shape: tuple[int, ...], num_classes: int, **options: Any) -
 
         def validation_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
             features, labels = batch
-            return {"hooked_loss": F.cross_entropy(self(features).float(), labels)}
+            logits = self(features).float()
+            return {
+                "loss": F.cross_entropy(logits, labels),
+                "accuracy": (logits.argmax(dim=1) == labels).float().mean(),
+            }
 
     return HookedMLP()
 

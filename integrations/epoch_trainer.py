@@ -335,6 +335,23 @@ class EpochTrainer:
         }
         self.train_features, self.train_labels = self._on_device(*shards["train"])
         self.val_features, self.val_labels = self._on_device(*shards["val"])
+        # The task's own validation pass (forward, the task's loss and metrics) is skipped when
+        # the model's validation_step already returns every metric of it.
+        self.task_validation = not self.hooked or not self._steps_cover_the_task()
+
+    def _steps_cover_the_task(self) -> bool:
+        """Whether the model's ``validation_step`` returns every validation metric of the
+        task (asked once, on two validation rows)."""
+        import torch
+
+        batch = hooks.batch_of(self.network, self.val_features[:2], self.val_labels[:2])
+        was_training = self.network.training
+        self.network.eval()
+        with torch.no_grad():
+            returned = hooks.checked_metrics(self.network.validation_step(batch, 0), self.network)  # type: ignore[operator]
+        self.network.train(was_training)
+        task = {name for name in self.problem.epoch_metrics if name.startswith("val_")}
+        return task <= set(returned)
 
     def _on_device(
         self, features: np.ndarray, labels: np.ndarray
@@ -401,8 +418,12 @@ class EpochTrainer:
         train_seconds = time.perf_counter() - started
         val_batch = max(config.batch_size, 256)
         with precision_context(config.precision, self.device):
-            val_sums = evaluate_batches(
-                self.network, self.val_features, self.val_labels, val_batch, self.problem
+            val_sums = (
+                evaluate_batches(
+                    self.network, self.val_features, self.val_labels, val_batch, self.problem
+                )
+                if self.task_validation
+                else []
             )
             model_sums = self._model_validation(val_batch)
         train_rows, val_rows, seconds, *totals = collectives.all_reduce(
@@ -422,8 +443,12 @@ class EpochTrainer:
         )[0]
         return {
             "train_loss": totals[0] / train_rows,
-            **self.problem.validation_metrics(
-                totals[1 : 1 + len(val_sums)], val_rows, config.target_std
+            **(
+                self.problem.validation_metrics(
+                    totals[1 : 1 + len(val_sums)], val_rows, config.target_std
+                )
+                if val_sums
+                else {}
             ),
             **{name: total / val_rows for name, total in model_metrics.items()},
             "samples_per_second": train_rows / (seconds / self.world_size),

@@ -110,3 +110,34 @@ def test_a_plain_model_s_own_loss_and_metrics_replace_and_extend_the_tasks(tmp_p
     assert trainer.network.loss_calls == steps  # its compute_loss, not the task's
     assert {"val_confidence", "val_accuracy", "val_loss"} <= set(metrics)
     assert 1 / 3 < metrics["val_confidence"] <= 1.0
+
+
+def test_the_task_s_validation_pass_is_skipped_when_the_steps_return_its_metrics(
+    tmp_path: Path,
+) -> None:
+    """validation_step returning val_loss and val_accuracy makes the forward pass redundant."""
+    partial = blob_trainer((tmp_path / "a").as_uri(), model=STEPS)
+    assert partial.task_validation  # loss and top2_accuracy: no val_accuracy of its own
+    covering = blob_trainer(
+        (tmp_path / "b").as_uri(), model="tests.fixtures.user_code:covering_model"
+    )
+    assert not covering.task_validation
+    metrics = covering.train_epoch(1)
+    assert {"val_loss", "val_accuracy", "train_loss"} <= set(metrics)
+    assert 0.0 <= metrics["val_accuracy"] <= 1.0
+
+
+def test_a_real_lightning_module_trains_through_its_hooks(tmp_path: Path) -> None:
+    """lightning.LightningModule fits the contract as it is: no Trainer, no adapter."""
+    import lightning
+
+    trainer = blob_trainer(
+        (tmp_path / "lit").as_uri(), model="tests.fixtures.lightning_code:build", epochs=3
+    )
+    assert isinstance(trainer.network, lightning.LightningModule)
+    assert isinstance(trainer.optimizer, torch.optim.Adam)  # {"optimizer": ...}
+    first, second = trainer.train_epoch(1), trainer.train_epoch(2)
+    assert second["val_lit_loss"] < first["val_lit_loss"]
+    assert second["val_accuracy"] > 0.9  # the task's own metric, from its forward
+    exported = torch.export.export(trainer.network.eval(), (trainer.val_features[:4],))
+    assert exported.module()(trainer.val_features[:4]).shape == (4, 3)  # pt2, as registered
