@@ -214,3 +214,23 @@ def test_ui_on_a_taken_port_names_the_flag(home: PrefectMLSettings) -> None:
         result = CliRunner().invoke(app, ["ui", "--port", str(port)])
     assert result.exit_code == 1
     assert "--port" in result.output and "not available" in result.output
+
+
+def test_task_flags_parse_and_a_metric_the_task_lacks_exits_2(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    from prefect_ml.flows.cli import parse_parameters
+    from prefect_ml.tasks.params import TrainModelParams
+
+    csv = tmp_path / "values.csv"
+    csv.write_text("x,y\n" + "\n".join(f"{i},{i * 0.5}" for i in range(40)) + "\n")
+    flags = {"task": "regression", "dataset": "tabular", "url": csv.as_uri(), "label_column": "y"}
+    params = parse_parameters(TrainModelParams, {**flags, "metric": "r2"})
+    assert params.data.task == "regression" and params.registry.metric == "r2"
+    command = ["train", "--task", "regression", "--dataset", "tabular", "--url", csv.as_uri()]
+    command += ["--label-column", "y", "--metric", "accuracy"]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 2
+    output = " ".join(result.output.split())  # the table wraps long messages
+    assert "regression produces no" in output and "'accuracy'" in output
+    assert not home.home_dir.joinpath("mlflow.db").exists()

@@ -141,3 +141,11 @@ def test_a_real_lightning_module_trains_through_its_hooks(tmp_path: Path) -> Non
     assert second["val_accuracy"] > 0.9  # the task's own metric, from its forward
     exported = torch.export.export(trainer.network.eval(), (trainer.val_features[:4],))
     assert exported.module()(trainer.val_features[:4]).shape == (4, 3)  # pt2, as registered
+
+
+def test_a_hooked_model_trains_under_autocast_in_bf16(tmp_path: Path) -> None:
+    """Precision works for hooked models: their steps run inside the autocast context."""
+    trainer = blob_trainer((tmp_path / "bf16").as_uri(), model=STEPS, precision="bf16")
+    metrics = trainer.train_epoch(1)
+    assert np.isfinite(metrics["train_loss"]) and np.isfinite(metrics["val_top2_accuracy"])
+    assert trainer.train_epoch(2)["train_loss"] < metrics["train_loss"]
