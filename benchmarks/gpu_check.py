@@ -25,6 +25,7 @@ a training combination failed.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -289,6 +290,9 @@ def _training_worker(
         Path(out).write_text(
             json.dumps({"backend": backend, "device": str(device), "results": results})
         )
+    # FSDP's device meshes hold process groups: freed after the group is destroyed (at
+    # interpreter exit), gloo's threads abort the process now and then.
+    gc.collect()
     dist.destroy_process_group()
 
 

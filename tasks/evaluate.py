@@ -64,7 +64,7 @@ def predicted_figure(predictions: np.ndarray, actual: np.ndarray):  # type: igno
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(5, 5))
-    axes.scatter(actual, predictions, s=10, alpha=0.6)
+    axes.plot(actual, predictions, marker=".", linestyle="none", alpha=0.6)
     low = float(min(actual.min(), predictions.min())) if actual.size else 0.0
     high = float(max(actual.max(), predictions.max())) if actual.size else 1.0
     axes.plot([low, high], [low, high], color="grey", linewidth=1, linestyle="--")

@@ -220,7 +220,8 @@ def test_the_pipeline_with_a_sweep_runs_on_s3_with_mlflow_artifacts_in_s3(
     assert smoke.response["model"]["run_id"] == outcome.trained.run_id
     mlflow.set_tracking_uri(uri)
     local = mlflow.pyfunc.load_model("models:/digits-classifier/1")
-    rows = np.asarray(smoke.request["inputs"], dtype=np.float32).reshape(-1, 64)
+    # A tabular model takes float64 rows, as a CSV or a DataFrame holds them.
+    rows = np.asarray(smoke.request["inputs"], dtype=np.float64).reshape(-1, 64)
     expected = np.asarray(local.predict(rows)).argmax(axis=1)
     assert smoke.response["predictions"] == [str(d) for d in expected]
     assert "Smoke request" in published["serving"]

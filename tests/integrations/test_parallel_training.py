@@ -72,39 +72,51 @@ def _group_worker(
     rank: int, world_size: int, port: int, config: TrainLoopConfig, epochs: int, out: str
 ) -> None:
     """One member of a gloo group: restore, train ``epochs`` more epochs, commit each."""
+    import gc
+
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        trainer = EpochTrainer(
-            config,
-            rank=rank,
-            world_size=world_size,
-            prepare_model=DistributedDataParallel,
-            shards=_shards(rank, world_size),
-        )
-        restored = _full_state(trainer)
-        committer = EpochCommitter(trainer.store) if rank == 0 else None
-        history = []
-        for epoch in range(trainer.first_epoch, trainer.first_epoch + epochs):
-            metrics = trainer.train_epoch(epoch)
-            files = trainer.snapshot(epoch)
-            history.append(metrics)
-            if committer is not None:
-                committer.submit(epoch, files, metrics, epoch_started=0.0, blocked_since=0.0)
-        final = _full_state(trainer)
-        if committer is not None:
-            committer.close()
-            kind = type(trainer.model).__name__
-            torch.save({"restored": restored, "final": final}, f"{out}.pt")
-            report = {"first_epoch": trainer.first_epoch, "history": history, "wrapper": kind}
-            Path(f"{out}.json").write_text(json.dumps(report))
+        _train_in_group(rank, world_size, config, epochs, out)
     finally:
+        # FSDP's device meshes hold process groups: freed after the group is destroyed (at
+        # interpreter exit), gloo's threads abort the process now and then.
+        gc.collect()
         dist.destroy_process_group()
+
+
+def _train_in_group(
+    rank: int, world_size: int, config: TrainLoopConfig, epochs: int, out: str
+) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    trainer = EpochTrainer(
+        config,
+        rank=rank,
+        world_size=world_size,
+        prepare_model=DistributedDataParallel,
+        shards=_shards(rank, world_size),
+    )
+    restored = _full_state(trainer)
+    committer = EpochCommitter(trainer.store) if rank == 0 else None
+    history = []
+    for epoch in range(trainer.first_epoch, trainer.first_epoch + epochs):
+        metrics = trainer.train_epoch(epoch)
+        files = trainer.snapshot(epoch)
+        history.append(metrics)
+        if committer is not None:
+            committer.submit(epoch, files, metrics, epoch_started=0.0, blocked_since=0.0)
+    final = _full_state(trainer)
+    if committer is not None:
+        committer.close()
+        kind = type(trainer.model).__name__
+        torch.save({"restored": restored, "final": final}, f"{out}.pt")
+        report = {"first_epoch": trainer.first_epoch, "history": history, "wrapper": kind}
+        Path(f"{out}.json").write_text(json.dumps(report))
 
 
 def _run_group(
