@@ -5,7 +5,7 @@ PYTHON  ?= python3
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench chaos lint clean
+.PHONY: install run test bench chaos lint clean postgresql
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,15 +21,22 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/prefect-ml run
 
+# Debian's PostgreSQL server, whatever its version (/usr/lib/postgresql/<version>/bin): the tests
+# and the study-storage benchmark start clusters of their own on loopback (tests/postgres.py).
+postgresql:
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
+		(apt-get update -qq && apt-get install -y -qq postgresql)
+
 # The browser test drives the Prefect UI in Debian's Chromium (Playwright's own download is not
 # reachable from these machines).
-test: $(STAMP)
+test: $(STAMP) postgresql
 	test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) postgresql
 	$(VENV)/bin/python benchmarks/training.py
 	$(VENV)/bin/python benchmarks/sweep.py
+	$(VENV)/bin/python benchmarks/study_storage.py
 	$(VENV)/bin/python benchmarks/checkpoints.py
 	$(VENV)/bin/python benchmarks/precision.py
 	# The serving benchmark's load generator is wrk (Debian package).

@@ -405,7 +405,8 @@ def ui(host: str, port: int) -> None:
             prefect_server.local_server(settings, host, port, auth_string)
         )
         console.print(f"[bold green]Prefect UI:[/bold green] {prefect_server.ui_url(api_url)}")
-        console.print(f"  API: {api_url}  (database and logs under {settings.prefect_home})")
+        database = prefect_server.server_database(settings)
+        console.print(f"  API: {api_url}  (database: {database}; logs in {settings.prefect_home})")
         auth_file = settings.local_server_auth_file
         if generated:  # shown this once; later starts reuse it
             console.print(f"  Log in with: {escape(auth_string)}  (kept in {auth_file})")

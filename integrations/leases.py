@@ -12,6 +12,9 @@ generation counts; it is free when it is released, or when its holder is dead:
 - anywhere: it has not been renewed for the expiry (``PREFECT_ML_LEASE_EXPIRY_S``), measured
   as the storage's clock now minus the time the storage wrote the record. Another host's clock
   is never compared with ours.
+
+A campaign whose study is in a database also claims it there (:mod:`integrations.study_claims`),
+with the same records, liveness rules and :class:`Heartbeat`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -138,6 +142,106 @@ class LeaseRecord:
         return bool(start and self.process_start and start != self.process_start)
 
 
+class Heartbeat:
+    """A hold's renewals: ``renew`` every ``expiry_s / 6`` on a daemon thread until stopped.
+
+    ``renew`` returns False once the hold was taken over; renewals that keep failing for two
+    thirds of the expiry mark it lost as well, well before others may take it over (at the
+    expiry), so two writers never overlap, even for one heartbeat. While it runs, this process
+    holds ``holder`` (:meth:`LeaseRecord.left_by_this_process`).
+
+    Args:
+        what: what the hold guards, as messages name it.
+        holder: the hold's holder id (its records' ``holder``).
+        where: where the hold lives, for the error of a lost one ("its lease (<url>)").
+        expiry_s: how long an unrenewed hold stays held.
+        renew: one renewal; whether we still hold it.
+    """
+
+    def __init__(
+        self, what: str, holder: str, where: str, expiry_s: float, renew: Callable[[], bool]
+    ) -> None:
+        self.what, self.holder, self.where, self.expiry_s = what, holder, where, expiry_s
+        self._renew = renew
+        self._lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._renewed_at = 0.0  # time.monotonic() of the last successful renewal
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def lost(self) -> bool:
+        return self._lost.is_set()
+
+    def begin(self) -> None:
+        """Count as holding from just before the write that takes the hold, so that another
+        thread here that reads our new record never takes it for one left behind."""
+        _HOLDING.add(self.holder)
+
+    def start(self) -> None:
+        """Start renewing a hold taken just now."""
+        self.begin()
+        self._renewed_at = time.monotonic()
+        self._lost.clear()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name=f"lease {self.what}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop renewing (the caller then releases the hold, unless it was lost), or give up
+        taking it."""
+        _HOLDING.discard(self.holder)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def lose(self, why: str) -> None:
+        self._lost.set()
+        logger.error("Lost the lease on %s: %s; stop writing", self.what, why)
+
+    def raise_if_lost(self) -> None:
+        """Raise :class:`LeaseLostError` if the hold was lost."""
+        if self.lost:
+            raise LeaseLostError(
+                f"{self.what}: another process took over {self.where} because this one had "
+                f"not renewed it for {self.expiry_s:.0f}s and was presumed dead; this process "
+                "stopped writing. The other process carries on; check its progress before "
+                "running this command again."
+            )
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.expiry_s / 6):
+            try:
+                if not self._renew():
+                    return
+                self._renewed_at = time.monotonic()
+            except Exception as exc:
+                silent = time.monotonic() - self._renewed_at
+                logger.warning("Could not renew the lease on %s: %s", self.what, exc)
+                if silent > self.expiry_s * 2 / 3:
+                    self.lose(f"not renewed for {silent:.0f}s; it may be taken over")
+                    return
+
+
+def held_error(
+    field: str, what: str, record: LeaseRecord, where: str, clock: str, age: float, expiry_s: float
+) -> LeaseHeldError:
+    """The refusal of a hold (``where``: "lease <url>, generation 3") that ``record``'s live
+    holder renewed ``age`` seconds ago by ``clock``'s clock ("storage", "database")."""
+    return LeaseHeldError(
+        field,
+        f"{what} is being written by process {record.pid} on {record.host} ({where}; last "
+        f"heartbeat {age:.0f}s ago by the {clock}'s clock, held for {expiry_s - age:.0f}s more "
+        "unless renewed). Wait for it to finish, or stop that process; a process that died is "
+        f"taken over at once on its own host, or {expiry_s:.0f}s after its last heartbeat from "
+        "elsewhere.",
+    )
+
+
 class Lease:
     """The right to write one run or campaign, held by one process at a time.
 
@@ -175,10 +279,9 @@ class Lease:
         self.expiry_s = expiry_s if expiry_s is not None else get_settings().lease_expiry_s
         self.generation = 0  # ours, once held
         self._record = LeaseRecord.mine(uuid.uuid4().hex, what)
-        self._lost = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._renewed_at = 0.0  # time.monotonic() of the last successful renewal
+        self._beats = Heartbeat(
+            what, self._record.holder, f"its lease ({self.url})", self.expiry_s, self.renew
+        )
 
     @property
     def lost(self) -> bool:
@@ -186,7 +289,7 @@ class Lease:
         expiry (others may have presumed us dead): the holder must stop writing."""
         if self._outer is not None:
             return self._outer.lost
-        return self._lost.is_set()
+        return self._beats.lost
 
     @property
     def superseded_url(self) -> str:
@@ -210,24 +313,24 @@ class Lease:
             outer.ensure_held()  # a lost hold stays lost: its retry must not write again
             self._outer, self.generation = outer, outer.generation
             return self
-        generation = 0
+        try:
+            self.generation = self._take()
+        except BaseException:
+            self._beats.stop()
+            raise
+        self._beats.start()
+        _HELD.set((*held, self))
+        return self
+
+    def _take(self) -> int:
+        """Create the generation after a free newest one; ours."""
         for _ in range(_ATTEMPTS):
             generation, record = self._newest()
             if record is not None and (age := self._held_for(generation, record)) is not None:
                 raise self._held_error(generation, record, age)
+            self._beats.begin()
             if self._claim(generation + 1):
-                generation += 1
-                self.generation = generation
-                self._renewed_at = time.monotonic()
-                self._lost.clear()
-                self._stop.clear()
-                self._thread = threading.Thread(
-                    target=self._heartbeat, name=f"lease {self.what}", daemon=True
-                )
-                self._thread.start()
-                _HELD.set((*held, self))
-                _HOLDING.add(self._record.holder)
-                return self
+                return generation + 1
         raise PrefectMLError(
             f"{self.what}: {_ATTEMPTS} other processes took the lease ({self.url}) one after "
             "another while this one tried; run the command again"
@@ -238,13 +341,10 @@ class Lease:
         if self._outer is not None:
             self._outer = None
             return
-        if self._thread is None:
+        if not self._beats.running:
             return
         _HELD.set(tuple(h for h in _HELD.get() if h is not self))
-        _HOLDING.discard(self._record.holder)
-        self._stop.set()
-        self._thread.join()
-        self._thread = None
+        self._beats.stop()
         if self.lost:
             return
         try:
@@ -261,9 +361,8 @@ class Lease:
         self._record = LeaseRecord(**{**asdict(self._record), "written_at": time.time()})
         storage.write_bytes(self._generation_url(self.generation), self._record.to_bytes())
         if storage.exists(self.superseded_url):
-            self._lose(f"another process took it over ({self.superseded_url})")
+            self._beats.lose(f"another process took it over ({self.superseded_url})")
             return False
-        self._renewed_at = time.monotonic()
         return True
 
     def ensure_held(self) -> None:
@@ -273,37 +372,16 @@ class Lease:
             self._outer.ensure_held()
             return
         if not self.lost and storage.exists(self.superseded_url):
-            self._lose(f"another process took it over ({self.superseded_url})")
+            self._beats.lose(f"another process took it over ({self.superseded_url})")
         self.raise_if_lost()
 
     def raise_if_lost(self) -> None:
         """Raise :class:`LeaseLostError` if the heartbeat found the lease lost; no storage call,
         so a loop may ask every iteration without a storage hiccup stopping it."""
-        if self.lost:
-            raise LeaseLostError(
-                f"{self.what}: another process took over its lease ({self.url}) because this "
-                f"one had not renewed it for {self.expiry_s:.0f}s and was presumed dead; this "
-                "process stopped writing. The other process carries on; check its progress "
-                "before running this command again."
-            )
-
-    def _lose(self, why: str) -> None:
-        self._lost.set()
-        logger.error("Lost the lease on %s: %s; stop writing", self.what, why)
-
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.expiry_s / 6):
-            try:
-                if not self.renew():
-                    return
-            except Exception as exc:
-                silent = time.monotonic() - self._renewed_at
-                logger.warning("Could not renew the lease on %s: %s", self.what, exc)
-                # Stop well before others may take over (at the expiry, by the storage's clock):
-                # two writers must never overlap, even for one heartbeat.
-                if silent > self.expiry_s * 2 / 3:
-                    self._lose(f"not renewed for {silent:.0f}s; it may be taken over")
-                    return
+        if self._outer is not None:
+            self._outer.raise_if_lost()
+            return
+        self._beats.raise_if_lost()
 
     def _claim(self, generation: int) -> bool:
         """Create ``generation`` exclusively; whether it is ours."""
@@ -335,11 +413,5 @@ class Lease:
         return age if age <= self.expiry_s else None
 
     def _held_error(self, generation: int, record: LeaseRecord, age: float) -> LeaseHeldError:
-        return LeaseHeldError(
-            self.field,
-            f"{self.what} is being written by process {record.pid} on {record.host} "
-            f"(lease {self.url}, generation {generation}; last heartbeat {age:.0f}s ago by the "
-            f"storage's clock, held for {self.expiry_s - age:.0f}s more unless renewed). Wait "
-            "for it to finish, or stop that process; a process that died is taken over at once "
-            f"on its own host, or {self.expiry_s:.0f}s after its last heartbeat from elsewhere.",
-        )
+        where = f"lease {self.url}, generation {generation}"
+        return held_error(self.field, self.what, record, where, "storage", age, self.expiry_s)

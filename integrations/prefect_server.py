@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import secrets
 import signal
@@ -37,7 +38,21 @@ RAY_TAG = "prefect-ml-ray"
 DEFAULT_PREFECT_FILE = Path("deployments/prefect.yaml")
 SERVER_STARTUP_TIMEOUT_S = 120.0
 SERVER_AUTH_VARIABLE = "PREFECT_SERVER_API_AUTH_STRING"
+DATABASE_VARIABLE = "PREFECT_API_DATABASE_CONNECTION_URL"
 MIN_AUTH_STRING_LENGTH = 16
+
+
+def run_logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
+    """The current flow or task run's logger (shown in the UI and the console); outside a run,
+    a logger that Prefect's console handler shows (``prefect.prefect_ml``)."""
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return get_logger("prefect_ml")
 
 
 def ui_url(api_url: str) -> str:
@@ -74,6 +89,17 @@ def require_server(api_url: str | None, auth_string: str | None = None) -> str:
             "auth string (`prefect-ml ui` keeps it in <home>/prefect/auth_string)"
         )
     return api_url
+
+
+def server_database(settings: PrefectMLSettings) -> str:
+    """Where the server's database is, for people: its URL without the password, or the
+    SQLite file Prefect keeps under its home."""
+    from sqlalchemy.engine import make_url
+
+    database = settings.prefect_server_database or os.environ.get(DATABASE_VARIABLE)
+    if database is None:
+        return f"SQLite under {settings.prefect_home}"
+    return make_url(database).render_as_string(hide_password=True)
 
 
 def basic_auth_header(auth_string: str) -> str:
@@ -119,13 +145,16 @@ def _write_private(path: Path, text: str) -> None:
 def local_server(
     settings: PrefectMLSettings, host: str, port: int, auth_string: str
 ) -> Iterator[str]:
-    """Run ``prefect server start`` (its database under the project home) with basic auth on
-    its API and yield its API URL once it answers; stop it on the way out. Other prefect-ml
-    commands on this home use it (with the auth string :func:`server_auth_string` recorded)."""
+    """Run ``prefect server start`` (its database ``PREFECT_ML_PREFECT_DATABASE_URL``, else
+    under the project home) with basic auth on its API and yield its API URL once it answers;
+    stop it on the way out. Other prefect-ml commands on this home use it (with the auth
+    string :func:`server_auth_string` recorded)."""
     check_port_free(host, port, "--port")
     api_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/api"
     environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     environment[SERVER_AUTH_VARIABLE] = auth_string
+    if database := settings.prefect_server_database:
+        environment[DATABASE_VARIABLE] = database
     environment["PREFECT_SERVER_UI_API_URL"] = api_url  # else the UI calls port 4200
     # The classic UI, which the browser test drives; the new one (/v2) stays a click away.
     environment.setdefault("PREFECT_SERVER_UI_V2_ENABLED", "false")

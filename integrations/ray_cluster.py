@@ -6,14 +6,16 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
-from prefect_ml.integrations import tls
-from prefect_ml.integrations.errors import EnvironmentCheckError
+from prefect_ml.integrations import code_shipping, node_probe, tls
+from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
+from prefect_ml.integrations.prefect_server import run_logger
 from prefect_ml.integrations.settings import PrefectMLSettings, worker_environment
 
-logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -33,15 +35,14 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
         shipped = worker_environment(settings)
         try:
             if settings.ray_address:
-                ray.init(
-                    address=settings.ray_address,
-                    runtime_env={"env_vars": shipped},
-                    logging_level=logging.WARNING,
-                )
+                _connect(settings, shipped)
             else:
                 # Local workers import user code (``module:factory``) the way the driver does.
                 shipped["PYTHONPATH"] = os.pathsep.join(sys.path)
                 ray.init(
+                    # "local": a new Ray, even when a `ray start` cluster runs on this machine
+                    # (which Ray would otherwise join).
+                    address="local",
                     num_cpus=settings.local_ray_cpus,
                     runtime_env={"env_vars": shipped},
                     # The dashboard serves Ray's state API, which Ray Train v2 polls; loopback only.
@@ -50,6 +51,8 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
                     logging_level=logging.WARNING,
                 )
         except (ConnectionError, RuntimeError, ValueError) as exc:
+            if isinstance(exc, ConfigurationError):
+                raise
             where = settings.ray_address or "a local Ray"
             raise EnvironmentCheckError(
                 f"could not start or reach {where}: {exc}. Check PREFECT_ML_RAY_ADDRESS "
@@ -60,6 +63,110 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
     finally:
         if owns_ray:
             ray.shutdown()
+
+
+def _connect(settings: PrefectMLSettings, env_vars: dict[str, str]) -> None:
+    """Join the cluster at ``settings.ray_address`` with the code its workers need
+    (:mod:`integrations.code_shipping`), using the cluster's token when one is found."""
+    import ray
+
+    _use_cluster_token()
+    plan = code_shipping.plan_code(settings)  # size checks before any upload
+    mode = settings.ship_code
+
+    def join(ship_project: bool) -> None:
+        runtime_env = {"env_vars": env_vars, **plan.runtime_env(ship_project=ship_project)}
+        ray.init(
+            address=settings.ray_address,
+            runtime_env=runtime_env,
+            logging_level=logging.WARNING,
+        )
+
+    ship_project = not code_shipping.needs_probe(mode, plan)
+    join(ship_project)
+    if not ship_project:
+        node_probe.by_value()
+        nodes = []
+        for node, report in on_each_node(node_probe.code_on_node):
+            if isinstance(report, BaseException):
+                raise EnvironmentCheckError(
+                    f"node {node['NodeManagerAddress']} did not answer the code probe: {report}"
+                )
+            nodes.append(report)
+        ship_project = code_shipping.decide_shipping(mode, plan, _driver_version(), nodes)
+        if ship_project:  # a job's runtime_env is fixed when it connects
+            ray.shutdown()
+            join(True)
+    global _SHIPPED, _SHIPS_PROJECT
+    _SHIPPED = plan.describe(ship_project=ship_project)
+    _SHIPS_PROJECT = ship_project
+    run_logger().info("Ray cluster %s: %s", settings.ray_address, _SHIPPED)
+
+
+_SHIPPED: str | None = None  # what this process's cluster connection ships, for run tags
+_SHIPS_PROJECT = False  # whether that connection ships prefect-ml itself
+
+
+def shipped_code() -> str | None:
+    """What the current cluster connection ships (:meth:`CodePlan.describe`); None on a local
+    Ray, whose workers import what this process imports."""
+    import ray
+
+    return _SHIPPED if ray.is_initialized() else None
+
+
+def ships_project() -> bool | None:
+    """Whether the current cluster connection ships prefect-ml (False: the nodes' installed
+    prefect-ml runs); None on a local Ray, whose workers import what this process imports."""
+    return _SHIPS_PROJECT if shipped_code() is not None else None
+
+
+def _driver_version() -> str:
+    import prefect_ml
+
+    return str(prefect_ml.__version__)
+
+
+def _use_cluster_token() -> None:
+    """Turn Ray's token authentication on for this driver when the cluster's token is found
+    (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``) and ``RAY_AUTH_MODE``
+    is unset: ``ray start --head`` turns it on for the cluster, but a driver joining it by
+    address does not look for the token by itself."""
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def on_each_node(
+    function: Callable[..., T], *args: Any, timeout_s: float = 120.0
+) -> list[tuple[dict[str, Any], T | BaseException]]:
+    """Run ``function(*args)`` once on every alive node (pinned, 0 CPUs, no retry) and return
+    each node's record (``ray.nodes()``) with its result or the exception it raised; a node
+    that does not answer within ``timeout_s`` gets a TimeoutError. Ray must be initialised."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    remote = ray.remote(num_cpus=0, max_retries=0)(function)
+    refs = [
+        remote.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+        ).remote(*args)
+        for node in nodes
+    ]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    results: list[tuple[dict[str, Any], T | BaseException]] = []
+    for node, ref in zip(nodes, refs, strict=True):
+        try:
+            results.append((node, ray.get(ref, timeout=0)))
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)
+            results.append((node, TimeoutError(f"no answer within {timeout_s:g}s")))
+        except Exception as exc:  # each node's failure is its own result
+            results.append((node, exc))
+    return results
 
 
 def _use_tls(folder: Path) -> None:

@@ -25,6 +25,20 @@ if TYPE_CHECKING:
 STARTED_AT_TAG = "prefect_ml.worker_group_started_at_epoch"
 WORLD_SIZE_TAG = "prefect_ml.worker_group_size"  # workers of the latest group (elastic runs vary)
 PEAK_MEMORY_TAG = "prefect_ml.peak_memory"  # what the peak_memory_mib metric measures
+WORKER_NODES_TAG = "prefect_ml.worker_nodes"  # each rank's node address, latest group, by rank
+
+
+def worker_nodes() -> list[str]:
+    """Every rank's node address, in rank order (one gather when the group starts)."""
+    import ray
+    import torch.distributed as dist
+
+    here = ray.util.get_node_ip_address()
+    if not (dist.is_available() and dist.is_initialized()):
+        return [here]
+    gathered: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, here)
+    return [str(address) for address in gathered]
 
 
 def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
@@ -41,6 +55,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
         device=ray.train.torch.get_device(),
         prepare_model=ray.train.torch.prepare_model,
     )
+    nodes = worker_nodes()
     if trainer.rank == 0 and config.run_id:
         tracking.set_tags(
             tracking.client_for(config.tracking_uri),
@@ -49,6 +64,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
                 STARTED_AT_TAG: str(trainer.first_epoch),
                 WORLD_SIZE_TAG: str(trainer.world_size),
                 PEAK_MEMORY_TAG: trainer.peak_memory_kind,
+                WORKER_NODES_TAG: ",".join(nodes),
             },
         )
     committer = EpochCommitter(trainer.store, config.retention()) if trainer.rank == 0 else None
@@ -81,13 +97,16 @@ def fit(
     ray_storage_url: str,
     name: str,
     collective_timeout_s: int = 1800,
+    elastic_resize_s: float = 60.0,
 ) -> None:
     """Run ``train_loop_per_worker`` on Ray Train workers (DDP or FSDP over gloo or NCCL).
 
-    ``workers`` as ``(min, max)`` makes the group elastic: it starts once ``min`` workers can be
-    placed, grows towards ``max`` as resources appear, and after losing a worker restarts from
-    the last checkpoint with the workers still placeable. A collective that waits longer than
-    ``collective_timeout_s`` (a hung or lost peer) fails the group instead of hanging it.
+    ``workers`` as ``(min, max)`` makes the group elastic: it starts with as many as can be
+    placed (at least ``min``), after losing a worker restarts from the last checkpoint with the
+    workers still placeable, and while healthy below ``max`` looks for room every
+    ``elastic_resize_s`` seconds, restarting bigger from the last checkpoint when it finds some.
+    A collective that waits longer than ``collective_timeout_s`` (a hung or lost peer) fails
+    the group instead of hanging it.
     """
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -108,11 +127,12 @@ def fit(
         torch_config=TorchConfig(
             backend=devices.collective_backend(use_gpu), timeout_s=collective_timeout_s
         ),
-        scaling_config=ScalingConfig(
+        scaling_config=ScalingConfig(  # type: ignore[call-arg]  # the stub is Ray Train v1's
             num_workers=workers,  # type: ignore[arg-type]  # Ray's stub omits the elastic tuple
             use_gpu=use_gpu,
             resources_per_worker=resources,
             accelerator_type=request.accelerator_type,
+            elastic_resize_monitor_interval_s=elastic_resize_s,
         ),
         run_config=RunConfig(
             name=name,

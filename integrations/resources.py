@@ -46,9 +46,12 @@ class ResourceRequest:
     gpus: float = 0.0
     accelerator_type: str | None = None  # e.g. "H100", "A10G": Ray's accelerator_type:<T>
     memory_bytes: int | None = None
+    # Custom resources the nodes declare (``ray start --resources '{"fast_disk": 1}'``).
+    custom: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.cpus < 0 or self.gpus < 0 or (self.memory_bytes or 0) < 0:
+        amounts = [self.cpus, self.gpus, self.memory_bytes or 0, *(a for _, a in self.custom)]
+        if any(amount < 0 for amount in amounts):
             raise ValueError(f"a resource request cannot be negative: {self}")
 
     def ray_resources(self) -> dict[str, float]:
@@ -62,6 +65,7 @@ class ResourceRequest:
             resources["memory"] = float(self.memory_bytes)
         if self.accelerator_type:
             resources[ACCELERATOR_PREFIX + self.accelerator_type] = ACCELERATOR_SHARE
+        resources.update(self.custom)
         return resources
 
     def actor_options(self) -> dict[str, Any]:
@@ -71,6 +75,8 @@ class ResourceRequest:
             options["memory"] = self.memory_bytes
         if self.accelerator_type:
             options["accelerator_type"] = self.accelerator_type
+        if self.custom:
+            options["resources"] = dict(self.custom)
         return options
 
     def describe(self) -> str:
@@ -81,7 +87,26 @@ class ResourceRequest:
             parts.append(f"{_amount(self.gpus)} GPU{kind}")
         if self.memory_bytes:
             parts.append(_gb(self.memory_bytes))
+        parts.extend(f"{_amount(amount)} {name}" for name, amount in self.custom)
         return ", ".join(parts)
+
+
+# Resources with fields of their own, which a custom-resource mapping may not name.
+RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def custom_resources(resources: dict[str, float]) -> tuple[tuple[str, float], ...]:
+    """A validated custom-resource mapping as :attr:`ResourceRequest.custom` (sorted pairs);
+    a ValueError names what is wrong."""
+    for name, amount in resources.items():
+        if name in RESERVED_RESOURCES or name.startswith((ACCELERATOR_PREFIX, "node:")):
+            raise ValueError(
+                f"{name!r} is not a custom resource; CPUs, GPUs, memory and the accelerator "
+                "type have their own parameters"
+            )
+        if not amount > 0:
+            raise ValueError(f"{name!r} must be a positive amount, got {amount}")
+    return tuple(sorted((name, float(amount)) for name, amount in resources.items()))
 
 
 @dataclass(frozen=True)
@@ -94,6 +119,7 @@ class RequestFields:
     gpus: str
     accelerator_type: str
     memory: str
+    custom: str  # the custom-resource mapping
 
 
 def cluster_nodes() -> list[dict[str, float]]:
@@ -197,6 +223,7 @@ def check_fits(
         (name, field)
         for name, need, field in (
             ("GPU", request.gpus, fields.gpus),
+            *((name, amount, fields.custom) for name, amount in request.custom),
             ("memory", request.memory_bytes or 0, fields.memory),
             ("CPU", request.cpus, fields.cpus),
         )

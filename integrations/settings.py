@@ -7,6 +7,7 @@ import os
 import socket
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -52,6 +53,29 @@ class PrefectMLSettings(BaseSettings):
         "(postgresql://..., sqlite:///...) or the path of an Optuna journal file; "
         "default sqlite:///<home>/optuna.db.",
     )
+    ship_code: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        title="Ship code to the cluster",
+        description="With PREFECT_ML_RAY_ADDRESS: 'always' ships prefect-ml and the allowed user "
+        "modules with every Ray job (runtime_env py_modules); 'never' uses what the nodes have "
+        "installed; 'auto' ships unless this prefect-ml is an installed release that every node "
+        "has in the same version. User modules from a source folder are shipped in every mode.",
+    )
+    max_shipped_mb: float = Field(
+        default=100.0,
+        gt=0,
+        title="Largest code to ship (MB)",
+        description="Refuse to ship a package bigger than this (data or build outputs inside a "
+        "source folder are the usual cause); Ray's own limit is 512 MiB per job.",
+    )
+    prefect_database_url: SecretStr | None = Field(
+        default=None,
+        title="Prefect server database",
+        description="Database of the Prefect server that `prefect-ml ui` starts: "
+        "postgresql://user:password@host:5432/db (Prefect drives it with asyncpg) or "
+        "sqlite+aiosqlite:///<file>; default SQLite under <home>/prefect. Passed to the server "
+        "as PREFECT_API_DATABASE_CONNECTION_URL.",
+    )
     s3_credentials_block: str | None = Field(
         default=None,
         title="S3 credentials block",
@@ -96,9 +120,10 @@ class PrefectMLSettings(BaseSettings):
         le=3600.0,
         title="Lease expiry (seconds)",
         description="A training run or campaign has one writer, which renews a lease in the "
-        "storage; a writer on another host that has not renewed it for this long (by the "
-        "storage's clock) is presumed dead and taken over. A dead writer on this host is "
-        "taken over at once.",
+        "storage (and a campaign, a claim on its study in the study's database); a writer on "
+        "another host that has not renewed it for this long (by the storage's or database's "
+        "clock) is presumed dead and taken over. A dead writer on this host is taken over at "
+        "once.",
     )
     check_resources: bool = Field(
         default=True,
@@ -245,9 +270,17 @@ class PrefectMLSettings(BaseSettings):
 
     @property
     def mlflow_artifact_root(self) -> str | None:
-        """Artifact root for experiments we create; None lets a remote MLflow server decide."""
-        if self.resolved_tracking_uri.startswith("sqlite:///"):
+        """Artifact root for experiments we create; None lets a remote MLflow server decide.
+
+        Without a server, MLflow would put them in ``./mlruns`` of whatever directory the
+        process runs in: with SQLite they go under the home, with a shared database (several
+        hosts write it) into the storage, which those hosts share too.
+        """
+        tracking_uri = self.resolved_tracking_uri
+        if tracking_uri.startswith("sqlite:///"):
             return (self.home_dir / "mlartifacts").as_uri()
+        if tracking_uri.partition("://")[0].split("+")[0] in _DATABASE_SCHEMES:
+            return f"{self.resolved_storage_url}/mlartifacts"
         return None
 
     @property
@@ -257,6 +290,25 @@ class PrefectMLSettings(BaseSettings):
     @property
     def prefect_home(self) -> Path:
         return self.home_dir / "prefect"
+
+    @property
+    def prefect_server_database(self) -> str | None:
+        """The database URL for ``prefect-ml ui``'s server with Prefect's async driver, or
+        None for Prefect's default (SQLite under the home); a clear error for any other."""
+        if self.prefect_database_url is None:
+            return None
+        url = self.prefect_database_url.get_secret_value()
+        scheme, separator, rest = url.partition("://")
+        if separator and scheme in ("postgresql", "postgresql+asyncpg"):
+            return f"postgresql+asyncpg://{rest}"
+        if separator and scheme == "sqlite+aiosqlite":
+            return url
+        raise ConfigurationError(
+            "PREFECT_ML_PREFECT_DATABASE_URL",
+            f"{f'{scheme}://' if separator else 'that'} is not a database a Prefect server "
+            "runs on; use postgresql://user:password@host:5432/database or "
+            "sqlite+aiosqlite:///<file>",
+        )
 
     @property
     def local_server_file(self) -> Path:
@@ -280,6 +332,10 @@ class PrefectMLSettings(BaseSettings):
         ):
             return f"{self.resolved_storage_url}/ray_results"
         return (self.home_dir / "ray_results").as_uri()
+
+
+# MLflow's own database stores (SQLAlchemy URLs); anything else is a server or a plug-in.
+_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
 def _comma_list(value: str) -> tuple[str, ...]:

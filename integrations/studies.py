@@ -2,8 +2,8 @@
 
 The study is the campaign: every trial's parameters, intermediate values and final state live in
 it, so a campaign killed at any moment is resumed by opening the study again. Only one process —
-the campaign's coordinator, holding the campaign's lease (:mod:`integrations.leases`) — writes
-to a study.
+the campaign's coordinator, holding the campaign's lease (:mod:`integrations.leases`) and, in a
+database, its claim on the study (:mod:`integrations.study_claims`) — writes to a study.
 """
 
 from __future__ import annotations
@@ -36,20 +36,31 @@ NOT_STARTED_ATTR = "prefect_ml.not_started"  # asked ahead, never run: the campa
 OPEN_ATTEMPTS = 4
 
 
+def is_database(url: str) -> bool:
+    """Whether an Optuna storage URL names a database (an SQLAlchemy URL), not a journal file."""
+    return "://" in url
+
+
+def engine_options(url: str) -> dict[str, Any]:
+    """SQLAlchemy ``create_engine`` options for the study database ``url`` (created if it is a
+    new SQLite file), shared by Optuna's storage and :mod:`integrations.study_claims`."""
+    if not url.startswith("sqlite:///"):
+        return {}
+    Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    # SQLite serialises writers; waiting for the lock beats failing with "database is locked"
+    # when two campaigns share one file.
+    return {"connect_args": {"timeout": 60}}
+
+
 def storage_for(url: str) -> optuna.storages.BaseStorage:
     """An SQLAlchemy URL gives an RDB storage; anything else is the path of a journal file."""
-    if "://" not in url:
+    if not is_database(url):
         from optuna.storages.journal import JournalFileBackend
 
         journal = Path(url).expanduser()
         journal.parent.mkdir(parents=True, exist_ok=True)
         return optuna.storages.JournalStorage(JournalFileBackend(str(journal)))
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        # SQLite serialises writers; waiting for the lock beats failing with "database is locked"
-        # when two campaigns share one file.
-        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
-    return optuna.storages.RDBStorage(url)
+    return optuna.storages.RDBStorage(url, engine_kwargs=engine_options(url))
 
 
 def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -12,7 +12,8 @@ import math
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -45,7 +46,7 @@ def client_for(tracking_uri: str) -> MlflowClient:
     from mlflow import MlflowClient
     from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException
 
-    if not tracking_uri.startswith("sqlite:///") or tracking_uri in _INITIALISED:
+    if not tracking_uri.startswith(("sqlite:///", "postgresql")) or tracking_uri in _INITIALISED:
         try:
             return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         except UnsupportedModelRegistryStoreURIException:
@@ -55,20 +56,47 @@ def client_for(tracking_uri: str) -> MlflowClient:
                 f"{tracking_uri!r} is not an MLflow tracking URI; use sqlite:///<file>, "
                 "postgresql://... or the http(s) address of an MLflow server",
             ) from None
-    # MLflow creates a new SQLite database's tables when a client first opens it; two processes
-    # doing it at once collide ("table already exists"). A file lock makes one of them wait.
-    import fcntl
-
-    database = tracking_uri.removeprefix("sqlite:///")
-    os.makedirs(os.path.dirname(database) or ".", exist_ok=True)
-    with open(f"{database}.init-lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(database):
-            _create_sqlite_database(database)
+    # MLflow creates a new database's tables when a client first opens it; two processes doing
+    # it at once collide ("table already exists", on PostgreSQL "duplicate key value violates
+    # unique constraint pg_type_typname_nsp_index"). A lock makes one of them wait.
+    with _initialisation_lock(tracking_uri):
         client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         client.search_registered_models(max_results=1)  # the registry store initialises too
     _INITIALISED.add(tracking_uri)
     return client
+
+
+@contextmanager
+def _initialisation_lock(tracking_uri: str) -> Iterator[None]:
+    """Held by one process at a time per database: a file lock beside an SQLite file (whose
+    schema is built aside, :func:`_create_sqlite_database`), an advisory lock in PostgreSQL."""
+    if tracking_uri.startswith("sqlite:///"):
+        import fcntl
+
+        database = tracking_uri.removeprefix("sqlite:///")
+        os.makedirs(os.path.dirname(database) or ".", exist_ok=True)
+        with open(f"{database}.init-lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(database):
+                _create_sqlite_database(database)
+            yield
+        return
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(tracking_uri, poolclass=sqlalchemy.NullPool)
+    try:
+        with engine.connect() as connection:
+            # A session lock, released by the unlock or when the connection closes.
+            connection.execute(sqlalchemy.text(f"SELECT pg_advisory_lock({_INIT_LOCK_KEY})"))
+            try:
+                yield
+            finally:
+                connection.execute(sqlalchemy.text(f"SELECT pg_advisory_unlock({_INIT_LOCK_KEY})"))
+    finally:
+        engine.dispose()
+
+
+_INIT_LOCK_KEY = 0x70726566_6D6C  # "prefml": the advisory lock key of MLflow's schema creation
 
 
 def _create_sqlite_database(database: str) -> None:
@@ -460,6 +488,8 @@ TRIAL_TAG = "prefect_ml.trial_number"
 TRIAL_STATE_TAG = "prefect_ml.trial_state"
 ERROR_TAG = "prefect_ml.error"
 WORKER_TAG = "prefect_ml.worker_pid"  # the process that trained a trial (warm workers are reused)
+CODE_TAG = "prefect_ml.code"  # on a cluster: what the job shipped (prefect-ml, user modules)
+NODE_TAG = "prefect_ml.worker_node"  # the address of the Ray node that trained a trial
 RESUMED_TAG = "prefect_ml.resumed_from_epoch"  # a retried trial continued from this checkpoint
 
 

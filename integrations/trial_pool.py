@@ -12,11 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from prefect_ml.integrations.resources import ResourceRequest
+from prefect_ml.integrations.resources import ResourceRequest, cluster_nodes, placeable
 from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec, TrialWorker
 
 if TYPE_CHECKING:
     from types import TracebackType
+
+# How long a replacement trial worker may wait to be placed before its slot is closed (the
+# cluster is busy elsewhere, e.g. a serving replica holds the CPU a lost worker had).
+REPLACEMENT_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,9 @@ class TrialPool(Protocol):
         """The calls that finished within ``timeout`` seconds (maybe none), by slot."""
         ...
 
-    def replace(self, slot: int) -> None:
-        """A fresh worker in the slot of one that died."""
+    def replace(self, slot: int) -> bool:
+        """A fresh worker in the slot of one that died; False when the cluster has no room for
+        it any more (its node was lost): the slot is closed and runs nothing more."""
         ...
 
     def finish(self) -> None:
@@ -81,20 +86,26 @@ class RayTrialPool:
         self._request = request
         self._placed = ResourceRequest(cpus=0) if driver_only else request
         self._pending: dict[Any, int] = {}  # ObjectRef -> slot
-        self._workers: list[Any] = self._start(size)
+        self._workers: list[Any] = self._start(size)  # None: a closed slot
 
     @property
     def size(self) -> int:
         return len(self._workers)
 
-    def _start(self, count: int) -> list[Any]:
+    def _start(self, count: int, timeout: float | None = None) -> list[Any]:
         import ray
 
         actor_class = ray.remote(TrialWorker).options(
             **self._placed.actor_options(), max_restarts=0
         )
         workers: list[Any] = [actor_class.remote() for _ in range(count)]
-        ray.get([worker.ready.remote(max(1, int(self._request.cpus))) for worker in workers])
+        threads = max(1, int(self._request.cpus))
+        try:
+            ray.get([worker.ready.remote(threads) for worker in workers], timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            for worker in workers:
+                ray.kill(worker)
+            raise
         return workers
 
     def begin(self, slot: int, spec: TrialSpec) -> None:
@@ -123,22 +134,34 @@ class RayTrialPool:
             cause = exc.cause if exc.cause is not None else exc
             return TrialError(f"{type(cause).__name__}: {cause}")
 
-    def replace(self, slot: int) -> None:
+    def replace(self, slot: int) -> bool:
+        """Start a worker in place of the dead one when the cluster still holds one more copy
+        of the request next to the live ones and it is placed within
+        :data:`REPLACEMENT_WAIT_S`; otherwise close the slot."""
         import ray
 
         ray.kill(self._workers[slot])
-        self._workers[slot] = self._start(1)[0]
+        self._workers[slot] = None
+        live = sum(worker is not None for worker in self._workers)
+        if placeable(self._placed, cluster_nodes()) <= live:
+            return False
+        try:
+            self._workers[slot] = self._start(1, timeout=REPLACEMENT_WAIT_S)[0]
+        except ray.exceptions.GetTimeoutError:
+            return False
+        return True
 
     def finish(self) -> None:
         import ray
 
-        ray.get([worker.finish.remote() for worker in self._workers])
+        ray.get([worker.finish.remote() for worker in self._workers if worker is not None])
 
     def close(self) -> None:
         import ray
 
         for worker in self._workers:
-            ray.kill(worker)
+            if worker is not None:
+                ray.kill(worker)
         self._workers, self._pending = [], {}
 
     def __enter__(self) -> RayTrialPool:

@@ -56,6 +56,14 @@ class EpochReport:
     final: bool  # the trial's last epoch: it is complete
     worker_pid: int = 0  # the process that trained it (warm workers are reused)
     from_checkpoint: bool = False  # trained by an earlier attempt, read back from its checkpoint
+    node: str = ""  # the address of the node that trained it
+
+
+def node_address() -> str:
+    """The address of the Ray node this process runs on."""
+    import ray
+
+    return str(ray.util.get_node_ip_address())
 
 
 class TrialWorker:
@@ -69,6 +77,7 @@ class TrialWorker:
         self._spec: TrialSpec | None = None
         self._epoch = 0
         self._distributed: DistributedTrial | None = None
+        self.node = node_address()
 
     def ready(self, threads: int) -> int:
         """Pay the imports and torch's lazy initialisation once, before any trial."""
@@ -129,7 +138,9 @@ class TrialWorker:
         )
         # The commit finishes in the background; the next begin() (or finish()) waits for it.
         final = self._epoch >= self._spec.loop.epochs
-        return [EpochReport(self._spec.number, self._epoch, metrics, final, os.getpid())]
+        return [
+            EpochReport(self._spec.number, self._epoch, metrics, final, os.getpid(), node=self.node)
+        ]
 
     def finish(self) -> None:
         """End the current trial (complete or pruned): flush its checkpoint, free its state."""

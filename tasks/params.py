@@ -11,15 +11,28 @@ import difflib
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import to_jsonable_python
 
 from prefect_ml.integrations import problems, storage, tracking
 from prefect_ml.integrations.catalog import resolve_dataset, resolve_model
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.resources import GB, RequestFields, ResourceRequest
+from prefect_ml.integrations.resources import (
+    GB,
+    RequestFields,
+    ResourceRequest,
+    custom_resources,
+)
 
 
 def _factory_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
@@ -45,6 +58,24 @@ def _accelerator_field(title: str, placed: str, gpus_field: str) -> Any:
         description=f"Place {placed} only on nodes with this accelerator (Ray's "
         f"accelerator_type, e.g. H100, A10G, L4); needs {gpus_field}.",
     )
+
+
+def _resources_field(title: str, placed: str) -> Any:
+    return Field(
+        default_factory=dict,
+        title=title,
+        description=f"Custom Ray resources each of the {placed} reserves, e.g. "
+        '{"fast_disk": 1}: they land only on nodes started with them (ray start --resources).',
+    )
+
+
+def _check_custom(resources: dict[str, float]) -> dict[str, float]:
+    custom_resources(resources)
+    return resources
+
+
+# A mapping of custom Ray resources, each a name nodes declare and a positive amount.
+CustomResources = Annotated[dict[str, float], AfterValidator(_check_custom)]
 
 
 def _memory_field(title: str, reserved_for: str) -> Any:
@@ -181,9 +212,11 @@ OPERATIONAL_FIELDS = {
     "accelerator_type",
     "allow_mixed_gpu_types",
     "memory_per_worker_gb",
+    "worker_resources",
     "strategy",
     "gradient_checkpointing",
     "collective_timeout_s",
+    "elastic_resize_s",
 }
 
 
@@ -233,6 +266,7 @@ class TrainingParams(_Section):
         "slowest GPU's pace); otherwise such a cluster needs --accelerator-type.",
     )
     memory_per_worker_gb: float | None = _memory_field("Memory per worker (GB)", "each worker")
+    worker_resources: CustomResources = _resources_field("Custom resources per worker", "workers")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
         title="Precision",
@@ -257,6 +291,14 @@ class TrainingParams(_Section):
         title="Collective timeout (s)",
         description="How long a collective waits for a lost or hung worker before the group fails "
         "and restarts from the last checkpoint.",
+    )
+    elastic_resize_s: float = Field(
+        60.0,
+        gt=0,
+        title="Elastic resize check (s)",
+        description="Elastic runs ('min-max' workers): how often a healthy group below max looks "
+        "for room to grow (Ray Train's elastic_resize_monitor_interval_s); growing restarts the "
+        "group from the last checkpoint.",
     )
     keep_checkpoints: int = Field(
         3,
@@ -321,6 +363,7 @@ class TrainingParams(_Section):
             gpus=1.0 if self.use_gpu else 0.0,
             accelerator_type=self.accelerator_type,
             memory_bytes=_bytes(self.memory_per_worker_gb),
+            custom=custom_resources(self.worker_resources),
         )
 
 
@@ -563,6 +606,7 @@ class SweepParams(_Section):
     trial_memory_gb: float | None = _memory_field(
         "Memory per trial (GB)", "each trial (each worker with >1)"
     )
+    trial_resources: CustomResources = _resources_field("Custom resources per trial", "trials")
     trial_workers: int = Field(
         1,
         ge=1,
@@ -618,6 +662,7 @@ class SweepParams(_Section):
             gpus=self.trial_gpus,
             accelerator_type=self.trial_accelerator_type,
             memory_bytes=_bytes(self.trial_memory_gb),
+            custom=custom_resources(self.trial_resources),
         )
 
 
@@ -627,6 +672,7 @@ WORKER_FIELDS = RequestFields(
     gpus="training.use_gpu",
     accelerator_type="training.accelerator_type",
     memory="training.memory_per_worker_gb",
+    custom="training.worker_resources",
 )
 TRIAL_FIELDS = RequestFields(
     count="sweep.trial_workers",
@@ -634,6 +680,7 @@ TRIAL_FIELDS = RequestFields(
     gpus="sweep.trial_gpus",
     accelerator_type="sweep.trial_accelerator_type",
     memory="sweep.trial_memory_gb",
+    custom="sweep.trial_resources",
 )
 
 
@@ -749,6 +796,9 @@ class ServingParams(_Section):
         "--replica-gpus); probabilities are returned as float32 either way.",
     )
     replica_memory_gb: float | None = _memory_field("Memory per replica (GB)", "each replica")
+    replica_resources: CustomResources = _resources_field(
+        "Custom resources per replica", "replicas"
+    )
     max_rows: int = Field(
         1024, ge=1, title="Max rows per request", description="Larger batches get a 413."
     )
@@ -805,6 +855,7 @@ class ServingParams(_Section):
             gpus=self.replica_gpus,
             accelerator_type=self.replica_accelerator_type,
             memory_bytes=_bytes(self.replica_memory_gb),
+            custom=custom_resources(self.replica_resources),
         )
 
     @property
@@ -819,6 +870,7 @@ REPLICA_FIELDS = RequestFields(
     gpus="serving.replica_gpus",
     accelerator_type="serving.replica_accelerator_type",
     memory="serving.replica_memory_gb",
+    custom="serving.replica_resources",
 )
 
 

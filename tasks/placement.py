@@ -4,10 +4,10 @@ actors pending forever."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.prefect_server import run_logger
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import (
     RequestFields,
@@ -28,16 +28,6 @@ from prefect_ml.tasks.params import (
 from prefect_ml.tasks.quotas import check_caps
 
 
-def _logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
-    from prefect import get_run_logger
-    from prefect.exceptions import MissingContextError
-
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logging.getLogger(__name__)
-
-
 def require_fits(
     request: ResourceRequest,
     count: int,
@@ -54,7 +44,7 @@ def require_fits(
     except ConfigurationError as exc:
         if get_settings().check_resources:
             raise
-        _logger().warning("%s (not enforced: PREFECT_ML_CHECK_RESOURCES=false)", exc)
+        run_logger().warning("%s (not enforced: PREFECT_ML_CHECK_RESOURCES=false)", exc)
         return 0
 
 
@@ -76,7 +66,7 @@ def require_one_gpu_type(
         f"({', '.join(types)}); the group would train at the pace of its slowest GPU"
     )
     if allowed:
-        _logger().warning("%s (allowed: --allow-mixed-gpu-types)", problem)
+        run_logger().warning("%s (allowed: --allow-mixed-gpu-types)", problem)
         return
     raise ConfigurationError(
         fields.accelerator_type,

@@ -21,7 +21,7 @@ from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.errors import CheckpointError, PrefectMLError
 from prefect_ml.integrations.leases import Lease
 from prefect_ml.integrations.prefect_server import RAY_TAG
-from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations.ray_cluster import ray_session, shipped_code
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.data import PreparedData, params_on_data
 from prefect_ml.tasks.params import ModelParams, TrainingSections
@@ -308,6 +308,8 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
         if resumed_from < params.training.epochs:
             try:
                 with ray_session(settings):
+                    if code := shipped_code():
+                        tracking.set_tags(client, run_id, {tracking.CODE_TAG: code})
                     ray_training.fit(
                         config,
                         workers=params.training.workers,
@@ -316,6 +318,7 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
                         ray_storage_url=settings.ray_storage_url,
                         name=f"{run_id}-{int(time.time())}",
                         collective_timeout_s=params.training.collective_timeout_s,
+                        elastic_resize_s=params.training.elastic_resize_s,
                     )
             except Exception as exc:
                 lease.ensure_held()  # the run is the new driver's to mark

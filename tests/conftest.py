@@ -6,6 +6,7 @@ here, before any test module imports it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import tempfile
@@ -21,6 +22,7 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ["PREFECT_ML_ALLOWED_MODULES"] = "tests.fixtures"
 
 from prefect_ml.integrations.settings import PrefectMLSettings, prepare_process_environment  # noqa: E402
+from tests.cluster import LocalCluster, start_cluster  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 prepare_process_environment()
@@ -40,6 +42,7 @@ os.environ.update(
 import pytest  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
+from tests.postgres import PostgresServer  # noqa: E402
 from tests.s3 import TEST_BUCKET, MlflowServer, MotoS3  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +61,7 @@ def ray_cluster() -> Iterator[None]:
     import ray
 
     ray.init(
+        address="local",  # not the session's `ray start` cluster (tests.cluster)
         num_cpus=2,
         include_dashboard=True,
         dashboard_host="127.0.0.1",
@@ -69,6 +73,22 @@ def ray_cluster() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A real 3-node Ray cluster (:mod:`tests.cluster`) whose nodes cannot import the checkout:
+    a head with no CPUs, node-a (127.0.0.2, 1 CPU) and node-b (127.0.0.3, 1 CPU and 1
+    ``fast_disk``). Nodes get the S3 endpoint and credentials, as a host's image would."""
+    aws = {name: value for name, value in os.environ.items() if name.startswith("AWS_")}
+    started = start_cluster(
+        tmp_path_factory.mktemp("cluster"),
+        head_cpus=0,
+        workers=[("node-a", 1, {}), ("node-b", 1, {"fast_disk": 1})],
+        environment=aws,
+    )
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="session")
 def moto_s3() -> Iterator[MotoS3]:
     """moto's S3 server at the session's AWS_ENDPOINT_URL."""
     server = MotoS3(_S3_PORT)
@@ -77,6 +97,23 @@ def moto_s3() -> Iterator[MotoS3]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One PostgreSQL for the session, on a free loopback port; tests take their own database
+    on it (``postgres_database``)."""
+    server = PostgresServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_database(postgres_server: PostgresServer, request: pytest.FixtureRequest) -> str:
+    """A new, empty database on the session's PostgreSQL; its ``postgresql://`` URL."""
+    name = "".join(c if c.isalnum() else "_" for c in request.node.name.lower())[:40]
+    return postgres_server.new_database(f"{name}_{next(_DATABASE_NUMBERS)}")
+
+
+_DATABASE_NUMBERS = itertools.count()
 _early_mlflow: list[MlflowServer] = []
 
 

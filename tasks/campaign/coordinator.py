@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from prefect_ml.integrations import studies
 from prefect_ml.integrations.checkpoints import CheckpointStore
+from prefect_ml.integrations.errors import PrefectMLError
 from prefect_ml.integrations.leases import LeaseLostError
-from prefect_ml.integrations.tracking import RESUMED_TAG, WORKER_TAG
+from prefect_ml.integrations.tracking import NODE_TAG, RESUMED_TAG, WORKER_TAG
 from prefect_ml.integrations.trial_pool import Epochs, Outcome, TrialError, TrialPool, WorkerLost
 from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec
 from prefect_ml.tasks.campaign.results import trial_values
@@ -129,6 +130,7 @@ class Coordinator:
         self.logger = logger
         self.tally = Tally()
         self.running: dict[int, RunningTrial] = {}  # slot -> its trial
+        self.closed: set[int] = set()  # slots whose lost worker could not be replaced
         self.study_writer = study_writer or new_study_writer()
         self.study_writes: list[Future[TrialEnd]] = []
         self.spare: Future[Asked] | None = None  # the next trial, asked while workers are busy
@@ -259,7 +261,8 @@ class Coordinator:
         elif isinstance(outcome, WorkerLost):
             # Not the trial's fault as far as we know (OOM killer, lost node): run it again.
             verdict, error = "retry", outcome.reason
-            pool.replace(slot)
+            if not pool.replace(slot):
+                self.closed.add(slot)
         else:
             assert isinstance(outcome, TrialError)
             verdict, error = "fail", outcome.error
@@ -277,8 +280,27 @@ class Coordinator:
             writer.trial_ended(running.trial.number, "FAIL", {}, f"interrupted: {error}")
         else:
             self._finish(running, VERDICT_STATES[verdict], values, writer, error)
-        if not early and self._can_start(deadline):
+        if slot in self.closed:
+            self._closed(pool, slot)
+        elif not early and self._can_start(deadline):
             self._dispatch(pool, slot, writer)
+
+    def _closed(self, pool: TrialPool, slot: int) -> None:
+        """A slot whose worker could not be replaced (the cluster lost its room) runs no more;
+        with none left the campaign stops (its trials wait in the study for the next run)."""
+        open_slots = pool.size - len(self.closed)
+        self.logger.warning(
+            "Trial slot %d closed: the cluster has no room for its worker any more (a lost "
+            "node?); %d slot(s) go on",
+            slot,
+            open_slots,
+        )
+        if open_slots == 0:
+            raise PrefectMLError(
+                "every trial worker was lost and the cluster has room for none; the trials "
+                "they ran wait in the study: run the campaign again once the cluster has its "
+                "nodes back"
+            )
 
     def _decide(
         self, running: RunningTrial, reports: tuple[EpochReport, ...], writer: TrackingWriter
@@ -382,6 +404,9 @@ class Coordinator:
 def worker_tags(reports: tuple[EpochReport, ...]) -> dict[str, str]:
     """The process that trains a trial, and the epoch it resumed from (if it did)."""
     tags = {WORKER_TAG: str(reports[0].worker_pid)}
+    node = next((report.node for report in reports if report.node), None)
+    if node:
+        tags[NODE_TAG] = node
     resumed = [r.epoch for r in reports if r.from_checkpoint]
     if resumed:
         tags[RESUMED_TAG] = str(max(resumed))

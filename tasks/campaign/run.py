@@ -9,6 +9,7 @@ with it, so a process killed between the two leaves nothing wrong.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -16,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger
 
-from prefect_ml.integrations import storage, studies, tracking
+from prefect_ml.integrations import storage, studies, study_claims, tracking
 from prefect_ml.integrations.errors import CampaignFailedError, PrefectMLError
 from prefect_ml.integrations.leases import Lease
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import cluster_nodes
 from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
+from prefect_ml.integrations.study_claims import StudyClaim
 from prefect_ml.integrations.tracking import TrackingWriter
 from prefect_ml.integrations.trial_pool import RayTrialPool
 from prefect_ml.integrations.trial_worker import TrialSpec
@@ -150,16 +152,25 @@ class CampaignRun:
         self.timings: dict[str, float] = {}
 
     def run(self) -> CampaignResult:
-        """Hold the campaign's lease while its study and MLflow runs are written."""
-        lease = Lease(
-            self.identity.lease_url,
-            what=f"campaign '{self.sweep.campaign}'",
-            field="sweep.campaign",
-        )
-        with lease:
-            return self._run(lease)
+        """Hold the campaign's lease in the storage and, when the study lives in a database,
+        its claim on the study there, while its study and MLflow runs are written: two
+        coordinators with different storage roots still share the study's database."""
+        what, field = f"campaign '{self.sweep.campaign}'", "sweep.campaign"
+        optuna_storage = self.settings.resolved_optuna_storage
+        holds: list[Lease | StudyClaim] = [Lease(self.identity.lease_url, what=what, field=field)]
+        if study_claims.supported(optuna_storage):
+            holds.append(StudyClaim(optuna_storage, self.identity.name, what=what, field=field))
 
-    def _run(self, lease: Lease) -> CampaignResult:
+        def check() -> None:
+            for hold in holds:
+                hold.raise_if_lost()
+
+        with contextlib.ExitStack() as stack:
+            for hold in holds:
+                stack.enter_context(hold)
+            return self._run(check)
+
+    def _run(self, check: Callable[[], None]) -> CampaignResult:
         sweep = self.sweep
         self.study, distributions, budget = open_campaign_study(
             sweep, self.params.training.epochs, self.settings, self.identity.name
@@ -198,7 +209,7 @@ class CampaignRun:
                             pool.size,
                             self.coordinator.rules.budget or "unlimited",
                         )
-                        self._run_pool(pool, writer, lease.raise_if_lost)
+                        self._run_pool(pool, writer, check)
         finally:
             # Trials still running (an exception above) are left RUNNING: the next run retries them.
             writer.close()  # every MLflow record written: part of the trials' cost

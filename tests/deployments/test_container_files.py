@@ -17,6 +17,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -628,7 +629,14 @@ def test_dockerfile_copies_only_what_exists_and_is_not_ignored() -> None:
 def test_dockerfile_pins_torch_and_installs_the_database_drivers() -> None:
     runs = [arguments for keyword, arguments in dockerfile_instructions() if keyword == "RUN"]
     assert any(re.search(r"pip install torch==2\.13\.0(\s|$)", run) for run in runs)
-    assert any("psycopg2" in run and "boto3" in run for run in runs)
+    assert any("pip install ." in run and "boto3" in run for run in runs)
+    # postgresql:// (MLflow's and Optuna's stores in the compose file) is psycopg 3 with
+    # SQLAlchemy 2.1; `pip install .` brings both.
+    dependencies = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    assert {"psycopg[binary]", "sqlalchemy"} <= {
+        re.split(r"[<>=]", requirement)[0] for requirement in dependencies["dependencies"]
+    }
+    assert "sqlalchemy>=2.1,<3" in dependencies["dependencies"]
     assert any("Flask-WTF" in run for run in runs), "MLflow's basic-auth app needs Flask-WTF"
 
 

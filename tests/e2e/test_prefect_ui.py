@@ -108,19 +108,26 @@ def _stop(process: subprocess.Popen[bytes]) -> int:
         return process.wait()
 
 
-@pytest.fixture(scope="module")
-def prefect_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectUI]:
-    """`prefect-ml ui` on a free loopback port, with its own project home; the auth string it
-    generated, from the file it keeps it in, is given to other processes as Prefect's clients
-    take it (PREFECT_API_AUTH_STRING)."""
-    root = tmp_path_factory.mktemp("prefect-ui")
+def ui_environment(home: Path) -> dict[str, str]:
+    """This process's environment for `prefect-ml ui` on the project home ``home``: none of the
+    session's Prefect, MLflow or prefect-ml settings, no credentials."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("PREFECT_API_URL", "PREFECT_HOME", "MLFLOW_TRACKING_URI")
         and not k.startswith(("PREFECT_ML_", "PREFECT_API_AUTH", "PREFECT_SERVER_API_AUTH"))
     }
-    env["PREFECT_ML_HOME"] = str(root / "home")
+    env["PREFECT_ML_HOME"] = str(home)
+    return env
+
+
+@pytest.fixture(scope="module")
+def prefect_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectUI]:
+    """`prefect-ml ui` on a free loopback port, with its own project home; the auth string it
+    generated, from the file it keeps it in, is given to other processes as Prefect's clients
+    take it (PREFECT_API_AUTH_STRING)."""
+    root = tmp_path_factory.mktemp("prefect-ui")
+    env = ui_environment(root / "home")
     log = root / "ui.log"
     server = _start([str(BIN / "prefect-ml"), "ui", "--port", str(free_port())], env, log)
     output = _wait_for_output(server, log, "Prefect UI:")

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,37 @@ def test_two_racers_for_a_dead_lease_exactly_one_wins(lease_url: str) -> None:
         assert storage.list_names(lease_url) == ["gen-000001.json", "gen-000002.json"]
     finally:
         winner.release()
+
+
+class _PausedAfterClaim(Lease):
+    """A lease that, once its generation is created, lets ``meanwhile`` run before it goes on."""
+
+    def __init__(self, url: str, meanwhile: Callable[[], object]) -> None:
+        super().__init__(url, what="training run abc", field="experiment")
+        self.meanwhile = meanwhile
+
+    def _claim(self, generation: int) -> bool:
+        claimed = super()._claim(generation)
+        if claimed:
+            self.meanwhile()
+        return claimed
+
+
+def test_a_lease_another_thread_just_took_is_not_mistaken_for_one_left_behind(
+    lease_url: str,
+) -> None:
+    """Another thread of this process reads our new generation before our heartbeat starts:
+    written by this very process, it must still count as held, not as a failed release's."""
+    refusals: list[LeaseHeldError] = []
+
+    def other_thread() -> None:
+        with pytest.raises(LeaseHeldError) as refused:
+            _lease(lease_url).acquire()
+        refusals.append(refused.value)
+
+    with _PausedAfterClaim(lease_url, other_thread) as first:
+        assert len(refusals) == 1 and first.generation == 1
+    assert storage.list_names(lease_url) == ["gen-000001.json"]
 
 
 def test_a_lost_lease_is_noticed(lease_url: str) -> None:

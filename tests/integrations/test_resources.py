@@ -11,6 +11,7 @@ from prefect_ml.integrations.resources import (
     ResourceRequest,
     check_fits,
     cluster_nodes,
+    custom_resources,
     placeable,
 )
 
@@ -20,6 +21,7 @@ FIELDS = RequestFields(
     gpus="training.use_gpu",
     accelerator_type="training.accelerator_type",
     memory="training.memory_per_worker_gb",
+    custom="training.worker_resources",
 )
 A10G_NODE = {"CPU": 8.0, "GPU": 1.0, "accelerator_type:A10G": 1.0, "memory": 32.0 * GB}
 L4_NODE = {"CPU": 4.0, "GPU": 2.0, "accelerator_type:L4": 1.0, "memory": 16.0 * GB}
@@ -124,6 +126,29 @@ def test_resources_on_different_nodes_do_not_add_up_to_one_copy() -> None:
     assert caught.value.field == "training.cpus_per_worker"
     assert "only 0 fit at once" in str(caught.value)
     assert _fits(ResourceRequest(cpus=1, gpus=1), 1, nodes) == 1
+
+
+def test_custom_resources_pin_copies_to_the_nodes_that_declare_them() -> None:
+    fast = {"CPU": 4.0, "fast_disk": 1.0}
+    request = ResourceRequest(cpus=1, custom=custom_resources({"fast_disk": 0.5}))
+    assert request.ray_resources() == {"CPU": 1.0, "fast_disk": 0.5}
+    assert request.actor_options()["resources"] == {"fast_disk": 0.5}
+    assert _fits(request, 2, [CPU_NODE, fast, CPU_NODE]) == 2  # two halves on the one node
+    with pytest.raises(ConfigurationError) as refused:
+        _fits(request, 3, [CPU_NODE, fast])
+    assert refused.value.field == "training.worker_resources"
+    assert "1 fast_disk in total" in refused.value.message
+    assert "--worker-resources" in refused.value.message
+    with pytest.raises(ConfigurationError, match="0 fast_disk in total"):
+        _fits(request, 1, [CPU_NODE])
+
+
+def test_a_custom_resource_mapping_may_not_name_resources_with_their_own_fields() -> None:
+    for reserved in ({"CPU": 1.0}, {"GPU": 1.0}, {"accelerator_type:A10G": 1.0}):
+        with pytest.raises(ValueError, match="own parameters"):
+            custom_resources(reserved)
+    with pytest.raises(ValueError, match="positive"):
+        custom_resources({"fast_disk": 0.0})
 
 
 def test_the_local_ray_reports_its_nodes(ray_cluster: None) -> None:

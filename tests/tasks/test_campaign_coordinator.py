@@ -22,6 +22,7 @@ from optuna.trial import TrialState
 
 from prefect_ml.integrations import studies, tracking
 from prefect_ml.integrations.epoch_trainer import TrainLoopConfig
+from prefect_ml.integrations.errors import PrefectMLError
 from prefect_ml.integrations.leases import LeaseLostError
 from prefect_ml.integrations.tracking import TrackingWriter
 from prefect_ml.integrations.trial_pool import Epochs, Outcome, TrialError, WorkerLost
@@ -53,8 +54,11 @@ class Killed(BaseException):
 class FakePool:
     """Slots whose calls come back in the order they were made, played from a script."""
 
-    def __init__(self, size: int, script: Script = accuracy, *, kill_after: int = 0) -> None:
-        self.size, self.script, self.kill_after = size, script, kill_after
+    def __init__(
+        self, size: int, script: Script = accuracy, *, kill_after: int = 0, room: int = 99
+    ) -> None:
+        """``room``: how many lost workers the cluster still has room to replace."""
+        self.size, self.script, self.kill_after, self.room = size, script, kill_after, room
         self.trials: dict[int, tuple[TrialSpec, int]] = {}  # slot -> (spec, last epoch)
         self.ready: deque[tuple[int, Outcome]] = deque()
         self.replaced: list[int] = []
@@ -80,8 +84,11 @@ class FakePool:
             self.finals += 1
         return [(slot, outcome)]
 
-    def replace(self, slot: int) -> None:
+    def replace(self, slot: int) -> bool:
+        if len(self.replaced) >= self.room:
+            return False
         self.replaced.append(slot)
+        return True
 
     def finish(self) -> None:
         self.finished = True
@@ -322,6 +329,37 @@ def test_a_trial_whose_worker_always_dies_fails_after_max_attempts(
     assert studies.INTERRUPTED_ATTR not in last.user_attrs, "the last attempt counts as failed"
     assert counted(study) == [last] and campaign.tally.failed == 1
     assert len(pool.replaced) == studies.MAX_ATTEMPTS
+
+
+def test_a_slot_whose_lost_worker_cannot_be_replaced_closes_and_the_others_finish(
+    tmp_path: Path, writer: TrackingWriter
+) -> None:
+    """A lost node took a worker and its room: the slot closes, its trial runs again on the
+    other slot, and the budget completes there."""
+    study = study_of(DIES, GOOD, GOOD)
+    pool = FakePool(2, room=0)
+    campaign = coordinator(study, tmp_path, budget=3)
+
+    campaign.run(pool, writer)
+
+    assert campaign.closed == {0} and pool.replaced == []
+    retry = next(t for t in study.trials if t.user_attrs.get(studies.ATTEMPT_ATTR) == 2)
+    assert retry.state == TrialState.COMPLETE and retry.params == study.trials[0].params
+    assert campaign.tally.finished == 3
+
+
+def test_a_campaign_whose_every_slot_closed_stops_leaving_its_trials_in_the_study(
+    tmp_path: Path, writer: TrackingWriter
+) -> None:
+    study = study_of(DIES, GOOD)
+    campaign = coordinator(study, tmp_path, budget=2)
+
+    with pytest.raises(PrefectMLError, match="room for none"):
+        campaign.run(FakePool(1, room=0), writer)
+
+    waiting = [t for t in study.get_trials() if t.state == TrialState.WAITING]
+    assert len(waiting) == 1
+    assert waiting[0].system_attrs["fixed_params"] == study.trials[0].params, "its retry"
 
 
 def test_stop_at_starts_no_trial_after_the_target_is_reached(

@@ -1,0 +1,319 @@
+"""The pipeline on a real 3-node Ray cluster whose nodes cannot import the checkout.
+
+The session's cluster (:func:`tests.conftest.cluster`): a head with no CPUs (it runs the
+drivers' controllers) and two worker nodes of 1 CPU each at their own addresses, one of them
+declaring a custom resource. The tests here kill and add nodes: node-a dies in the first,
+node-c joins in the second and dies in the third. Storage is the S3 server and MLflow a
+tracking server, as on a real cluster; prefect-ml and the tests' user code reach the nodes only
+by being shipped with each job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect.settings import PREFECT_API_URL
+
+from prefect_ml.integrations import ray_training, tracking
+from tests.cluster import WORKER_IPS, ClusterNode, LocalCluster
+from tests.conftest import REPO_ROOT
+from tests.helpers import free_port, wait_for
+from tests.s3 import TEST_BUCKET, MotoS3
+
+pytestmark = pytest.mark.e2e
+
+
+def _cli_env(cluster: LocalCluster, home: Path, storage_url: str, tracking_uri: str) -> dict:
+    return {
+        **os.environ,
+        "PREFECT_ML_HOME": str(home),
+        "PREFECT_ML_RAY_ADDRESS": cluster.address,
+        "PREFECT_ML_STORAGE_URL": storage_url,
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+    }
+
+
+def _cli(*arguments: str) -> list[str]:
+    return [sys.executable, "-m", "prefect_ml.flows.cli", *arguments]
+
+
+def _keys(moto_s3: MotoS3, prefix: str) -> list[str]:
+    pages = moto_s3.client().get_paginator("list_objects_v2")  # type: ignore[attr-defined]
+    return [
+        item["Key"]
+        for page in pages.paginate(Bucket=TEST_BUCKET, Prefix=prefix)
+        for item in page.get("Contents", [])
+    ]
+
+
+def _committed(moto_s3: MotoS3, prefix: str, epoch: int, runs: int = 1) -> bool:
+    """Whether ``runs`` runs (or trials) under ``prefix`` have committed ``epoch``."""
+    suffix = f"epoch-{epoch:06d}/MANIFEST.json"
+    return sum(k.endswith(suffix) for k in _keys(moto_s3, prefix)) >= runs
+
+
+def _node(cluster: LocalCluster, name: str) -> ClusterNode:
+    return next(node for node in cluster.nodes if node.name == name and not node.ended)
+
+
+def _runs(tracking_uri: str, experiment_name: str) -> list[Any]:
+    client = tracking.client_for(tracking_uri)
+    experiment = client.get_experiment_by_name(experiment_name)
+    assert experiment is not None
+    return list(client.search_runs([experiment.experiment_id]))
+
+
+def _workers_per_epoch(tracking_uri: str, run_id: str) -> list[int]:
+    history = tracking.client_for(tracking_uri).get_metric_history(run_id, "workers")
+    return [int(m.value) for m in sorted(history, key=lambda m: m.step)]
+
+
+MODEL = ["--model", "tests.fixtures.user_code:slow_model"]
+SEARCH = json.dumps({"lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}})
+EPOCHS = 6
+
+
+def test_workers_asking_for_a_custom_resource_land_only_on_the_node_that_has_it(
+    cluster: LocalCluster,
+    tmp_path: Path,
+    s3_bucket: str,
+    mlflow_s3_server: str,
+) -> None:
+    """--worker-resources places the worker on node-b (fast_disk) though node-a is free; a
+    resource no node has is refused before anything trains, naming the parameter."""
+    env = _cli_env(cluster, tmp_path / "home", f"{s3_bucket}/placed", mlflow_s3_server)
+    train = [*_cli("train", "--experiment", "cluster-placed", "--epochs", "1"), "--workers", "1"]
+    placed = subprocess.run(
+        [*train, "--worker-resources", '{"fast_disk": 1}'],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert placed.returncode == 0, placed.stdout[-3000:] + placed.stderr[-3000:]
+    (run,) = _runs(mlflow_s3_server, "cluster-placed")
+    assert run.data.tags[ray_training.WORKER_NODES_TAG] == WORKER_IPS[1]
+    assert run.data.tags[tracking.CODE_TAG].startswith("shipped prefect_ml")
+
+    refused = subprocess.run(
+        [*_cli("sweep", "--n-trials", "2"), "--trial-resources", '{"nvme": 1}'],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode != 0
+    message = refused.stdout + refused.stderr
+    assert "sweep.trial_resources" in message and "0 nvme in total" in message
+    assert "--trial-resources" in message
+
+
+def test_the_pipeline_runs_on_the_cluster_and_survives_a_lost_node(
+    cluster: LocalCluster,
+    tmp_path: Path,
+    s3_bucket: str,
+    moto_s3: MotoS3,
+    mlflow_s3_server: str,
+) -> None:
+    """Sweep, elastic training and serving on nodes that import nothing of the checkout; a
+    worker node is killed mid-training and the run finishes on the other one from its last
+    checkpoint, every epoch logged once."""
+    env = _cli_env(cluster, tmp_path / "home", f"{s3_bucket}/prefect-ml", mlflow_s3_server)
+    command = _cli(
+        "run",
+        "--experiment",
+        "cluster",
+        "--model-name",
+        "cluster-digits",
+        *MODEL,
+        "--model-options",
+        '{"delay": 0.03}',
+        "--workers",
+        "1-2",
+        "--epochs",
+        str(EPOCHS),
+        "--batch-size",
+        "64",
+        "--campaign",
+        "cluster-search",
+        "--n-trials",
+        "2",
+        "--concurrency",
+        "2",
+        "--sampler",
+        "random",
+        "--search-space",
+        SEARCH,
+        "--serve",
+        "--port",
+        str(free_port()),
+        "--replica-cpus",
+        "0.25",
+    )
+    log_path = tmp_path / "run.log"
+    with log_path.open("wb") as log:
+        run = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            wait_for(
+                lambda: run.poll() is not None or _committed(moto_s3, "prefect-ml/checkpoints/", 2),
+                600,
+                "the final training's epoch-2 checkpoint",
+            )
+            assert run.poll() is None, log_path.read_text()[-5000:]
+            _node(cluster, "node-a").kill()
+            wait_for(
+                lambda: run.poll() is not None or "Serving until Ctrl-C" in log_path.read_text(),
+                600,
+                "the pipeline to serve",
+            )
+            assert run.poll() is None, log_path.read_text()[-5000:]
+            run.send_signal(signal.SIGTERM)
+            returncode = run.wait(timeout=120)
+        finally:
+            if run.poll() is None:
+                run.kill()
+    output = log_path.read_text()
+    assert returncode == 0, output[-6000:]
+    assert "shipped prefect_ml" in output and "tests (" in output, "the code was shipped"
+
+    runs = _runs(mlflow_s3_server, "cluster")
+    trials = [r for r in runs if tracking.NODE_TAG in r.data.tags]
+    assert len(trials) == 2
+    assert {r.data.tags[tracking.NODE_TAG] for r in trials} == set(WORKER_IPS), "both nodes"
+    final = next(r for r in runs if r.data.tags.get("registered_version"))
+    client = tracking.client_for(mlflow_s3_server)
+    assert tracking.logged_epochs(client, final.info.run_id) == list(range(1, EPOCHS + 1))
+    workers = _workers_per_epoch(mlflow_s3_server, final.info.run_id)
+    assert workers[0] == 2 and workers[-1] == 1, "two nodes' workers, then the survivor's"
+    tags = final.data.tags
+    assert int(tags[ray_training.STARTED_AT_TAG]) > 2, "restarted from its last checkpoint"
+    assert tags[ray_training.WORKER_NODES_TAG] == WORKER_IPS[1], "only the surviving node"
+    assert "POST /predict 200" in output, "the served model answered the smoke request"
+
+
+def test_an_elastic_group_grows_onto_a_node_that_joins(
+    cluster: LocalCluster,
+    tmp_path: Path,
+    s3_bucket: str,
+    moto_s3: MotoS3,
+    mlflow_s3_server: str,
+) -> None:
+    """With one node left, a 1-2 worker run starts with 1; a node joins and the group restarts
+    with 2 from the last checkpoint at Ray's next resize check (every --elastic-resize-s)."""
+    cluster.wait_for_nodes(cluster.alive_count())
+    env = _cli_env(cluster, tmp_path / "home", f"{s3_bucket}/grow", mlflow_s3_server)
+    command = _cli(
+        "train",
+        "--experiment",
+        "cluster-grow",
+        *MODEL,
+        "--model-options",
+        '{"delay": 0.1}',
+        "--workers",
+        "1-2",
+        "--elastic-resize-s",
+        "2",
+        "--epochs",
+        "12",
+        "--batch-size",
+        "64",
+    )
+    log_path = tmp_path / "train.log"
+    with log_path.open("wb") as log:
+        train = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            wait_for(
+                lambda: train.poll() is not None or _committed(moto_s3, "grow/checkpoints/", 1),
+                300,
+                "the first epoch on one node",
+            )
+            cluster.add_node("node-c", "127.0.0.4", 1)
+            returncode = train.wait(timeout=300)
+        finally:
+            if train.poll() is None:
+                train.kill()
+    assert returncode == 0, log_path.read_text()[-6000:]
+    (run,) = [r for r in _runs(mlflow_s3_server, "cluster-grow") if r.info.status == "FINISHED"]
+    workers = _workers_per_epoch(mlflow_s3_server, run.info.run_id)
+    assert workers[0] == 1 and workers[-1] == 2, f"grew from 1 to 2 workers: {workers}"
+    assert set(run.data.tags[ray_training.WORKER_NODES_TAG].split(",")) == {
+        WORKER_IPS[1],
+        "127.0.0.4",
+    }
+
+
+def test_a_campaign_runs_the_trials_of_a_lost_node_again_from_their_checkpoints(
+    cluster: LocalCluster,
+    tmp_path: Path,
+    s3_bucket: str,
+    moto_s3: MotoS3,
+    mlflow_s3_server: str,
+) -> None:
+    """A node running a trial is killed: the trial runs again, from its checkpoint, on the
+    node that is left, and the campaign completes its budget there."""
+    env = _cli_env(cluster, tmp_path / "home", f"{s3_bucket}/sweep", mlflow_s3_server)
+    command = _cli(
+        "sweep",
+        "--experiment",
+        "cluster-sweep",
+        *MODEL,
+        "--model-options",
+        '{"delay": 0.05}',
+        "--epochs",
+        "3",
+        "--batch-size",
+        "64",
+        "--campaign",
+        "lost-node",
+        "--n-trials",
+        "3",
+        "--concurrency",
+        "2",
+        "--sampler",
+        "random",
+        "--search-space",
+        SEARCH,
+    )
+    log_path = tmp_path / "sweep.log"
+    with log_path.open("wb") as log:
+        sweep = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            wait_for(
+                lambda: (
+                    sweep.poll() is not None or _committed(moto_s3, "sweep/campaigns/", 1, runs=2)
+                ),
+                300,
+                "both running trials' first checkpoints",
+            )
+            _node(cluster, "node-c").kill()
+            returncode = sweep.wait(timeout=300)
+        finally:
+            if sweep.poll() is None:
+                sweep.kill()
+    output = log_path.read_text()
+    assert returncode == 0, output[-6000:]
+    trials = [
+        r for r in _runs(mlflow_s3_server, "cluster-sweep") if tracking.NODE_TAG in r.data.tags
+    ]
+    finished = [r for r in trials if r.info.status == "FINISHED"]
+    assert len(finished) == 3, "the budget completed"
+    retried = [r for r in finished if tracking.RESUMED_TAG in r.data.tags]
+    assert retried, "the lost trial ran again from its checkpoint"
+    assert all(r.data.tags[tracking.NODE_TAG] == WORKER_IPS[1] for r in retried)
+    assert "runs again" in output
