@@ -63,6 +63,7 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
     finally:
         if owns_ray:
             ray.shutdown()
+            _SHIPPING.clear()
 
 
 def _connect(settings: PrefectMLSettings, env_vars: dict[str, str]) -> None:
@@ -97,14 +98,13 @@ def _connect(settings: PrefectMLSettings, env_vars: dict[str, str]) -> None:
         if ship_project:  # a job's runtime_env is fixed when it connects
             ray.shutdown()
             join(True)
-    global _SHIPPED, _SHIPS_PROJECT
-    _SHIPPED = plan.describe(ship_project=ship_project)
-    _SHIPS_PROJECT = ship_project
-    run_logger().info("Ray cluster %s: %s", settings.ray_address, _SHIPPED)
+    _SHIPPING[:] = [(plan.describe(ship_project=ship_project), ship_project)]
+    run_logger().info("Ray cluster %s: %s", settings.ray_address, _SHIPPING[0][0])
 
 
-_SHIPPED: str | None = None  # what this process's cluster connection ships, for run tags
-_SHIPS_PROJECT = False  # whether that connection ships prefect-ml itself
+# What this process's cluster connection ships (for run tags and doctor) and whether that
+# includes prefect-ml itself; empty on a local Ray and once the connection is closed.
+_SHIPPING: list[tuple[str, bool]] = []
 
 
 def shipped_code() -> str | None:
@@ -112,13 +112,13 @@ def shipped_code() -> str | None:
     Ray, whose workers import what this process imports."""
     import ray
 
-    return _SHIPPED if ray.is_initialized() else None
+    return _SHIPPING[0][0] if _SHIPPING and ray.is_initialized() else None
 
 
 def ships_project() -> bool | None:
     """Whether the current cluster connection ships prefect-ml (False: the nodes' installed
     prefect-ml runs); None on a local Ray, whose workers import what this process imports."""
-    return _SHIPS_PROJECT if shipped_code() is not None else None
+    return _SHIPPING[0][1] if shipped_code() is not None else None
 
 
 def _driver_version() -> str:

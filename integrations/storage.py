@@ -122,6 +122,12 @@ def training_lease_url(storage_url: str, run_key: str) -> str:
     return join(storage_url, "leases", "training", run_key)
 
 
+def doctor_url(root_url: str, name: str) -> str:
+    """Where ``prefect-ml doctor`` puts its probe objects under ``root_url``: ``.doctor/<name>``,
+    one name per node (its Ray node id) and per driver, so a leftover says who wrote it."""
+    return join(root_url, ".doctor", name)
+
+
 def check_url(url: str, field: str) -> str:
     """A user-given base URL without traversal segments (``s3://b/a/../c`` is refused)."""
     _scheme, _, rest = url.rpartition("://")

@@ -9,6 +9,7 @@ finished calls, and Ray's errors become our outcome types here, at the boundary 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,6 +22,10 @@ if TYPE_CHECKING:
 # How long a replacement trial worker may wait to be placed before its slot is closed (the
 # cluster is busy elsewhere, e.g. a serving replica holds the CPU a lost worker had).
 REPLACEMENT_WAIT_S = 60.0
+# A replacement can land on the node that just failed, before Ray has declared it dead, and die
+# with it: it is tried this many times, this far apart.
+REPLACEMENT_ATTEMPTS = 3
+REPLACEMENT_RETRY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -143,13 +148,18 @@ class RayTrialPool:
         ray.kill(self._workers[slot])
         self._workers[slot] = None
         live = sum(worker is not None for worker in self._workers)
-        if placeable(self._placed, cluster_nodes()) <= live:
-            return False
-        try:
-            self._workers[slot] = self._start(1, timeout=REPLACEMENT_WAIT_S)[0]
-        except ray.exceptions.GetTimeoutError:
-            return False
-        return True
+        for _ in range(REPLACEMENT_ATTEMPTS):
+            if placeable(self._placed, cluster_nodes()) <= live:
+                return False
+            try:
+                self._workers[slot] = self._start(1, timeout=REPLACEMENT_WAIT_S)[0]
+                return True
+            except ray.exceptions.GetTimeoutError:
+                return False
+            except ray.exceptions.RayActorError:
+                # Placed on the dying node before Ray declared it dead: ask again once it has.
+                time.sleep(REPLACEMENT_RETRY_S)
+        return False
 
     def finish(self) -> None:
         import ray

@@ -5,15 +5,21 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Any
 
-from prefect_ml.integrations import devices, prefect_server, storage, tracking
-from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations import devices, node_report, prefect_server, storage, tracking
+from prefect_ml.integrations.node_report import NodeReport
+from prefect_ml.integrations.ray_cluster import ray_session, shipped_code, ships_project
 from prefect_ml.integrations.settings import PrefectMLSettings
 
 PACKAGES = ("prefect", "ray", "torch", "mlflow", "optuna", "s3fs", "pydantic")
+# A node's first task waits for a worker and the shipped code; a storage probe retries.
+NODE_TIMEOUT_S = 60.0
+# Resources every node record lists that say nothing about what the node is for.
+_PLAIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 @dataclass(frozen=True)
@@ -50,17 +56,107 @@ def _devices() -> list[Check]:
         return [Check("devices", False, f"{type(exc).__name__}: {exc}")]
     return [
         Check("devices", True, devices.describe(runtime)),
-        *(
-            Check("devices", True, f"WARNING: {warning}", warning=True)
-            for warning in runtime.warnings
-        ),
+        *(_warning("devices", warning) for warning in runtime.warnings),
     ]
 
 
-def _ray(settings: PrefectMLSettings) -> str:
-    with ray_session(settings) as resources:
-        where = settings.ray_address or "local Ray"
-        return f"{where}: {resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU"
+def _ray(settings: PrefectMLSettings) -> list[Check]:
+    """The cluster's row, one or more rows per alive node, and the cluster's storage warning."""
+    try:
+        root = storage.root_url(settings)
+        with ray_session(settings) as resources:
+            where = settings.ray_address or "local Ray"
+            code = shipped_code() or "workers import what this process imports"
+            summary = (
+                f"{where}: {resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU; {code}"
+            )
+            shipped = ships_project()
+            results = node_report.probe_nodes(root, timeout_s=NODE_TIMEOUT_S)
+    except Exception as exc:  # same isolation as _guarded
+        return [Check("ray", False, f"{type(exc).__name__}: {exc}")]
+    driver = node_report.imported_versions()
+    rows = [Check("ray", True, summary)]
+    for record, report in results:
+        rows.extend(node_checks(record, report, driver, prefect_ml_shipped=shipped))
+    rows.extend(storage_host_checks(root, [record for record, _ in results]))
+    return rows
+
+
+def node_checks(
+    record: Mapping[str, Any],
+    report: NodeReport | BaseException,
+    driver: Mapping[str, str],
+    *,
+    prefect_ml_shipped: bool | None,
+) -> list[Check]:
+    """A node's row (``record`` from ``ray.nodes()``), failing when its probe did not answer or
+    its storage access failed, then a row per version that differs from the driver's
+    (:func:`node_report.version_differences`) and per device warning."""
+    name = f"node {record['NodeManagerAddress']}"
+    if isinstance(report, BaseException):
+        cause = getattr(report, "cause", None) or report  # a RayTaskError's str is a traceback
+        return [Check(name, False, f"the probe failed: {type(cause).__name__}: {cause}")]
+    versions = report.versions
+    if prefect_ml_shipped is None:
+        prefect_ml = f"prefect-ml {versions['prefect-ml']} (local Ray: this process's code)"
+    elif prefect_ml_shipped:
+        prefect_ml = f"prefect-ml {driver['prefect-ml']} shipped"
+    else:
+        prefect_ml = f"prefect-ml {versions['prefect-ml']} installed ({report.prefect_ml_from})"
+    detail = "\n".join(
+        (
+            f"host {report.host}: python {versions['python']}, ray {versions['ray']}, "
+            f"torch {versions['torch']}, {prefect_ml}",
+            _resources(record.get("Resources", {})),
+            report.devices,
+            f"storage: {report.storage}",
+        )
+    )
+    differences = node_report.version_differences(
+        driver, versions, prefect_ml_shipped=prefect_ml_shipped
+    )
+    rows = [Check(name, report.storage_ok, detail)]
+    for difference in differences:
+        if difference.fatal:
+            rows.append(Check(name, False, difference.describe()))
+        else:
+            rows.append(_warning(name, difference.describe()))
+    rows.extend(_warning(name, warning) for warning in report.device_warnings)
+    return rows
+
+
+def _warning(name: str, text: str) -> Check:
+    return Check(name, True, f"WARNING: {text}", warning=True)
+
+
+def _resources(resources: Mapping[str, float]) -> str:
+    """``1 CPU, 0 GPU, fast_disk 1``: what Ray may schedule on the node."""
+    custom = sorted(
+        f"{key} {value:g}"
+        for key, value in resources.items()
+        if key not in _PLAIN_RESOURCES and not key.startswith("node:")
+    )
+    return ", ".join(
+        [f"{resources.get('CPU', 0):g} CPU", f"{resources.get('GPU', 0):g} GPU", *custom]
+    )
+
+
+def storage_host_checks(root_url: str, records: Sequence[Mapping[str, Any]]) -> list[Check]:
+    """A warning when the storage is a local path and the nodes are on several hosts: each
+    host then has its own files unless the path is a shared mount (NFS), which the node rows
+    measure (each reads an object the driver wrote)."""
+    hosts = sorted({str(record["NodeManagerAddress"]) for record in records})
+    if len(hosts) < 2 or not storage.is_local(root_url):
+        return []
+    return [
+        _warning(
+            "cluster storage",
+            f"{root_url} is a local path, and the cluster's nodes are on "
+            f"{len(hosts)} hosts ({', '.join(hosts)}): the driver and every node must mount it "
+            "at the same path (a shared NFS mount is fine, and the node rows say whether each "
+            "sees the driver's files); otherwise set PREFECT_ML_STORAGE_URL to s3://...",
+        )
+    ]
 
 
 def _serving() -> str:
@@ -92,14 +188,15 @@ def run_checks(settings: PrefectMLSettings) -> list[Check]:
     return [
         _guarded("versions", _versions),
         *_devices(),
-        _guarded("ray", lambda: _ray(settings)),
+        # Storage first: it applies the credentials block that the nodes' probe object needs.
+        _guarded("storage", lambda: f"{storage.prepare_storage(settings)} is writable"),
+        *_ray(settings),
         _guarded(
             "mlflow",
             lambda: tracking.check_writable(
                 settings.resolved_tracking_uri, settings.mlflow_artifact_root
             ),
         ),
-        _guarded("storage", lambda: f"{storage.prepare_storage(settings)} is writable"),
         _guarded("serving", _serving),
         _guarded("prefect", _prefect),
     ]

@@ -19,11 +19,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.helpers import free_port, wait_for
+from tests.s3 import TEST_BUCKET, MotoS3
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER_IPS = ("127.0.0.2", "127.0.0.3")  # the session cluster's worker nodes, node-a and node-b
@@ -35,7 +37,6 @@ _HIDE_AND_RUN += 'while [ "$1" != -- ]; do shift; done; shift; exec "$@"'
 
 
 def _ray_executable() -> str:
-    import sys
 
     return str(Path(sys.executable).parent / "ray")
 
@@ -220,7 +221,6 @@ def _unshare() -> list[str]:
 def node_environment(extra: dict[str, str]) -> dict[str, str]:
     """A clean environment for a node: its PATH, HOME (where the token lives), token mode, and
     what the host's image would give it (``extra``: e.g. the S3 endpoint and credentials)."""
-    import sys
 
     return {
         "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
@@ -256,3 +256,36 @@ def start_cluster(
         cluster.stop()
         raise
     return cluster
+
+
+def cli_environment(
+    cluster: LocalCluster, home: Path, storage_url: str, tracking_uri: str
+) -> dict[str, str]:
+    """The environment of a ``prefect-ml`` command run against ``cluster``: its own home, the
+    storage and tracking URIs, and the session's Prefect API."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {
+        **os.environ,
+        "PREFECT_ML_HOME": str(home),
+        "PREFECT_ML_RAY_ADDRESS": cluster.address,
+        "PREFECT_ML_STORAGE_URL": storage_url,
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+    }
+
+
+def cli_command(*arguments: str) -> list[str]:
+    """``prefect-ml <arguments>`` as this Python runs it."""
+
+    return [sys.executable, "-m", "prefect_ml.flows.cli", *arguments]
+
+
+def bucket_keys(moto_s3: MotoS3, prefix: str) -> list[str]:
+    """The keys under ``prefix`` in the tests' bucket."""
+    pages = moto_s3.client().get_paginator("list_objects_v2")  # type: ignore[attr-defined]
+    return [
+        item["Key"]
+        for page in pages.paginate(Bucket=TEST_BUCKET, Prefix=prefix)
+        for item in page.get("Contents", [])
+    ]

@@ -84,8 +84,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         workers=[("node-a", 1, {}), ("node-b", 1, {"fast_disk": 1})],
         environment=aws,
     )
+    _running_clusters.append(started)
     yield started
     started.stop()
+
+
+# The session's cluster stops as soon as the last test that uses it has run, rather than idling
+# (its raylets hold memory and some CPU) through the rest of the session.
+_running_clusters: list[LocalCluster] = []
+_last_cluster_test: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if _last_cluster_test and item.nodeid == _last_cluster_test[0]:
+        for running in _running_clusters:
+            running.stop()
 
 
 @pytest.fixture(scope="session")
@@ -123,6 +137,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     up, time the tests before it use."""
     if any("mlflow_s3_server" in getattr(item, "fixturenames", ()) for item in items):
         _early_mlflow.append(MlflowServer(_SESSION_DIR / "mlflow-s3", _MLFLOW_ARTIFACTS))
+    users = [item.nodeid for item in items if "cluster" in getattr(item, "fixturenames", ())]
+    _last_cluster_test[:] = users[-1:]
 
 
 def pytest_sessionfinish() -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import prefect_ml
 from prefect_ml.flows.cli import app
 from prefect_ml.integrations import devices
 from prefect_ml.integrations.settings import PrefectMLSettings
@@ -103,6 +104,12 @@ def test_doctor_reports_every_system(home: PrefectMLSettings) -> None:
     assert f"torch {torch.__version__}" in result.output
     assert result.output.count("WARNING: ") == len(runtime.warnings)
     assert "server http://127.0.0.1:" in result.output  # the test harness's Prefect server
+    node_rows = [line for line in result.output.splitlines() if "│ node " in line]
+    assert len(node_rows) == 1, "the local Ray's one node"
+    assert f"prefect-ml {prefect_ml.__version__} (local Ray: this process's code)" in node_rows[0]
+    assert "storage: written, read back and deleted; sees the driver's probe object" in (
+        result.output
+    )
     assert "FAIL" not in result.output
 
 
