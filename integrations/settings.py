@@ -61,6 +61,14 @@ class PrefectMLSettings(BaseSettings):
         "installed; 'auto' ships unless this prefect-ml is an installed release that every node "
         "has in the same version. User modules from a source folder are shipped in every mode.",
     )
+    worker_group_start_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        title="Worker group start timeout (s)",
+        description="How long Ray Train waits for a worker group to be placed before it decides "
+        "again (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S in every job). After a lost node an "
+        "elastic group first asks for the workers the lost node held, until this runs out.",
+    )
     max_shipped_mb: float = Field(
         default=100.0,
         gt=0,
@@ -413,9 +421,10 @@ ENFORCED_ENVIRONMENT = {"MLFLOW_ALLOW_PICKLE_DESERIALIZATION": "false"}
 
 
 def worker_environment(settings: PrefectMLSettings) -> dict[str, str]:
-    """Variables a Ray job's workers need for the checks the driver makes: the enforced ones
-    and the user-code allow-list (secrets such as the checkpoint key are not shipped)."""
+    """Variables a Ray job's workers need: the enforced ones, Ray Train's worker-group start
+    timeout and the user-code allow-list (secrets such as the checkpoint key are not shipped)."""
     shipped = dict(ENFORCED_ENVIRONMENT)
+    shipped["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = f"{settings.worker_group_start_timeout_s:g}"
     if settings.allowed_modules:
         shipped["PREFECT_ML_ALLOWED_MODULES"] = settings.allowed_modules
     return shipped

@@ -81,9 +81,11 @@ def test_every_process_we_start_refuses_pickled_models(
     prepare_process_environment(home)
     assert os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] == "false"
     monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "my_project")
+    monkeypatch.setenv("PREFECT_ML_WORKER_GROUP_START_TIMEOUT_S", "12.5")
     assert worker_environment(PrefectMLSettings()) == {
         "MLFLOW_ALLOW_PICKLE_DESERIALIZATION": "false",
         "PREFECT_ML_ALLOWED_MODULES": "my_project",
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "12.5",
     }
 
 
