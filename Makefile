@@ -37,6 +37,7 @@ bench: $(STAMP) postgresql
 	$(VENV)/bin/python benchmarks/training.py
 	$(VENV)/bin/python benchmarks/sweep.py
 	$(VENV)/bin/python benchmarks/study_storage.py
+	$(VENV)/bin/python benchmarks/cluster.py
 	$(VENV)/bin/python benchmarks/checkpoints.py
 	$(VENV)/bin/python benchmarks/precision.py
 	# The serving benchmark's load generator is wrk (Debian package).
