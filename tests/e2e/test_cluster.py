@@ -111,7 +111,7 @@ def test_workers_asking_for_a_custom_resource_land_only_on_the_node_that_has_it(
         timeout=300,
     )
     assert unshipped.returncode != 0
-    message = unshipped.stdout + unshipped.stderr
+    message = " ".join((unshipped.stdout + unshipped.stderr).split())  # unwrap the console's lines
     for address in WORKER_IPS:
         listed = f"{address} ({prefect_ml.__version__} listed, not importable)"
         assert listed in message, message[-3000:]
@@ -125,7 +125,7 @@ def test_workers_asking_for_a_custom_resource_land_only_on_the_node_that_has_it(
         timeout=300,
     )
     assert refused.returncode != 0
-    message = refused.stdout + refused.stderr
+    message = " ".join((refused.stdout + refused.stderr).split())
     assert "sweep.trial_resources" in message and "0 nvme in total" in message
     assert "--trial-resources" in message
 
