@@ -63,6 +63,15 @@ def storage_for(url: str) -> optuna.storages.BaseStorage:
     return optuna.storages.RDBStorage(url, engine_kwargs=engine_options(url))
 
 
+def shown(url: str) -> str:
+    """A storage URL for messages: a database URL without its password."""
+    if not is_database(url):
+        return url
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
 def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Optuna distributions from the validated, declarative search space."""
     from optuna.distributions import (
@@ -149,7 +158,7 @@ def open_study(
         except Exception as exc:  # SQLAlchemy and journal errors differ; all mean the same here
             if attempt == OPEN_ATTEMPTS:
                 raise ConfigurationError(
-                    "optuna_storage", f"cannot open Optuna storage {storage_url}: {exc}"
+                    "optuna_storage", f"cannot open Optuna storage {shown(storage_url)}: {exc}"
                 ) from exc
             time.sleep(0.5 * attempt)
     stored = study.user_attrs.get(OBJECTIVES_ATTR)

@@ -69,3 +69,19 @@ def test_interrupted_trials_fail_and_are_queued_again_with_their_parameters(
     assert studies.root_trial(retry) == left_running.number
     study.tell(retry, 0.8)
     assert studies.recover_interrupted(study) == []  # nothing is retried twice
+
+
+def test_an_unreachable_database_is_named_without_its_password(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.helpers import free_port
+
+    monkeypatch.setattr(studies, "OPEN_ATTEMPTS", 1)
+    url = f"postgresql://ml:s3cret-pw@127.0.0.1:{free_port()}/optuna"
+    sampler = optuna.samplers.RandomSampler()
+    with pytest.raises(ConfigurationError) as refused:
+        studies.open_study(
+            url, "c", {"val_accuracy": "maximize"}, sampler, studies.make_pruner("none", 1)
+        )
+    assert "s3cret-pw" not in str(refused.value)
+    assert "ml:***@127.0.0.1" in refused.value.message
