@@ -140,7 +140,9 @@ def test_prefect_ml_ui_keeps_its_flow_runs_in_postgresql(
     log = tmp_path / "ui.log"
     server = _start([str(BIN / "prefect-ml"), "ui", "--port", str(free_port())], env, log)
     try:
-        output = " ".join(_wait_for_output(server, log, "Log in with").split())  # unwrapped
+        output = " ".join(
+            _wait_for_output(server, log, "Next, in another terminal").split()
+        )  # unwrapped
         assert "(database: postgresql+asyncpg://postgres@127.0.0.1:" in output
         reported = subprocess.run(
             [sys.executable, "-c", _REPORT_A_FLOW],

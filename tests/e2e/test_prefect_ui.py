@@ -130,7 +130,7 @@ def prefect_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectUI]:
     env = ui_environment(root / "home")
     log = root / "ui.log"
     server = _start([str(BIN / "prefect-ml"), "ui", "--port", str(free_port())], env, log)
-    output = _wait_for_output(server, log, "Prefect UI:")
+    output = _wait_for_output(server, log, "Next, in another terminal")  # its last line
     ui_url = output.split("Prefect UI:")[1].split()[0]
     assert ui_url.startswith("http://127.0.0.1:")
     auth_file = root / "home" / "prefect" / "auth_string"
