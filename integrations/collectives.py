@@ -79,3 +79,15 @@ def all_reduce(
 def any_worker(flag: bool, device: torch.device) -> bool:
     """Whether ``flag`` is true on at least one worker; every worker gets the same answer."""
     return all_reduce([1.0 if flag else 0.0], device, op="max")[0] > 0
+
+
+def gather_strings(value: str) -> list[str]:
+    """Every worker's ``value``, in rank order (objects travel pickled, on the CPU; gloo and
+    NCCL groups both carry them); ``[value]`` outside a process group."""
+    import torch.distributed as dist
+
+    if not in_process_group():
+        return [value]
+    gathered: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return [str(item) for item in gathered]

@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from prefect_ml.integrations import storage, tracking
+from prefect_ml.integrations import collectives, storage, tracking
 from prefect_ml.integrations.epoch_trainer import (
     EpochCommitter,
     EpochTrainer,
@@ -31,14 +31,8 @@ WORKER_NODES_TAG = "prefect_ml.worker_nodes"  # each rank's node address, latest
 def worker_nodes() -> list[str]:
     """Every rank's node address, in rank order (one gather when the group starts)."""
     import ray
-    import torch.distributed as dist
 
-    here = ray.util.get_node_ip_address()
-    if not (dist.is_available() and dist.is_initialized()):
-        return [here]
-    gathered: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, here)
-    return [str(address) for address in gathered]
+    return collectives.gather_strings(ray.util.get_node_ip_address())
 
 
 def train_loop_per_worker(config_dict: dict[str, Any]) -> None:

@@ -71,7 +71,7 @@ def _workers_per_epoch(tracking_uri: str, run_id: str) -> list[int]:
 
 MODEL = ["--model", "tests.fixtures.user_code:slow_model"]
 SEARCH = json.dumps({"lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}})
-EPOCHS = 12
+EPOCHS = 10
 
 
 def test_workers_asking_for_a_custom_resource_land_only_on_the_node_that_has_it(
@@ -85,8 +85,7 @@ def test_workers_asking_for_a_custom_resource_land_only_on_the_node_that_has_it(
     env = cli_environment(cluster, tmp_path / "home", f"{s3_bucket}/placed", mlflow_s3_server)
     train = [
         *cli_command("train", "--experiment", "cluster-placed", "--epochs", "1"),
-        "--workers",
-        "1",
+        *("--model-name", "cluster-placed", "--workers", "1"),
     ]
     placed = subprocess.run(
         [*train, "--worker-resources", '{"fast_disk": 1}'],

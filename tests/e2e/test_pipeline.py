@@ -201,9 +201,10 @@ def test_the_pipeline_with_a_sweep_runs_on_s3_with_mlflow_artifacts_in_s3(
     assert state.is_completed(), state.message
     outcome = state.result()
     client = tracking.client_for(uri)
-    parent = client.search_runs(["1"], f"tags.`{tracking.CAMPAIGN_PARENT_TAG}` != ''")[0]
+    experiment = outcome.trained.experiment_id  # the session's MLflow server has others too
+    parent = client.search_runs([experiment], f"tags.`{tracking.CAMPAIGN_PARENT_TAG}` != ''")[0]
     best_trial = parent.data.tags["prefect_ml.best_trials"].split(",")[0]
-    best = tracking.trial_runs(client, "1", parent.info.run_id)[int(best_trial)]
+    best = tracking.trial_runs(client, experiment, parent.info.run_id)[int(best_trial)]
     final = client.get_run(outcome.trained.run_id)
     for name in ("training.lr", "model.hidden"):
         assert final.data.params[name] == best.data.params[name]

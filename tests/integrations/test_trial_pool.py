@@ -47,16 +47,20 @@ def test_a_replacement_that_dies_with_its_node_is_started_again(
 def test_a_replacement_the_cluster_has_no_room_for_closes_its_slot(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Two workers fill the session Ray's 2 CPUs; when one is lost, an actor queued before the
-    replacement (same request, so Ray places them in order) takes its CPU: the slot closes."""
+    """Two workers fill the session Ray's 2 CPUs; one dies and another actor takes its CPU
+    before the pool replaces it: the replacement cannot be placed within the wait, the slot
+    closes, and the open slot goes on."""
     import ray
 
     monkeypatch.setattr(trial_pool, "REPLACEMENT_WAIT_S", 3.0)
     request = ResourceRequest(cpus=1)
+    holder = ray.remote(TrialWorker).options(**request.actor_options(), max_restarts=0)
     with RayTrialPool(2, request=request, driver_only=False) as pool:
-        holder = ray.remote(TrialWorker).options(**request.actor_options(), max_restarts=0)
-        waiting = holder.remote()  # pending: no CPU is free yet
-        assert not pool.replace(0), "no room within the wait: the slot closes"
-        ray.get(waiting.ready.remote(1), timeout=60)  # it has the lost worker's CPU
-        pool.finish()  # the open slot answers; the closed one is skipped
-        ray.kill(waiting)
+        ray.kill(pool._workers[0])  # the lost worker
+        squatter = holder.remote()
+        try:
+            ray.get(squatter.ready.remote(1), timeout=60)  # it holds the freed CPU now
+            assert not pool.replace(0), "no room within the wait: the slot closes"
+            pool.finish()  # the open slot answers; the closed one is skipped
+        finally:
+            ray.kill(squatter)
