@@ -20,7 +20,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -273,6 +274,24 @@ def cli_environment(
         "MLFLOW_TRACKING_URI": tracking_uri,
         "PREFECT_API_URL": str(PREFECT_API_URL.value()),
     }
+
+
+@contextmanager
+def cli_process(
+    command: list[str], env: dict[str, str], log_path: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``command`` running from the checkout with its output in ``log_path``; killed on the way
+    out if it still runs."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def cli_command(*arguments: str) -> list[str]:

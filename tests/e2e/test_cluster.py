@@ -27,6 +27,7 @@ from tests.cluster import (
     bucket_keys,
     cli_command,
     cli_environment,
+    cli_process,
 )
 from tests.conftest import REPO_ROOT
 from tests.helpers import free_port, wait_for
@@ -178,35 +179,28 @@ def test_the_pipeline_runs_on_the_cluster_and_survives_a_lost_node(
         "0.25",
     )
     log_path = tmp_path / "run.log"
-    with log_path.open("wb") as log:
-        run = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+    with cli_process(command, env, log_path) as run:
+        wait_for(
+            lambda: run.poll() is not None or _committed(moto_s3, "prefect-ml/checkpoints/", 2),
+            600,
+            "the final training's epoch-2 checkpoint",
         )
-        try:
-            wait_for(
-                lambda: run.poll() is not None or _committed(moto_s3, "prefect-ml/checkpoints/", 2),
-                600,
-                "the final training's epoch-2 checkpoint",
-            )
-            assert run.poll() is None, log_path.read_text()[-5000:]
-            _node(cluster, "node-a").kill()
-            wait_for(
-                lambda: run.poll() is not None or 1 in _final_run_workers(mlflow_s3_server),
-                300,
-                "an epoch trained by the one worker left",
-            )
-            cluster.add_node("node-c", "127.0.0.4", 1)
-            wait_for(
-                lambda: run.poll() is not None or "Serving until Ctrl-C" in log_path.read_text(),
-                600,
-                "the pipeline to serve",
-            )
-            assert run.poll() is None, log_path.read_text()[-5000:]
-            run.send_signal(signal.SIGTERM)
-            returncode = run.wait(timeout=120)
-        finally:
-            if run.poll() is None:
-                run.kill()
+        assert run.poll() is None, log_path.read_text()[-5000:]
+        _node(cluster, "node-a").kill()
+        wait_for(
+            lambda: run.poll() is not None or 1 in _final_run_workers(mlflow_s3_server),
+            300,
+            "an epoch trained by the one worker left",
+        )
+        cluster.add_node("node-c", "127.0.0.4", 1)
+        wait_for(
+            lambda: run.poll() is not None or "Serving until Ctrl-C" in log_path.read_text(),
+            600,
+            "the pipeline to serve",
+        )
+        assert run.poll() is None, log_path.read_text()[-5000:]
+        run.send_signal(signal.SIGTERM)
+        returncode = run.wait(timeout=120)
     output = log_path.read_text()
     assert returncode == 0, output[-6000:]
     assert "shipped prefect_ml" in output and "tests (" in output, "the code was shipped"
@@ -263,23 +257,14 @@ def test_a_campaign_runs_the_trials_of_a_lost_node_again_from_their_checkpoints(
         SEARCH,
     )
     log_path = tmp_path / "sweep.log"
-    with log_path.open("wb") as log:
-        sweep = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+    with cli_process(command, env, log_path) as sweep:
+        wait_for(
+            lambda: sweep.poll() is not None or _committed(moto_s3, "sweep/campaigns/", 1, runs=2),
+            300,
+            "both running trials' first checkpoints",
         )
-        try:
-            wait_for(
-                lambda: (
-                    sweep.poll() is not None or _committed(moto_s3, "sweep/campaigns/", 1, runs=2)
-                ),
-                300,
-                "both running trials' first checkpoints",
-            )
-            _node(cluster, "node-c").kill()
-            returncode = sweep.wait(timeout=300)
-        finally:
-            if sweep.poll() is None:
-                sweep.kill()
+        _node(cluster, "node-c").kill()
+        returncode = sweep.wait(timeout=300)
     output = log_path.read_text()
     assert returncode == 0, output[-6000:]
     trials = [
