@@ -165,7 +165,7 @@ def _worker_shard(rank: int, world: int) -> tuple[Any, Any]:
     """This rank's rows of a learnable random dataset (the label: the largest of 10 columns)."""
     import numpy as np
 
-    from prefect_ml.integrations.epoch_trainer import shard_bounds
+    from prefect_ml.integrations.shards import shard_bounds
 
     rows = 4096
     x = np.random.default_rng(0).standard_normal((rows, FEATURES), dtype=np.float32)
@@ -180,7 +180,8 @@ def _trainer(
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig
+    from prefect_ml.integrations.epoch_trainer import EpochTrainer
+    from prefect_ml.integrations.shards import ArrayShard, TrainLoopConfig
 
     def ddp(model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(device)
@@ -214,7 +215,7 @@ def _trainer(
         world_size=world,
         device=device,
         prepare_model=ddp,
-        shards={"train": shard, "val": shard},
+        shards={"train": ArrayShard(*shard), "val": ArrayShard(*shard)},
     )
 
 

@@ -273,6 +273,7 @@ class OursArm:
         checkpoint_url: str,
     ) -> None:
         from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig
+        from prefect_ml.integrations.shards import ArrayShard
 
         config = TrainLoopConfig(
             splits_url="",
@@ -294,7 +295,8 @@ class OursArm:
             gradient_checkpointing=checkpointing,
         )
         self.precision, self.device = precision, device
-        self.trainer = EpochTrainer(config, device=device, shards=shards)
+        arrays = {split: ArrayShard(*rows) for split, rows in shards.items()}
+        self.trainer = EpochTrainer(config, device=device, shards=arrays)
         self.model, self.optimizer = self.trainer.model, self.trainer.optimizer
 
     def autocast(self) -> AbstractContextManager[Any]:

@@ -29,13 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prefect_ml.integrations import plugins, storage
+from prefect_ml.integrations import plugins, storage, tabular_files
 from prefect_ml.integrations.errors import ConfigurationError
 
 if TYPE_CHECKING:
     import torch
-
-TABULAR_SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 
 
 @dataclass(frozen=True)
@@ -68,44 +66,19 @@ def load_digits_dataset() -> DatasetArrays:
     return DatasetArrays(features, bunch.target.astype(np.int64), [])
 
 
-def tabular_format(url: str) -> str:
-    """``csv`` or ``parquet`` from the URL's suffix."""
-    for suffix, fmt in TABULAR_SUFFIXES.items():
-        if url.lower().endswith(suffix):
-            return fmt
-    raise ConfigurationError(
-        "data.url", f"{url!r} is neither .csv nor .parquet; give a CSV or Parquet file URL"
-    )
-
-
-def tabular_columns(url: str) -> list[str]:
-    """Column names of a CSV or Parquet file, reading only its header or footer."""
-    import pandas as pd
-    import pyarrow.parquet as pq
-
-    fmt = tabular_format(url)
-    try:
-        with storage.open_file(url) as handle:
-            if fmt == "parquet":
-                return list(pq.read_schema(handle).names)
-            return list(pd.read_csv(handle, nrows=0).columns)
-    except FileNotFoundError as exc:
-        raise ConfigurationError("data.url", f"no file at {url!r}; check the URL") from exc
-
-
 def load_tabular_dataset(url: str, label_column: str) -> DatasetArrays:
-    """A CSV or Parquet file at any fsspec URL; every column but ``label_column`` is a feature."""
+    """CSV or Parquet files at any fsspec URL (a file, a directory, a glob), read whole; every
+    column but ``label_column`` is a feature. Data too big for that is streamed instead (see
+    ``tasks.data``)."""
     import pandas as pd
 
-    columns = tabular_columns(url)
-    if label_column not in columns:
-        raise ConfigurationError(
-            "data.label_column",
-            f"column {label_column!r} is not in {url!r}; its columns are {columns}. "
-            "Set --label-column to one of them.",
-        )
-    with storage.open_file(url) as handle:
-        frame = pd.read_parquet(handle) if tabular_format(url) == "parquet" else pd.read_csv(handle)
+    source = tabular_files.describe(url, label_column)
+    frames = []
+    for file in source.files:
+        with storage.open_file(file.url) as handle:
+            read = pd.read_parquet if source.format == "parquet" else pd.read_csv
+            frames.append(read(handle))
+    frame = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
     feature_frame = frame.drop(columns=[label_column])
     non_numeric = [c for c in feature_frame.columns if not pd.api.types.is_numeric_dtype(frame[c])]
     if non_numeric:

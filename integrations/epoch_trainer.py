@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,7 @@ from prefect_ml.integrations import (
 from prefect_ml.integrations.catalog import build_model, enable_gradient_checkpointing
 from prefect_ml.integrations.checkpoints import CheckpointStore, RetentionPolicy
 from prefect_ml.integrations.errors import CheckpointError, ConfigurationError
+from prefect_ml.integrations.shards import EpochOrder, Shard, epoch_seed, open_shard
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +73,7 @@ class TrainLoopConfig:
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast; fp16 adds a gradient scaler)
     gradient_checkpointing: bool = False
     strategy: str = "ddp"  # "ddp" | "fsdp" (FSDP2 ``fully_shard``); one worker trains unwrapped
+    data_layout: str = "arrays"  # how the splits are stored: integrations.shards.LAYOUTS
     task: str = "classification"  # the task type (integrations.problems): loss and metrics
     target_mean: float = 0.0  # regression: the targets train standardised by these
     target_std: float = 1.0
@@ -88,30 +90,6 @@ class TrainLoopConfig:
             metrics_file=METRICS_FILE,
             kept_files=(METRICS_FILE,),
         )
-
-
-def shard_bounds(rows: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of worker ``rank``; every worker gets the same count.
-
-    Equal shards keep DDP's collective calls in step; the at most ``world_size - 1`` rows left
-    over are dropped (the split was shuffled, so they are a random few).
-    """
-    per_worker = rows // world_size
-    return rank * per_worker, (rank + 1) * per_worker
-
-
-def load_shard(
-    splits_url: str, split: str, rank: int, world_size: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """This worker's rows of one split, reading only those bytes."""
-    labels_url = storage.join(splits_url, f"{split}_labels.npy")
-    rows = storage.read_array(labels_url).shape[0]
-    start, stop = shard_bounds(rows, rank, world_size)
-    features = storage.read_array_rows(
-        storage.join(splits_url, f"{split}_features.npy"), start, stop
-    )
-    labels = storage.read_array_rows(labels_url, start, stop)
-    return features, labels
 
 
 def make_optimizer(name: str, params: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -167,15 +145,6 @@ def apply_strategy(
         fully_shard(model, mesh=mesh)
         return model
     return prepare_ddp(model) if prepare_ddp else model.to(device)
-
-
-def epoch_seed(seed: int, epoch: int, rank: int) -> int:
-    """The seed of one worker's epoch: shuffling and dropout are a pure function of it.
-
-    Reseeding every epoch makes a resumed run draw exactly the numbers the uninterrupted run
-    would have, without gathering per-worker RNG states into every checkpoint.
-    """
-    return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
 
 
 class EpochCommitter:
@@ -248,24 +217,21 @@ class EpochCommitter:
 
 def evaluate_batches(
     model: torch.nn.Module,
-    features: torch.Tensor,
-    targets: torch.Tensor,
-    batch_size: int,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
     problem: problems.Problem,
 ) -> list[torch.Tensor]:
-    """The task's summed validation statistics of ``model`` on the given rows; the sums stay on
-    the rows' device (no host sync per batch) until the epoch's one all-reduce reads them."""
+    """The task's summed validation statistics of ``model`` on the given batches; the sums stay
+    on the device (no host sync per batch) until the epoch's one all-reduce reads them."""
     import torch
 
     sums = [
-        torch.zeros((), dtype=torch.float64, device=targets.device)
-        for _ in range(problem.validation_width)
+        torch.zeros((), dtype=torch.float64, device=device) for _ in range(problem.validation_width)
     ]  # also what a worker with no validation rows adds
     model.eval()
     with torch.no_grad():
-        for start in range(0, len(targets), batch_size):
-            outputs = model(features[start : start + batch_size])
-            batch = problem.validation_sums(outputs, targets[start : start + batch_size])
+        for features, targets in batches:
+            batch = problem.validation_sums(model(features), targets)
             sums = [total + part for total, part in zip(sums, batch, strict=True)]
     return sums
 
@@ -286,7 +252,7 @@ class EpochTrainer:
         world_size: int = 1,
         device: torch.device | None = None,
         prepare_model: Any = None,
-        shards: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+        shards: dict[str, Shard] | None = None,
     ) -> None:
         import torch
 
@@ -330,11 +296,17 @@ class EpochTrainer:
         if latest is not None:
             self._restore(latest.files)
         shards = shards or {
-            split: load_shard(config.splits_url, split, rank, world_size)
+            split: open_shard(
+                config.splits_url,
+                config.data_layout,
+                split,
+                tuple(config.input_shape),
+                rank,
+                world_size,
+            )
             for split in ("train", "val")
         }
-        self.train_features, self.train_labels = self._on_device(*shards["train"])
-        self.val_features, self.val_labels = self._on_device(*shards["val"])
+        self.train, self.val = shards["train"], shards["val"]
         # The task's own validation pass (forward, the task's loss and metrics) is skipped when
         # the model's validation_step already returns every metric of it.
         self.task_validation = not self.hooked or not self._steps_cover_the_task()
@@ -344,7 +316,7 @@ class EpochTrainer:
         task (asked once, on two validation rows)."""
         import torch
 
-        batch = hooks.batch_of(self.network, self.val_features[:2], self.val_labels[:2])
+        batch = hooks.batch_of(self.network, *self._on_device(*self.val.head(2)))
         was_training = self.network.training
         self.network.eval()
         with torch.no_grad():
@@ -394,17 +366,12 @@ class EpochTrainer:
         devices.reset_peak_memory(self.device)
         started = time.perf_counter()
         model.train()
-        seed = epoch_seed(config.seed, epoch, self.rank)
-        torch.manual_seed(seed)
-        # The order is drawn on the host (the same on every device) and indexes on the device: a
-        # host index would be copied to the GPU, synchronously, twice per step.
-        order = torch.from_numpy(np.random.default_rng(seed).permutation(len(self.train_labels)))
-        order = order.to(self.device)
+        order = EpochOrder(config.seed, epoch, self.rank)
+        torch.manual_seed(order.worker_seed)
         loss_sum = torch.zeros((), device=self.device)  # summed on device: no host sync per step
-        for step in range(math.ceil(len(self.train_labels) / config.batch_size)):
-            index = order[step * config.batch_size : (step + 1) * config.batch_size]
+        batches = self.train.batches(config.batch_size, order, self._on_device)
+        for step, (features, targets) in enumerate(batches):
             self.optimizer.zero_grad(set_to_none=True)
-            features, targets = self.train_features[index], self.train_labels[index]
             with precision_context(config.precision, self.device):
                 if self.hooked:
                     loss = model(hooks.batch_of(self.network, features, targets), step).float()
@@ -413,14 +380,17 @@ class EpochTrainer:
             scaler.scale(loss).backward()
             scaler.step(self.optimizer)
             scaler.update()
-            loss_sum += loss.detach() * len(index)
+            loss_sum += loss.detach() * len(targets)
         self.scheduler.step()
         train_seconds = time.perf_counter() - started
         val_batch = max(config.batch_size, 256)
         with precision_context(config.precision, self.device):
             val_sums = (
                 evaluate_batches(
-                    self.network, self.val_features, self.val_labels, val_batch, self.problem
+                    self.network,
+                    self.val.batches(val_batch, None, self._on_device),
+                    self.device,
+                    self.problem,
                 )
                 if self.task_validation
                 else []
@@ -428,8 +398,8 @@ class EpochTrainer:
             model_sums = self._model_validation(val_batch)
         train_rows, val_rows, seconds, *totals = collectives.all_reduce(
             [
-                len(self.train_labels),
-                len(self.val_labels),
+                self.train.rows,
+                self.val.rows,
                 train_seconds,
                 loss_sum,
                 *val_sums,
@@ -467,9 +437,8 @@ class EpochTrainer:
         sums: dict[str, torch.Tensor] = {}
         self.model.eval()
         with torch.no_grad():
-            for batch_idx, start in enumerate(range(0, len(self.val_labels), batch_size)):
-                stop = start + batch_size
-                features, targets = self.val_features[start:stop], self.val_labels[start:stop]
+            batches = self.val.batches(batch_size, None, self._on_device)
+            for batch_idx, (features, targets) in enumerate(batches):
                 if self.hooked:
                     batch = hooks.batch_of(self.network, features, targets)
                     found = self.model(batch, batch_idx, True)

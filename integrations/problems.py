@@ -94,30 +94,51 @@ class Problem:
             "val_r2": 1.0 - sse / variance if variance > 0 else 0.0,
         }
 
-    def scores(self, outputs: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-        """Test metrics of ``outputs`` (logits, or predictions in the target's units) against the
-        stored ``labels``."""
+    def test_sums(self, outputs: np.ndarray, labels: np.ndarray, num_classes: int) -> np.ndarray:
+        """A batch's additive test statistics: of ``outputs`` (logits, or predictions in the
+        target's units) against the stored ``labels``; summed over batches, they give
+        :meth:`scores`. Classification: the confusion matrix, flattened, then the summed loss;
+        regression: rows, the sums of squared and absolute errors, of targets and of their
+        squares."""
         if self.name == "classification":
-            from sklearn.metrics import f1_score
-
             shifted = outputs - outputs.max(axis=1, keepdims=True)
             log_probabilities = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-            predictions = outputs.argmax(axis=1)
-            return {
-                "accuracy": float((predictions == labels).mean()),
-                "macro_f1": float(f1_score(labels, predictions, average="macro")),
-                "loss": float(-log_probabilities[np.arange(len(labels)), labels].mean()),
-            }
-        predictions = outputs.reshape(-1).astype(np.float64)
+            loss = -log_probabilities[np.arange(len(labels)), labels].sum()
+            cells = labels.astype(np.int64) * num_classes + outputs.argmax(axis=1)
+            matrix = np.bincount(cells, minlength=num_classes * num_classes)
+            return np.append(matrix.astype(np.float64), loss)
         actual = labels.astype(np.float64)
-        error = predictions - actual
-        variance = float(((actual - actual.mean()) ** 2).sum())
+        error = outputs.reshape(-1).astype(np.float64) - actual
+        return np.array(
+            [len(actual), (error**2).sum(), np.abs(error).sum(), actual.sum(), (actual**2).sum()]
+        )
+
+    def scores(self, sums: np.ndarray, num_classes: int) -> dict[str, float]:
+        """Test metrics from summed :meth:`test_sums`."""
+        if self.name == "classification":
+            matrix = self.confusion(sums, num_classes).astype(np.float64)
+            rows = matrix.sum()
+            hits = np.diag(matrix)
+            seen = (matrix.sum(axis=0) + matrix.sum(axis=1)) > 0  # as scikit-learn's macro F1
+            f1 = 2 * hits / np.maximum(matrix.sum(axis=0) + matrix.sum(axis=1), 1)
+            return {
+                "accuracy": float(hits.sum() / rows),
+                "macro_f1": float(f1[seen].mean()),
+                "loss": float(sums[-1] / rows),
+            }
+        rows, sse, sae, total, squares = (float(v) for v in sums)
+        variance = squares - total * total / rows
         return {
-            "rmse": float(np.sqrt((error**2).mean())),
-            "mae": float(np.abs(error).mean()),
-            "r2": 1.0 - float((error**2).sum()) / variance if variance > 0 else 0.0,
-            "loss": float((error**2).mean()),
+            "rmse": float(np.sqrt(sse / rows)),
+            "mae": sae / rows,
+            "r2": 1.0 - sse / variance if variance > 0 else 0.0,
+            "loss": sse / rows,
         }
+
+    @staticmethod
+    def confusion(sums: np.ndarray, num_classes: int) -> np.ndarray:
+        """The confusion matrix (rows: true class) of summed classification test sums."""
+        return sums[:-1].reshape(num_classes, num_classes).astype(np.int64)
 
 
 PROBLEMS: dict[str, Problem] = {

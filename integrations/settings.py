@@ -76,6 +76,21 @@ class PrefectMLSettings(BaseSettings):
         description="Refuse to ship a package bigger than this (data or build outputs inside a "
         "source folder are the usual cause); Ray's own limit is 512 MiB per job.",
     )
+    data_layout: Literal["auto", "arrays", "parquet"] = Field(
+        default="auto",
+        title="How prepared splits are stored",
+        description="'arrays': .npy splits each worker reads whole (fast for data that fits); "
+        "'parquet': Parquet shards written by Ray Data and streamed by the workers (a tabular "
+        "dataset only); 'auto': parquet for a tabular dataset whose files add up to at least "
+        "PREFECT_ML_STREAM_MIN_MB, else arrays.",
+    )
+    stream_min_mb: float = Field(
+        default=256.0,
+        ge=0,
+        title="Smallest tabular dataset streamed (MB)",
+        description="With PREFECT_ML_DATA_LAYOUT=auto: a tabular dataset this big or bigger "
+        "is prepared and trained on as a stream.",
+    )
     prefect_database_url: SecretStr | None = Field(
         default=None,
         title="Prefect server database",

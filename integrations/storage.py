@@ -111,6 +111,52 @@ def root_url(settings: PrefectMLSettings) -> str:
     return join(settings.resolved_storage_url, *tenancy.storage_keys(settings.tenant))
 
 
+# The storage layout: every root under the storage URL is named here, and nowhere else.
+def dataset_url(root_url: str, fingerprint: str) -> str:
+    """The prepared splits of the dataset (and recipe) with ``fingerprint``."""
+    return join(root_url, "datasets", fingerprint)
+
+
+def split_array_url(splits_url: str, split: str, part: str) -> str:
+    """An in-memory split's ``features`` or ``labels`` array (``.npy``)."""
+    return join(splits_url, f"{split}_{part}.npy")
+
+
+def statistic_url(splits_url: str, name: str) -> str:
+    """The training split's per-feature ``mean`` or ``std`` (``.npy``), both layouts."""
+    return join(splits_url, f"{name}.npy")
+
+
+def split_parquet_url(splits_url: str) -> str:
+    """A streamed dataset's Parquet shards, one ``split=<name>`` folder per split."""
+    return join(splits_url, "parquet")
+
+
+def shard_manifest_url(splits_url: str) -> str:
+    """A streamed dataset's shard manifest: every split's files and their row counts."""
+    return join(splits_url, "shards.json")
+
+
+def dataset_meta_url(splits_url: str) -> str:
+    """What was prepared (JSON), written after every split: its presence means complete."""
+    return join(splits_url, "meta.json")
+
+
+def run_checkpoint_url(root_url: str, experiment_id: str, run_id: str) -> str:
+    """The checkpoints of one training run."""
+    return join(root_url, "checkpoints", experiment_id, run_id)
+
+
+def campaign_url(root_url: str, storage_digest: str, name: str) -> str:
+    """A campaign's root: its trials' checkpoints and its lease."""
+    return join(root_url, "campaigns", storage_digest, name)
+
+
+def trial_checkpoint_url(campaign_url: str, root_trial: int) -> str:
+    """The checkpoints of a campaign trial and of its retries (they share the first's number)."""
+    return join(campaign_url, f"trial-{root_trial:05d}")
+
+
 def lease_url(root_url: str) -> str:
     """The lease folder of whatever lives under ``root_url`` (a campaign's checkpoint root)."""
     return join(root_url, "lease")

@@ -31,6 +31,7 @@ from prefect_ml.integrations.errors import ConfigurationError
 RUN_KEY_TAG = "prefect_ml.run_key"
 FLOW_RUN_TAG = "prefect.flow_run_id"
 FINGERPRINT_TAG = "prefect_ml.dataset_fingerprint"
+DATA_LAYOUT_TAG = "prefect_ml.data_layout"  # arrays (read whole) or parquet (streamed)
 SOURCE_RUN_TAG = "prefect_ml.mlflow_run_id"
 SAMPLE_SHAPE_TAG = "prefect_ml.sample_shape"  # JSON, on model versions: what serving validates
 CLASS_NAMES_TAG = "prefect_ml.class_names"

@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from prefect_ml.integrations import distributed_checkpoint, storage
 from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.epoch_trainer import (
@@ -27,12 +25,12 @@ from prefect_ml.integrations.epoch_trainer import (
     EpochCommitter,
     EpochTrainer,
     TrainLoopConfig,
-    load_shard,
     make_optimizer,
 )
 from prefect_ml.integrations.errors import CheckpointError, PrefectMLError
 from prefect_ml.integrations.ray_training import fit
 from prefect_ml.integrations.resources import ResourceRequest
+from prefect_ml.integrations.shards import Shard, open_shard
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ class TrialWorker:
     it as a Ray actor."""
 
     def __init__(self) -> None:
-        self._shards: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+        self._shards: dict[tuple[str, str], Shard] = {}
         self._trainer: EpochTrainer | None = None
         self._committer: EpochCommitter | None = None
         self._spec: TrialSpec | None = None
@@ -93,10 +91,11 @@ class TrialWorker:
         storage.exists(storage.join(Path.cwd().as_uri(), "warm-up"))
         return os.getpid()
 
-    def _shard(self, splits_url: str, split: str) -> tuple[np.ndarray, np.ndarray]:
-        key = (splits_url, split)
+    def _shard(self, loop: TrainLoopConfig, split: str) -> Shard:
+        key = (loop.splits_url, split)
         if key not in self._shards:
-            self._shards[key] = load_shard(splits_url, split, 0, 1)
+            shape = tuple(loop.input_shape)
+            self._shards[key] = open_shard(loop.splits_url, loop.data_layout, split, shape)
         return self._shards[key]
 
     def begin(self, spec: TrialSpec) -> list[EpochReport]:
@@ -106,7 +105,7 @@ class TrialWorker:
         if spec.workers > 1:
             self._distributed = DistributedTrial(spec)
             return self._distributed.next_reports()
-        shards = {split: self._shard(spec.loop.splits_url, split) for split in ("train", "val")}
+        shards = {split: self._shard(spec.loop, split) for split in ("train", "val")}
         self._trainer = EpochTrainer(spec.loop, shards=shards)
         self._committer = EpochCommitter(self._trainer.store, spec.loop.retention())
         history = self._trainer.committed_metrics()

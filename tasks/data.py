@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ValidationError
 
-from prefect_ml.integrations import problems, storage
+from prefect_ml.integrations import (
+    problems,
+    ray_cluster,
+    shards,
+    storage,
+    streaming,
+    tabular_files,
+)
 from prefect_ml.integrations.catalog import DatasetArrays, load_dataset
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import get_settings
@@ -31,15 +38,20 @@ Sections = TypeVar("Sections", bound=TrainingSections)
 FORMAT_VERSION = "1"
 
 
+Layout = Literal["arrays", "parquet"]
+
+
 class DataSummary(BaseModel):
-    """What ``inspect_data`` learnt without writing anything."""
+    """What ``inspect_data`` learnt without writing anything (``train_rows``: expected, for a
+    streamed dataset, whose classes are known once it is prepared)."""
 
     fingerprint: str
     rows: int
     train_rows: int
     sample_shape: list[int]
-    num_classes: int
+    num_classes: int | None
     task: str = "classification"
+    layout: Layout = "arrays"
 
 
 class PreparedData(BaseModel):
@@ -55,6 +67,8 @@ class PreparedData(BaseModel):
             none.
         target_mean, target_std: regression: the training split's target statistics the
             model trains on (0 and 1 when not standardised); the stored labels stay raw.
+        layout: ``arrays`` (``.npy`` splits, read whole: small data) or ``parquet`` (Parquet
+            shards streamed by the workers); see :mod:`integrations.shards`.
         rows: rows per split (``train``, ``val``, ``test``).
         feature_names: the columns of a tabular dataset, else None.
         recipe: the data parameters the splits were prepared with.
@@ -71,10 +85,15 @@ class PreparedData(BaseModel):
     task: problems.TaskType = "classification"
     target_mean: float = 0.0
     target_std: float = 1.0
+    layout: Layout = "arrays"
 
     @property
     def problem(self) -> problems.Problem:
         return problems.problem(self.task)
+
+    def shard(self, split: str) -> shards.Shard:
+        """All the rows of ``split`` (``train``, ``val`` or ``test``), read as they are used."""
+        return shards.open_shard(self.splits_url, self.layout, split, tuple(self.sample_shape))
 
 
 def fingerprint_dataset(arrays: DatasetArrays, data: DataParams) -> str:
@@ -92,6 +111,45 @@ def fingerprint_dataset(arrays: DatasetArrays, data: DataParams) -> str:
         json.dumps({"classes": arrays.class_names, **recipe, "v": FORMAT_VERSION}).encode()
     )
     return digest.hexdigest()[:20]
+
+
+def fingerprint_source(source: tabular_files.TabularSource, data: DataParams) -> str:
+    """The identity of streamed files (names, sizes, versions: no bytes read) and of every
+    parameter that changes their splits."""
+    recipe = data.model_dump(
+        mode="json",
+        include={
+            "val_fraction",
+            "test_fraction",
+            "split_seed",
+            "normalize",
+            "task",
+            "standardize_target",
+        },
+    )
+    identity = {**source.identity(), **recipe, "layout": "parquet", "v": FORMAT_VERSION}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def choose_layout(data: DataParams) -> tuple[Layout, tabular_files.TabularSource | None]:
+    """How ``data`` is prepared (PREFECT_ML_DATA_LAYOUT): streamed as Parquet shards when it is a
+    tabular dataset of at least PREFECT_ML_STREAM_MIN_MB, else as arrays; a tabular dataset's
+    files are described (from metadata) either way."""
+    settings = get_settings()
+    if data.dataset != "tabular":
+        if settings.data_layout == "parquet":
+            raise ConfigurationError(
+                "PREFECT_ML_DATA_LAYOUT",
+                f"'parquet' streams a tabular dataset's files, and {data.dataset!r} is not one; "
+                "unset it or use --dataset tabular --url <files>",
+            )
+        return "arrays", None
+    assert data.url is not None and data.label_column is not None  # DataParams checks both
+    source = tabular_files.describe(data.url, data.label_column, data.task)
+    big = source.total_bytes >= settings.stream_min_mb * 2**20
+    if settings.data_layout == "parquet" or (settings.data_layout == "auto" and big):
+        return "parquet", source
+    return "arrays", source
 
 
 def split_indices(labels: np.ndarray, data: DataParams) -> dict[str, np.ndarray]:
@@ -171,7 +229,21 @@ def params_on_data(
 
 
 def inspect_dataset(params: TrainingSections) -> DataSummary:
-    """Load the data and check what parameters alone cannot; writes nothing anywhere."""
+    """Check what parameters alone cannot; writes nothing anywhere. Streamed data is checked
+    from its files' metadata, other data is loaded."""
+    layout, source = choose_layout(params.data)
+    if layout == "parquet" and source is not None:
+        n_train = train_rows(source.rows, params.data)
+        check_fits_training_split(params, n_train)
+        return DataSummary(
+            fingerprint=fingerprint_source(source, params.data),
+            rows=source.rows,
+            train_rows=n_train,
+            sample_shape=[len(source.feature_columns)],
+            num_classes=None,
+            task=params.data.task,
+            layout=layout,
+        )
     arrays = load_dataset(params.data.dataset, params.data.loader_options(), params.data.task)
     split_indices(arrays.labels, params.data)  # a split that cannot be made fails here, not later
     n_train = train_rows(len(arrays.labels), params.data)
@@ -201,13 +273,14 @@ def preprocess_dataset(
     mean = train.mean(axis=0) if data.normalize else np.zeros(arrays.sample_shape, np.float32)
     std = train.std(axis=0) if data.normalize else np.ones(arrays.sample_shape, np.float32)
     std = np.where(std < 1e-6, 1.0, std).astype(np.float32)
-    splits_url = storage.join(storage_url, "datasets", fingerprint)
+    splits_url = storage.dataset_url(storage_url, fingerprint)
     for name, index in splits.items():
         features = ((arrays.features[index] - mean) / std).astype(np.float32)
-        storage.write_array(storage.join(splits_url, f"{name}_features.npy"), features)
-        storage.write_array(storage.join(splits_url, f"{name}_labels.npy"), arrays.labels[index])
-    storage.write_array(storage.join(splits_url, "mean.npy"), mean.astype(np.float32))
-    storage.write_array(storage.join(splits_url, "std.npy"), std)
+        storage.write_array(storage.split_array_url(splits_url, name, "features"), features)
+        labels = arrays.labels[index]
+        storage.write_array(storage.split_array_url(splits_url, name, "labels"), labels)
+    storage.write_array(storage.statistic_url(splits_url, "mean"), mean.astype(np.float32))
+    storage.write_array(storage.statistic_url(splits_url, "std"), std)
     prepared = PreparedData(
         fingerprint=fingerprint,
         splits_url=splits_url,
@@ -221,7 +294,47 @@ def preprocess_dataset(
         target_mean=target_mean,
         target_std=target_std,
     )
-    storage.write_bytes(storage.join(splits_url, "meta.json"), prepared.model_dump_json().encode())
+    storage.write_bytes(storage.dataset_meta_url(splits_url), prepared.model_dump_json().encode())
+    return prepared
+
+
+def preprocess_streamed(
+    data: DataParams, source: tabular_files.TabularSource, fingerprint: str, storage_url: str
+) -> PreparedData:
+    """Split, standardise and write ``source`` as Parquet shards with Ray Data, on the
+    cluster (see :mod:`integrations.streaming`)."""
+    splits_url = storage.dataset_url(storage_url, fingerprint)
+    recipe = streaming.SplitRecipe(
+        features=source.feature_columns,
+        label=source.label_column,
+        task=data.task,
+        seed=data.split_seed,
+        val_fraction=data.val_fraction,
+        test_fraction=data.test_fraction,
+    )
+    with ray_cluster.ray_session(get_settings()):
+        written = streaming.prepare(
+            source,
+            recipe,
+            splits_url,
+            normalize=data.normalize,
+            standardize_target=data.standardize_target,
+        )
+    prepared = PreparedData(
+        fingerprint=fingerprint,
+        splits_url=splits_url,
+        sample_shape=[len(recipe.features)],
+        num_classes=len(written.class_names) or 1,
+        class_names=written.class_names,
+        rows=written.rows,
+        feature_names=recipe.features,
+        recipe=data,
+        task=data.task,
+        target_mean=written.target_mean,
+        target_std=written.target_std,
+        layout="parquet",
+    )
+    storage.write_bytes(storage.dataset_meta_url(splits_url), prepared.model_dump_json().encode())
     return prepared
 
 
@@ -233,10 +346,10 @@ def prepared_splits(fingerprint: str, storage_url: str) -> PreparedData | None:
     in the driver on the next cache hit. The record says what was prepared, never where: the
     location is the one this function read it from.
     """
-    splits_url = storage.join(storage_url, "datasets", fingerprint)
+    splits_url = storage.dataset_url(storage_url, fingerprint)
     try:
         prepared = PreparedData.model_validate_json(
-            storage.read_bytes(storage.join(splits_url, "meta.json"))
+            storage.read_bytes(storage.dataset_meta_url(splits_url))
         )
     except FileNotFoundError:
         return None
@@ -258,11 +371,18 @@ def preprocess(dataset: str = "digits", **options: Any) -> PreparedData:
     """Load a dataset, split it (train/val/test, seeded and stratified), standardise it with the
     training split's statistics and write the splits to storage under its fingerprint.
 
+    A tabular dataset of at least ``PREFECT_ML_STREAM_MIN_MB`` (or any, with
+    ``PREFECT_ML_DATA_LAYOUT=parquet``) is never loaded here: Ray Data splits it per row by a
+    seeded hash (not stratified), standardises it in a streaming pass and writes Parquet shards
+    that the workers stream (see :mod:`integrations.streaming`); its fingerprint covers the
+    files' names, sizes and versions, not their bytes.
+
     The same data and recipe (one fingerprint) are prepared once per storage: a later call
     reuses the splits.
 
     Args:
-        dataset: ``"digits"``, ``"tabular"`` (with ``url`` and ``label_column``), a
+        dataset: ``"digits"``, ``"tabular"`` (with ``url``: a file, directory or glob of
+            CSV or Parquet files, and ``label_column``), a
             ``prefect_ml.datasets`` plug-in or an allowed ``package.module:loader``.
         **options: any other field of :class:`~prefect_ml.tasks.params.DataParams`: ``url``,
             ``label_column``, ``dataset_options``, ``val_fraction``, ``test_fraction``,
@@ -277,11 +397,23 @@ def preprocess(dataset: str = "digits", **options: Any) -> PreparedData:
     data = params_from_options(DataParams, {"dataset": dataset, **options}, step="preprocess")
     settings = get_settings()
     storage.prepare_storage(settings)
-    arrays = load_dataset(data.dataset, data.loader_options(), data.task)
-    fingerprint = fingerprint_dataset(arrays, data)
     storage_url = storage.root_url(settings)
+    layout, source = choose_layout(data)
+    arrays = None
+    if layout == "parquet" and source is not None:
+        fingerprint = fingerprint_source(source, data)
+    else:
+        arrays = load_dataset(data.dataset, data.loader_options(), data.task)
+        fingerprint = fingerprint_dataset(arrays, data)
     existing = prepared_splits(fingerprint, storage_url)
     if existing is not None:
         get_run_logger().info("Reusing the splits prepared at %s", existing.splits_url)
         return existing.model_copy(update={"recipe": data})
+    if source is not None and layout == "parquet":
+        get_run_logger().info(
+            "Streaming %d file(s), %.0f MB, into Parquet shards with Ray Data",
+            len(source.files),
+            source.total_bytes / 1e6,
+        )
+        return preprocess_streamed(data, source, fingerprint, storage_url)
     return preprocess_dataset(data, fingerprint, storage_url, arrays)

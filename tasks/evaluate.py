@@ -7,7 +7,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import storage, tracking
+from prefect_ml.integrations import ray_cluster, shards, streaming, tracking
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.data import PreparedData
@@ -75,12 +75,44 @@ def predicted_figure(predictions: np.ndarray, actual: np.ndarray):  # type: igno
     return figure
 
 
+Scored = tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]  # test sums; predicted and actual
+
+
+def _score_here(trained: TrainResult, scored: PreparedData) -> Scored:
+    """In-memory splits (small): scored in this process."""
+    import torch
+
+    features, labels = scored.shard("test").head(scored.rows["test"])
+    model = trained_model(trained)
+    with torch.no_grad():
+        batches = torch.from_numpy(features).split(512)
+        outputs = torch.cat([model(batch) for batch in batches]).float().numpy()
+    if trained.data.task == "regression":  # the model predicts standardised targets
+        outputs = outputs * trained.data.target_std + trained.data.target_mean
+    sums = trained.data.problem.test_sums(outputs, labels, scored.num_classes)
+    return sums, (outputs.reshape(-1), labels)
+
+
+def _score_on_cluster(trained: TrainResult, scored: PreparedData) -> Scored:
+    """Streamed splits: scored in batches by Ray Data actors; only sums come back."""
+    loop = {
+        "model": trained.model.model,
+        "model_options": trained.model.factory_options(),
+        "input_shape": trained.data.sample_shape,
+        "num_classes": trained.data.num_classes,
+        "task": trained.data.task,
+        "target_mean": trained.data.target_mean,
+        "target_std": trained.data.target_std,
+    }
+    files = shards.read_manifest(scored.splits_url)["test"]
+    with ray_cluster.ray_session(get_settings()):
+        return streaming.score_split(scored.splits_url, files, trained.checkpoint_url, loop)
+
+
 def evaluate_model(trained: TrainResult, data: PreparedData | None = None) -> Evaluation:
     """Score the final checkpoint on the test split (of ``data``, else of the data it trained
     on) with its task's metrics, and log them and a figure (the confusion matrix, or predicted
     against actual values) to the run."""
-    import torch
-
     scored, trained_on = data or trained.data, trained.data
     if (scored.task, scored.sample_shape, scored.class_names) != (
         trained_on.task,
@@ -95,27 +127,20 @@ def evaluate_model(trained: TrainResult, data: PreparedData | None = None) -> Ev
             "prepared like the training data",
         )
 
-    def read(name: str) -> np.ndarray:
-        return storage.read_array(storage.join(scored.splits_url, name))
-
-    model = trained_model(trained)
-    features = torch.from_numpy(read("test_features.npy"))
-    labels = read("test_labels.npy")
-    with torch.no_grad():
-        outputs = torch.cat([model(batch) for batch in features.split(512)]).float().numpy()
     problem = trained_on.problem
+    if scored.layout == "parquet":  # scored by Ray Data actors on the cluster
+        sums, (predicted, actual) = _score_on_cluster(trained, scored)
+    else:
+        sums, (predicted, actual) = _score_here(trained, scored)
+    metrics = problem.scores(sums, scored.num_classes)
     matrix = None
-    if problem.name == "regression":  # the model predicts standardised targets
-        outputs = outputs * trained_on.target_std + trained_on.target_mean
-        figure = predicted_figure(outputs.reshape(-1), labels)
+    if problem.name == "regression":
+        figure = predicted_figure(predicted, actual)
         figure_path = "evaluation/predicted_vs_actual.png"
     else:
-        from sklearn.metrics import confusion_matrix
-
-        matrix = confusion_matrix(labels, outputs.argmax(axis=1), labels=range(scored.num_classes))
+        matrix = problem.confusion(sums, scored.num_classes)
         figure = confusion_figure(matrix, scored.class_names)
         figure_path = "evaluation/confusion_matrix.png"
-    metrics = problem.scores(outputs, labels)
     client = tracking.client_for(get_settings().resolved_tracking_uri)
     # A process killed after evaluating and before registration is evaluated again by the rerun
     # (same checkpoint, same split, same numbers): each test metric is logged once.

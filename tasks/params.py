@@ -97,8 +97,10 @@ class DataParams(_Section):
     url: str | None = Field(
         None,
         title="Data URL",
-        description="For 'tabular': URL of a CSV or Parquet file (a path, file://, s3://, gs://, "
-        "abfs://; other schemes only if PREFECT_ML_EXTRA_URL_SCHEMES allows them).",
+        description="For 'tabular': URL of a CSV or Parquet file, of a directory of them or a "
+        "glob (a path, file://, s3://, gs://, abfs://; other schemes only if "
+        "PREFECT_ML_EXTRA_URL_SCHEMES allows them). Big datasets are streamed (see "
+        "PREFECT_ML_DATA_LAYOUT).",
     )
     task: problems.TaskType = Field(
         "classification",

@@ -140,11 +140,9 @@ def register_model(
     data = trained.data
     client = tracking.client_for(settings.resolved_tracking_uri)
     model = trained_model(trained)
-    mean = storage.read_array(storage.join(data.splits_url, "mean.npy"))
-    std = storage.read_array(storage.join(data.splits_url, "std.npy"))
-    test_rows = storage.read_array_rows(
-        storage.join(data.splits_url, "test_features.npy"), 0, INPUT_EXAMPLE_ROWS
-    )
+    mean = storage.read_array(storage.statistic_url(data.splits_url, "mean"))
+    std = storage.read_array(storage.statistic_url(data.splits_url, "std"))
+    test_rows, _ = data.shard("test").head(INPUT_EXAMPLE_ROWS)
     raw_example = (test_rows * std + mean).astype("float32")
     served = with_standardizer(model, mean, std, data.sample_shape)
     if data.task == "regression":

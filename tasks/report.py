@@ -36,6 +36,11 @@ def summary_markdown(
     )
     verdict = "**promoted**" if registration.promoted else "**not promoted**"
     data = trained.data
+    layout_note = (
+        "Parquet shards streamed by the workers"
+        if data.layout == "parquet"
+        else "arrays each worker reads whole"
+    )
     return f"""# Training summary
 
 | metric | value |
@@ -43,6 +48,7 @@ def summary_markdown(
 {metric_rows}
 
 - **Data**: fingerprint `{data.fingerprint}`, rows {data.rows}, splits at `{data.splits_url}`
+  ({data.layout}: {layout_note})
 - **Training**: {trained.final_epoch} epochs ({resumed}), checkpoints at `{trained.checkpoint_url}`
 - **MLflow run**: [{trained.run_id}]({run_link})
 - **Model**: [`{registration.model_uri}`]({version_link})

@@ -177,6 +177,7 @@ def loop_config(
             **shared,
             "model_options": params.model.factory_options(),  # built-in shape options too
             "splits_url": data.splits_url,
+            "data_layout": data.layout,
             "input_shape": data.sample_shape,
             "num_classes": data.num_classes,
             "task": data.task,
@@ -216,12 +217,9 @@ def check_model(params: TrainingSections, data: PreparedData) -> None:
     if hooks.is_hooked(model):
         hooks.check_contract(model, strategy=params.training.strategy)
     model = build()
-    rows = {
-        name: storage.read_array_rows(storage.join(data.splits_url, f"train_{name}.npy"), 0, 2)
-        for name in ("features", "labels")
-    }
-    targets = data.problem.targets(rows["labels"], data.target_mean, data.target_std)
-    features, labels = torch.from_numpy(rows["features"]), torch.from_numpy(targets)
+    rows, raw_labels = data.shard("train").head(2)
+    targets = data.problem.targets(raw_labels, data.target_mean, data.target_std)
+    features, labels = torch.from_numpy(rows), torch.from_numpy(targets)
     if hooks.is_hooked(model):
         hooked, batch = cast(hooks.TrainingModule, model), hooks.batch_of(model, features, labels)
         hooks.check_loss(hooked.training_step(batch, 0), model)
@@ -274,9 +272,10 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
         tags={
             tracking.FLOW_RUN_TAG: current_flow_run_id(),
             tracking.FINGERPRINT_TAG: data.fingerprint,
+            tracking.DATA_LAYOUT_TAG: data.layout,
         },
     )
-    checkpoint_url = storage.join(storage.root_url(settings), "checkpoints", experiment_id, run_id)
+    checkpoint_url = storage.run_checkpoint_url(storage.root_url(settings), experiment_id, run_id)
     # A writer killed mid-upload leaves an incomplete multipart upload: invisible, but billed.
     # Only the lease holder writes here, so every incomplete upload is a dead writer's.
     if aborted := storage.abort_incomplete_uploads(checkpoint_url):

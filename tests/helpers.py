@@ -13,6 +13,7 @@ import numpy as np
 
 from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig
 from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.shards import ArrayShard
 from tests.fixtures.user_code import blobs
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def blob_trainer(checkpoint_url: str, device: Any = None, **config: Any) -> Epoc
     """A one-process trainer of a small linear model on blobs (on ``device``, the CPU by
     default), checkpointing to the URL."""
     features, labels = blobs(rows=90, features=4)
-    shard = (features.astype(np.float32), labels.astype(np.int64))
+    shard = ArrayShard(features.astype(np.float32), labels.astype(np.int64))
     defaults: dict[str, Any] = {
         "splits_url": "",
         "input_shape": [4],

@@ -29,7 +29,7 @@ class CampaignIdentity:
         return cls(
             name=study,
             key=f"{study}@{digest}",
-            checkpoint_root=storage.join(storage_url, "campaigns", digest, name),
+            checkpoint_root=storage.campaign_url(storage_url, digest, name),
         )
 
     @property
@@ -39,7 +39,7 @@ class CampaignIdentity:
 
     def trial_url(self, root_trial: int) -> str:
         """The checkpoints of a trial and of its retries (they share the first's number)."""
-        return storage.join(self.checkpoint_root, f"trial-{root_trial:05d}")
+        return storage.trial_checkpoint_url(self.checkpoint_root, root_trial)
 
 
 def _without_credentials(url: str) -> str:

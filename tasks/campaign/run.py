@@ -263,6 +263,7 @@ class CampaignRun:
             tags={
                 tracking.FLOW_RUN_TAG: current_flow_run_id(),
                 tracking.FINGERPRINT_TAG: self.data.fingerprint,
+                tracking.DATA_LAYOUT_TAG: self.data.layout,
                 "prefect_ml.optuna_study": self.identity.name,
             },
         )

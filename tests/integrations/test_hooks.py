@@ -96,9 +96,9 @@ def test_hooked_validation_metrics_are_batch_weighted_means() -> None:
     trainer = blob_trainer("memory://unused", model=STEPS)
     sums = trainer._model_validation(batch_size=40)  # 90 rows: batches of 40, 40, 10
     with torch.no_grad():
-        logits = trainer.network(trainer.val_features)
-        top2 = logits.topk(2, dim=1).indices
-        expected = (top2 == trainer.val_labels[:, None]).any(dim=1).double().sum()
+        features, labels = (torch.from_numpy(a) for a in trainer.val.head(trainer.val.rows))
+        top2 = trainer.network(features).topk(2, dim=1).indices
+        expected = (top2 == labels[:, None]).any(dim=1).double().sum()
     assert float(sums["val_top2_accuracy"]) == pytest.approx(float(expected))
     assert np.isfinite(float(sums["val_loss"]))
 
@@ -139,8 +139,9 @@ def test_a_real_lightning_module_trains_through_its_hooks(tmp_path: Path) -> Non
     first, second = trainer.train_epoch(1), trainer.train_epoch(2)
     assert second["val_lit_loss"] < first["val_lit_loss"]
     assert second["val_accuracy"] > 0.9  # the task's own metric, from its forward
-    exported = torch.export.export(trainer.network.eval(), (trainer.val_features[:4],))
-    assert exported.module()(trainer.val_features[:4]).shape == (4, 3)  # pt2, as registered
+    rows = torch.from_numpy(trainer.val.head(4)[0])
+    exported = torch.export.export(trainer.network.eval(), (rows,))
+    assert exported.module()(rows).shape == (4, 3)  # pt2, as registered
 
 
 def test_a_hooked_model_trains_under_autocast_in_bf16(tmp_path: Path) -> None:

@@ -22,9 +22,9 @@ from prefect_ml.integrations.epoch_trainer import (
     EpochCommitter,
     EpochTrainer,
     TrainLoopConfig,
-    shard_bounds,
 )
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.shards import ArrayShard, shard_bounds
 from tests.fixtures.user_code import blobs
 from tests.helpers import free_port
 
@@ -52,10 +52,10 @@ def _config(checkpoint_url: str, **overrides: Any) -> TrainLoopConfig:
     return TrainLoopConfig(**{**values, **overrides})
 
 
-def _shards(rank: int, world_size: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _shards(rank: int, world_size: int) -> dict[str, ArrayShard]:
     features, labels = blobs(rows=96, features=6)
     start, stop = shard_bounds(len(labels), rank, world_size)
-    shard = (features[start:stop].astype(np.float32), labels[start:stop].astype(np.int64))
+    shard = ArrayShard(features[start:stop].astype(np.float32), labels[start:stop].astype(np.int64))
     return {"train": shard, "val": shard}
 
 
@@ -181,7 +181,7 @@ def test_checkpoints_are_distributed_checkpoint_directories(tmp_path: Path) -> N
 def test_bf16_autocast_trains_on_cpu_and_reports_peak_memory(tmp_path: Path) -> None:
     trainer = EpochTrainer(_config(tmp_path.as_uri(), precision="bf16"), shards=_shards(0, 1))
     with epoch_trainer.precision_context("bf16", trainer.device):
-        logits = trainer.model(trainer.train_features[:4])
+        logits = trainer.model(torch.from_numpy(trainer.train.head(4)[0]))
     assert logits.dtype == torch.bfloat16
     first = trainer.train_epoch(1)
     last = trainer.train_epoch(2)
@@ -286,7 +286,7 @@ def _host_syncs_in_an_epoch(checkpoint_url: str, precision: str, rows: int) -> i
     import warnings
 
     features, labels = blobs(rows=rows, features=6)
-    shard = (features.astype(np.float32), labels.astype(np.int64))
+    shard = ArrayShard(features.astype(np.float32), labels.astype(np.int64))
     trainer = EpochTrainer(
         _config(checkpoint_url, precision=precision),
         device=torch.device("cuda"),

@@ -37,8 +37,9 @@ def test_regression_validation_metrics_from_worker_sums_are_in_the_targets_units
     assert metrics["val_mae"] == pytest.approx(mean_absolute_error(actual, predicted), rel=1e-5)
     assert metrics["val_r2"] == pytest.approx(r2_score(actual, predicted), rel=1e-5)
     assert metrics["val_loss"] == pytest.approx(metrics["val_rmse"] ** 2 / std**2, rel=1e-5)
-    scores = problem.scores(predicted.reshape(-1, 1), actual)
+    scores = problem.scores(_test_sums_in_batches(problem, predicted.reshape(-1, 1), actual), 1)
     assert scores["r2"] == pytest.approx(r2_score(actual, predicted))
+    assert scores["mae"] == pytest.approx(mean_absolute_error(actual, predicted))
     assert scores["loss"] == pytest.approx(scores["rmse"] ** 2)
 
 
@@ -52,9 +53,28 @@ def test_classification_metrics_are_the_ones_it_always_had() -> None:
     probabilities = torch.softmax(torch.from_numpy(logits), dim=1).numpy()
     assert metrics["val_accuracy"] == pytest.approx(accuracy_score(labels, logits.argmax(1)))
     assert metrics["val_loss"] == pytest.approx(log_loss(labels, probabilities), rel=1e-5)
-    scores = problem.scores(logits, labels)
+    sums = _test_sums_in_batches(problem, logits, labels, num_classes=5)  # class 4: never seen
+    scores = problem.scores(sums, 5)
+    assert scores["accuracy"] == pytest.approx(accuracy_score(labels, logits.argmax(1)))
     assert scores["macro_f1"] == pytest.approx(f1_score(labels, logits.argmax(1), average="macro"))
     assert scores["loss"] == pytest.approx(metrics["val_loss"], rel=1e-5)
+    matrix = problem.confusion(sums, 5)
+    assert matrix.sum() == 120 and matrix[4].sum() == 0
+    assert np.trace(matrix) == pytest.approx(scores["accuracy"] * 120)
+
+
+def _test_sums_in_batches(
+    problem: Problem, outputs: np.ndarray, labels: np.ndarray, num_classes: int = 1
+) -> np.ndarray:
+    """Test sums added over uneven batches, as Ray Data's scorers return them."""
+    edges = [0, 7, 50, len(labels)]
+    return np.sum(
+        [
+            problem.test_sums(outputs[a:b], labels[a:b], num_classes)
+            for a, b in zip(edges, edges[1:], strict=False)
+        ],
+        axis=0,
+    )
 
 
 def test_every_metric_has_one_direction_across_task_types() -> None:

@@ -1,0 +1,321 @@
+"""Ray Data pipelines over a tabular dataset's files, run on the cluster: preparing streamed
+splits, and scoring a streamed test split. The driver receives statistics, never rows.
+
+Preparing takes two streaming passes over the source files:
+
+1. **statistics**: each row's split is drawn from a seeded hash of its values (the same row
+   lands in the same split on every run, whatever the files' order or the cluster's size, and
+   duplicate rows never straddle two splits); per batch, the training rows' feature sums and
+   sums of squares, the regression target's, and every label seen; the driver adds them up.
+2. **write**: the rows again, standardised with those statistics, labels as class ids, written
+   as Parquet shards (``features``: a fixed-size list of float32, ``label``), one folder per
+   split, row groups of a few MB so that a worker reads them in small steps.
+
+The split is random per row, not stratified: at the sizes streamed, each class's share per
+split is its share overall within sampling noise (a class with a handful of rows may miss a
+split). Stratifying would need the class counts before the split, a third pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from prefect_ml.integrations import problems, shards, storage, tabular_files
+from prefect_ml.integrations.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import pyarrow
+    import ray.data
+
+BATCH_ROWS = 8192
+ROW_GROUP_BYTES = 8 * 2**20
+FILE_BYTES = 256 * 2**20
+SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class SplitRecipe:
+    """How rows are assigned and labelled: what both passes compute per row."""
+
+    features: list[str]
+    label: str
+    task: str
+    seed: int
+    val_fraction: float
+    test_fraction: float
+
+    def splits(self, batch: pd.DataFrame) -> np.ndarray:
+        """Each row's split (0 train, 1 val, 2 test) from a seeded hash of its values."""
+        import pandas as pd
+
+        values = pd.DataFrame(batch[self.features].to_numpy(np.float32), columns=self.features)
+        values[self.label] = batch[self.label].astype(str)
+        key = f"{self.seed:016d}"[-16:]
+        uniform = pd.util.hash_pandas_object(values, index=False, hash_key=key).to_numpy()
+        uniform = uniform.astype(np.float64) / 2.0**64
+        return np.where(
+            uniform < self.test_fraction,
+            2,
+            np.where(uniform < self.test_fraction + self.val_fraction, 1, 0),
+        )
+
+
+@dataclass
+class Statistics:
+    """The first pass's sums, added up in the driver."""
+
+    width: int
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(3, np.int64))  # per split
+    sums: np.ndarray | None = None
+    squares: np.ndarray | None = None
+    target: np.ndarray = field(default_factory=lambda: np.zeros(2))  # sum, sum of squares
+    labels: set[Any] = field(default_factory=set)
+
+    def add(self, batch: dict[str, np.ndarray]) -> None:
+        self.rows += batch["rows"].sum(axis=0)
+        sums, squares = batch["sums"].sum(axis=0), batch["squares"].sum(axis=0)
+        self.sums = sums if self.sums is None else self.sums + sums
+        self.squares = squares if self.squares is None else self.squares + squares
+        self.target += batch["target"].sum(axis=0)
+        for listed in batch["labels"]:
+            self.labels.update(json.loads(str(listed)))
+
+    def mean_std(self, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+        if not normalize or self.sums is None:
+            return np.zeros(self.width, np.float32), np.ones(self.width, np.float32)
+        n = max(int(self.rows[0]), 1)
+        mean = self.sums / n
+        std = np.sqrt(np.maximum(self.squares / n - mean**2, 0.0))  # type: ignore[operator]
+        return mean.astype(np.float32), np.where(std < 1e-6, 1.0, std).astype(np.float32)
+
+    def target_mean_std(self) -> tuple[float, float]:
+        n = max(int(self.rows[0]), 1)
+        mean = self.target[0] / n
+        return float(mean), float(np.sqrt(max(self.target[1] / n - mean**2, 0.0))) or 1.0
+
+
+def _batch_statistics(batch: pd.DataFrame, recipe: SplitRecipe) -> dict[str, np.ndarray]:
+    labels = batch[recipe.label]
+    missing = labels.isna().to_numpy()
+    if recipe.task == "regression":
+        import pandas as pd
+
+        missing |= ~np.isfinite(pd.to_numeric(labels, errors="coerce").to_numpy(np.float64))
+    if missing.any():
+        where = batch["path"].to_numpy()[missing][0] if "path" in batch else "a file"
+        raise ConfigurationError(
+            "data.label_column",
+            f"{int(missing.sum())} rows of {where} have no valid {recipe.label!r} "
+            f"({'a number' if recipe.task == 'regression' else 'a label'}); drop or fill them",
+        )
+    split = recipe.splits(batch)
+    train = split == 0
+    features = batch[recipe.features].to_numpy(np.float64)[train]
+    target = labels.to_numpy(np.float64)[train] if recipe.task == "regression" else np.zeros(0)
+    seen = [] if recipe.task == "regression" else sorted(labels.unique().tolist())
+    return {
+        "rows": np.bincount(split, minlength=3)[None],
+        "sums": features.sum(axis=0)[None],
+        "squares": (features**2).sum(axis=0)[None],
+        "target": np.array([[target.sum(), (target**2).sum()]]),
+        "labels": np.array([json.dumps(seen)]),
+    }
+
+
+def _batch_rows(
+    batch: pd.DataFrame,
+    recipe: SplitRecipe,
+    mean: np.ndarray,
+    std: np.ndarray,
+    classes: list[Any],
+) -> pyarrow.Table:
+    import pandas as pd
+    import pyarrow as pa
+
+    features = ((batch[recipe.features].to_numpy(np.float32) - mean) / std).astype(np.float32)
+    if recipe.task == "regression":
+        labels = pa.array(batch[recipe.label].to_numpy(np.float32))
+    else:
+        labels = pa.array(pd.Categorical(batch[recipe.label], categories=classes).codes, pa.int64())
+    names = np.array(SPLITS)[recipe.splits(batch)]
+    flat = pa.array(features.reshape(-1))
+    return pa.table(
+        {
+            shards.FEATURES: pa.FixedSizeListArray.from_arrays(flat, features.shape[1]),
+            shards.LABEL: labels,
+            "split": pa.array(names),
+        }
+    )
+
+
+def read_source(source: tabular_files.TabularSource, with_paths: bool = False) -> ray.data.Dataset:
+    """The source files as a Ray Data dataset, read through :mod:`integrations.storage`'s
+    filesystem (its endpoint, credentials and retries)."""
+    import ray.data
+
+    located = [storage.ray_storage(f.url) for f in source.files]
+    paths, filesystem = [path for path, _ in located], located[0][1]
+    read = ray.data.read_parquet if source.format == "parquet" else ray.data.read_csv
+    # No hive partition columns: the files' own columns are the schema described and checked.
+    options: dict[str, Any] = {"partitioning": None, "include_paths": with_paths}
+    return read(paths, filesystem=filesystem, **options)
+
+
+@dataclass(frozen=True)
+class StreamedSplits:
+    """What preparing wrote: per split its files and rows, and the statistics."""
+
+    files: dict[str, list[shards.ShardFile]]
+    class_names: list[str]
+    mean: np.ndarray
+    std: np.ndarray
+    target_mean: float
+    target_std: float
+
+    @property
+    def rows(self) -> dict[str, int]:
+        return {split: sum(f.rows for f in listed) for split, listed in self.files.items()}
+
+
+def prepare(
+    source: tabular_files.TabularSource,
+    recipe: SplitRecipe,
+    splits_url: str,
+    *,
+    normalize: bool,
+    standardize_target: bool,
+) -> StreamedSplits:
+    """Split, standardise and write ``source`` as Parquet shards under ``splits_url``."""
+    from rich.progress import Progress
+
+    statistics = Statistics(width=len(recipe.features))
+    first_pass = read_source(source, with_paths=True).map_batches(
+        functools.partial(_batch_statistics, recipe=recipe),
+        batch_format="pandas",
+        batch_size=BATCH_ROWS,
+    )
+    with Progress(transient=True) as progress:
+        rows = progress.add_task("Split statistics", total=source.rows)
+        for batch in first_pass.iter_batches(batch_size=None, batch_format="numpy"):
+            statistics.add(batch)
+            progress.update(rows, advance=int(batch["rows"].sum()))
+    mean, std = statistics.mean_std(normalize)
+    classes = sorted(statistics.labels)
+    target_mean, target_std = (
+        statistics.target_mean_std()
+        if recipe.task == "regression" and standardize_target
+        else (0.0, 1.0)
+    )
+    output = storage.split_parquet_url(splits_url)
+    fs, path = storage.filesystem(output)
+    if fs.exists(path):  # a crashed earlier write: its files must not join this one's
+        fs.rm(path, recursive=True)
+    row_bytes = 4 * len(recipe.features) + 16
+    out_path, out_fs = storage.ray_storage(output)
+    read_source(source).map_batches(
+        functools.partial(_batch_rows, recipe=recipe, mean=mean, std=std, classes=classes),
+        batch_format="pandas",
+        batch_size=BATCH_ROWS,
+    ).write_parquet(
+        out_path,
+        filesystem=out_fs,
+        partition_cols=["split"],
+        max_rows_per_file=max(BATCH_ROWS, FILE_BYTES // row_bytes),
+        row_group_size=max(1024, ROW_GROUP_BYTES // row_bytes),
+    )
+    files = {split: _written(splits_url, split) for split in SPLITS}
+    for split, listed in files.items():
+        if not listed:
+            raise ConfigurationError(
+                "data.val_fraction" if split == "val" else "data.test_fraction",
+                f"the {split} split of {source.url} is empty ({source.rows} rows); raise its "
+                "fraction or give more rows",
+            )
+    shards.write_manifest(splits_url, files)
+    storage.write_array(storage.statistic_url(splits_url, "mean"), mean)
+    storage.write_array(storage.statistic_url(splits_url, "std"), std)
+    return StreamedSplits(files, [str(c) for c in classes], mean, std, target_mean, target_std)
+
+
+def _written(splits_url: str, split: str) -> list[shards.ShardFile]:
+    """The files the write pass left in ``split``'s folder, with their rows (from footers)."""
+    folder = storage.join(storage.split_parquet_url(splits_url), f"split={split}")
+    try:
+        written = tabular_files.describe_files(folder)
+    except ConfigurationError:  # no file: an empty split
+        return []
+    base = storage.filesystem(splits_url)[1].rstrip("/") + "/"
+    return [
+        shards.ShardFile(storage.filesystem(f.url)[1].removeprefix(base), f.row_groups)
+        for f in written
+    ]
+
+
+class _TestScorer:
+    """A Ray Data actor: the checkpoint's model, loaded once, scoring batches of test rows."""
+
+    def __init__(self, checkpoint_url: str, loop: dict[str, Any]) -> None:
+        from prefect_ml.integrations.epoch_trainer import load_trained_model
+
+        self.loop = loop
+        self.model, _ = load_trained_model(
+            checkpoint_url,
+            loop["model"],
+            loop["input_shape"],
+            loop["num_classes"],
+            loop["model_options"],
+        )
+        self.problem = problems.problem(loop["task"])
+
+    def __call__(self, batch: pyarrow.Table) -> dict[str, np.ndarray]:
+        import torch
+
+        features, labels = shards.table_arrays(batch, tuple(self.loop["input_shape"]))
+        with torch.no_grad():
+            outputs = self.model(torch.from_numpy(features)).float().numpy()
+        if self.problem.name == "regression":
+            outputs = outputs * self.loop["target_std"] + self.loop["target_mean"]
+        sums = self.problem.test_sums(outputs, labels, self.loop["num_classes"])
+        sample = [outputs.reshape(-1)[:SAMPLE_ROWS].tolist(), labels[:SAMPLE_ROWS].tolist()]
+        return {"sums": sums[None], "sample": np.array([json.dumps(sample)])}
+
+
+SAMPLE_ROWS = 64  # per batch, for a regression's predicted-against-actual figure
+
+
+def score_split(
+    splits_url: str, files: list[shards.ShardFile], checkpoint_url: str, loop: dict[str, Any]
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """The summed test statistics (``Problem.test_sums``) of the checkpoint's model over
+    ``files``, scored by Ray Data actors, and a sample of (predicted, actual) pairs."""
+    import ray.data
+
+    located = [storage.ray_storage(storage.join(splits_url, f.name)) for f in files]
+    dataset = ray.data.read_parquet(
+        [path for path, _ in located], filesystem=located[0][1], partitioning=None
+    )
+    scored = dataset.map_batches(
+        _TestScorer,
+        fn_constructor_kwargs={"checkpoint_url": checkpoint_url, "loop": loop},
+        batch_format="pyarrow",
+        batch_size=BATCH_ROWS,
+        concurrency=(1, 2),
+    )
+    total: np.ndarray | None = None
+    predicted: list[float] = []
+    actual: list[float] = []
+    for batch in scored.iter_batches(batch_size=None, batch_format="numpy"):
+        sums = batch["sums"].sum(axis=0)
+        total = sums if total is None else total + sums
+        for listed in batch["sample"]:
+            guess, truth = json.loads(str(listed))
+            predicted += guess
+            actual += truth
+    assert total is not None, "a prepared test split is never empty"
+    return total, (np.array(predicted), np.array(actual))

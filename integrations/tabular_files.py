@@ -1,0 +1,201 @@
+"""A tabular dataset's files: one CSV or Parquet file, a directory of them or a glob, at any
+fsspec URL (a path, ``file://``, ``s3://``), described and checked from metadata before a row
+is read.
+
+Parquet files are described from their footers (schema and row count, a few KB each, read in
+parallel); CSV files from their header line, and their rows are counted by a scan that keeps no
+rows. Every file must have the first file's columns with the same types and hold the label
+column; the first file that does not is named. A dataset's identity is its files' URLs, sizes
+and versions (ETags on S3, modification times on disk), never their bytes: the splits'
+fingerprint changes when a file does, at the cost of a listing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prefect_ml.integrations import storage
+from prefect_ml.integrations.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import pyarrow
+
+SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+GLOB_CHARACTERS = "*?["
+DESCRIBE_THREADS = 16  # footers read at once
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file of a dataset, as listed."""
+
+    url: str
+    size: int
+    version: str  # the ETag, else the modification time
+    rows: int
+    columns: dict[str, str]  # name: type (Parquet's Arrow types; "" for CSV)
+    row_groups: tuple[int, ...] = ()  # Parquet: the rows of each row group
+
+
+@dataclass(frozen=True)
+class TabularSource:
+    """The files of a tabular dataset, checked to share one schema holding the label."""
+
+    url: str
+    format: str  # "csv" | "parquet"
+    files: list[SourceFile]
+    label_column: str
+
+    @property
+    def feature_columns(self) -> list[str]:
+        return [c for c in self.files[0].columns if c != self.label_column]
+
+    @property
+    def rows(self) -> int:
+        return sum(f.rows for f in self.files)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def identity(self) -> dict[str, Any]:
+        """What names the data in a fingerprint: each file's URL, size and version."""
+        files = [[f.url, f.size, f.version] for f in self.files]
+        digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
+        return {"files": digest, "label_column": self.label_column, "format": self.format}
+
+
+def file_format(url: str) -> str | None:
+    """``csv`` or ``parquet`` from the URL's suffix; None for any other file."""
+    for suffix, fmt in SUFFIXES.items():
+        if url.lower().endswith(suffix):
+            return fmt
+    return None
+
+
+def list_files(url: str) -> list[tuple[str, dict[str, Any]]]:
+    """The CSV and Parquet files at ``url`` (a file, a directory searched recursively, or a
+    glob), sorted, with their listing details.
+
+    Raises:
+        ConfigurationError: nothing matches, or CSV and Parquet files are mixed.
+    """
+    fs, path = storage.filesystem(url)
+    fs.invalidate_cache()
+    if any(c in path for c in GLOB_CHARACTERS):
+        found: dict[str, dict[str, Any]] = fs.glob(path, detail=True)
+    elif fs.isdir(path):
+        found = fs.find(path, detail=True)
+    elif fs.exists(path):
+        found = {path: fs.info(path)}
+    else:
+        found = {}
+    files = sorted(
+        (fs.unstrip_protocol(name), info)
+        for name, info in found.items()
+        if info.get("type") != "directory"
+        and not name.rsplit("/", 1)[-1].startswith((".", "_"))  # _SUCCESS, .crc, hidden
+        and file_format(name) is not None
+    )
+    if not files:
+        raise ConfigurationError(
+            "data.url",
+            f"{url!r} matches no CSV or Parquet file; give a file, a directory holding .csv or "
+            ".parquet files, or a glob such as s3://bucket/data/*.parquet",
+        )
+    formats = {file_format(name) for name, _ in files}
+    if len(formats) > 1:
+        raise ConfigurationError(
+            "data.url", f"{url!r} mixes CSV and Parquet files; point it at one format"
+        )
+    return files
+
+
+def _version(info: dict[str, Any]) -> str:
+    for key in ("ETag", "etag", "mtime", "LastModified", "created"):
+        if info.get(key) is not None:
+            return str(info[key])
+    return ""
+
+
+def _describe_file(url: str, info: dict[str, Any]) -> SourceFile:
+    import pyarrow.parquet as pq
+
+    with storage.open_file(url) as handle:
+        if file_format(url) == "parquet":
+            parquet = pq.ParquetFile(handle)
+            schema: pyarrow.Schema = parquet.schema_arrow
+            columns = {field.name: str(field.type) for field in schema}
+            metadata = parquet.metadata
+            rows = metadata.num_rows
+            groups = tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))
+        else:
+            header = handle.readline().decode("utf-8-sig").strip()
+            columns = {name.strip().strip('"'): "" for name in header.split(",") if name}
+            rows, groups = _count_lines(handle), ()
+    return SourceFile(url, int(info.get("size") or 0), _version(info), rows, columns, groups)
+
+
+def _count_lines(handle: Any) -> int:
+    """Lines left in ``handle``, the last one counted without its newline too."""
+    lines, last = 0, b"\n"
+    for chunk in iter(lambda: handle.read(2**24), b""):
+        lines += chunk.count(b"\n")
+        last = chunk[-1:]
+    return lines + (last != b"\n")
+
+
+def describe_files(url: str) -> list[SourceFile]:
+    """The files at ``url`` (see :func:`list_files`) with their columns and rows, from their
+    footers or headers, read in parallel."""
+    listed = list_files(url)
+    with ThreadPoolExecutor(DESCRIBE_THREADS) as pool:
+        return list(pool.map(lambda item: _describe_file(*item), listed))
+
+
+def describe(url: str, label_column: str, task: str = "classification") -> TabularSource:
+    """The files at ``url`` and their shared schema, from metadata only.
+
+    Raises:
+        ConfigurationError: no file, a file without the label column, a file whose columns or
+            types differ from the first file's, or a feature column that is not numeric; each
+            names the file.
+    """
+    files = describe_files(url)
+    first = files[0]
+    for file in files:
+        if label_column not in file.columns:
+            raise ConfigurationError(
+                "data.label_column",
+                f"column {label_column!r} is not in {file.url}; its columns are "
+                f"{list(file.columns)}. Set --label-column to a column every file has.",
+            )
+        if file.columns != first.columns:
+            differ = sorted(set(file.columns.items()) ^ set(first.columns.items()))
+            raise ConfigurationError(
+                "data.url",
+                f"{file.url} has other columns than {first.url} (differing: {differ}); every "
+                "file of a dataset must have the same columns and types",
+            )
+    fmt = file_format(first.url) or "csv"
+    if fmt == "parquet":
+        numeric = ("int", "uint", "float", "double", "halffloat", "bool", "decimal")
+        features = {c: t for c, t in first.columns.items() if c != label_column}
+        text = [c for c, t in features.items() if not t.startswith(numeric)]
+        if text:
+            raise ConfigurationError(
+                "data.url",
+                f"feature columns {text} of {first.url} are not numeric; encode or drop them",
+            )
+        if task == "regression" and not first.columns[label_column].startswith(numeric):
+            raise ConfigurationError(
+                "data.label_column",
+                f"the regression target {label_column!r} is "
+                f"{first.columns[label_column]} in {first.url}, not a number; use --task "
+                "classification for class labels",
+            )
+    return TabularSource(url, fmt, files, label_column)
