@@ -149,7 +149,9 @@ def bare_loop(config: dict[str, Any]) -> None:
             optimizer.step()
             rows += len(labels)
         speeds.append(rows / (time.perf_counter() - started))
-    ray.train.report({"speeds": speeds, "peak_rss_mb": peak_rss_mb()})
+    # Ray Train v2 keeps no metrics reported without a checkpoint: the result goes in a file.
+    Path(config["result_file"]).write_text(json.dumps({"speeds": speeds, "rss": peak_rss_mb()}))
+    ray.train.report({})
 
 
 def run_ray_data(splits_url: str) -> dict[str, Any]:
@@ -168,18 +170,21 @@ def run_ray_data(splits_url: str) -> dict[str, Any]:
         dataset = ray.data.read_parquet(
             [path for path, _ in located], filesystem=located[0][1], partitioning=None
         )
-        storage_path, storage_fs = storage.ray_storage(os.environ["PREFECT_ML_HOME"])
+        storage_path = os.environ["PREFECT_ML_HOME"]
+        result_file = Path(os.environ["PREFECT_ML_HOME"]) / "bare-loop.json"
         trainer = TorchTrainer(
             bare_loop,
+            train_loop_config={"result_file": str(result_file)},
             scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
             datasets={"train": dataset},
             run_config=RunConfig(storage_path=storage_path, name="bare-ray-data"),
         )
-        result = trainer.fit()
-        speeds = result.metrics["speeds"]
+        trainer.fit()
+        result = json.loads(result_file.read_text())
+        speeds = result["speeds"]
         return {
             "driver_peak_rss_mb": peak_rss_mb(),
-            "worker_peak_rss_mb": result.metrics["peak_rss_mb"],
+            "worker_peak_rss_mb": result["rss"],
             "samples_per_second": statistics.median(speeds[1:] or speeds),
             "samples_per_second_by_epoch": speeds,
         }

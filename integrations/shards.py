@@ -5,9 +5,9 @@ A prepared dataset has one of two layouts (:mod:`integrations.storage` names the
 * ``arrays``: one ``.npy`` pair per split. A worker reads its row range once and keeps it on its
   device: the fastest for data that fits (the built-in datasets, small files).
 * ``parquet``: Parquet shards written by Ray Data (:mod:`integrations.streaming`), listed with
-  their row counts in a manifest. A worker streams its row range: a background thread reads the
-  row groups a few ahead of the step that needs them and a seeded window shuffle mixes them, so
-  a worker holds a window of rows, never its whole shard.
+  their row counts in a manifest. A worker streams its share: a background thread reads up to
+  two shuffle windows of row groups ahead of the step that needs them and a seeded window
+  shuffle mixes them, so a worker holds a few windows of rows, never its whole shard.
 
 Both orders are exact: an epoch's order is a pure function of the run's seed, the epoch, the
 rank and the world size, so a worker restarted mid-run trains the epoch it restarts on the same
@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import queue
 import threading
 from collections.abc import Callable, Generator, Iterator
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 LAYOUTS = ("arrays", "parquet")
 FEATURES, LABEL = "features", "label"  # the Parquet shards' columns
-PREFETCH_CHUNKS = 4  # row groups read ahead of the one being trained on
+PREFETCH_WINDOWS = 2  # shuffle windows' worth of row groups read ahead of the training step
 WINDOW_BYTES = 64 * 2**20  # rows shuffled together by a streamed shard
 OPEN_FILES = 8  # shard files a worker keeps open (each holds a read buffer)
 
@@ -281,7 +282,11 @@ class StreamedShard:
         when given), each a whole number of batches but the last."""
         window: list[Rows] = []
         window_rows = 0
-        with contextlib.closing(prefetched(self._chunks(pieces), PREFETCH_CHUNKS)) as chunks:
+        group_rows = max(
+            1, self.rows * self.world_size // max(1, sum(len(f.groups) for f in self.files))
+        )
+        depth = max(2, math.ceil(PREFETCH_WINDOWS * self.window_rows / group_rows))
+        with contextlib.closing(prefetched(self._chunks(pieces), depth)) as chunks:
             for chunk in chunks:
                 window.append(chunk)
                 window_rows += len(chunk[1])
