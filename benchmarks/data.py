@@ -16,15 +16,15 @@ in a fresh child process, one at a time, with storage on the same S3 server:
   whole); run up to ``--in-memory-max-mb`` (1000);
 * ``ray-data``: the bare Ray Data loop a user would write: a ``TorchTrainer`` with
   ``datasets={"train": ray.data.read_parquet(<our train shards>)}``, each worker iterating
-  ``get_dataset_shard("train").iter_batches(batch_format="pyarrow", prefetch_batches=4)`` into
-  the same MLP, optimiser and batch size; no checkpoints, no validation.
+  ``get_dataset_shard("train").iter_torch_batches(prefetch_batches=4)`` into the same MLP,
+  optimiser and batch size; no checkpoints, no validation.
 
-Measured per arm: the driver process's peak RSS (``ru_maxrss``, the whole child), the workers'
-peak RSS (our ``peak_memory_mib`` metric; ``ru_maxrss`` of the bare loop's worker), and training
-samples/s: rows trained over the training loop's seconds (validation and checkpoints excluded
-in every arm), the median over epochs 2..N. One worker with one CPU in every arm: the second
-core is left to Ray Data's read tasks (a bare loop with two 1-CPU workers on two cores leaves
-Ray Data no CPU and hangs).
+Measured per arm: the driver process's peak RSS (``VmHWM`` of the child), the workers' peak
+RSS (our ``peak_memory_mib`` metric, ``VmHWM`` per epoch; ``VmHWM`` of the bare loop's
+worker), and training samples/s: rows trained over the training loop's seconds (validation and
+checkpoints excluded in every arm), the median over epochs 2..N. One worker with one CPU in
+every arm: the second core is left to Ray Data's read tasks (a bare loop with two 1-CPU workers
+on two cores leaves Ray Data no CPU and hangs).
 
 Run ``.venv/bin/python benchmarks/data.py`` (about 30 minutes; ``--quick``: 20 and 60 MB).
 """
@@ -36,7 +36,6 @@ import io
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,7 @@ EPOCHS = 3
 BATCH = 512
 MODEL = {"hidden": 128, "depth": 2, "dropout": 0.0}
 ARMS = ("ours", "in-memory", "ray-data")
+FEATURES_COLUMN, LABEL_COLUMN = "features", "label"  # integrations.shards' Parquet columns
 
 
 def generate(url: str, megabytes: int, seed: int = 0) -> None:
@@ -79,7 +79,14 @@ def generate(url: str, megabytes: int, seed: int = 0) -> None:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS (``VmHWM``). Not ``ru_maxrss``: Linux carries that over from the
+    forked copy of the parent across ``exec``, so a child would report at least its parent's
+    size."""
+    status = Path("/proc/self/status").read_text()
+    return (
+        next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
+        / 1024
+    )
 
 
 def run_ours(url: str, layout: str, storage_url: str) -> dict[str, Any]:
@@ -130,7 +137,6 @@ def bare_loop(config: dict[str, Any]) -> None:
     import torch.nn.functional as F
 
     from prefect_ml.integrations.catalog import build_mlp
-    from prefect_ml.integrations.shards import table_arrays
 
     torch.manual_seed(0)
     model = ray.train.torch.prepare_model(build_mlp([FEATURES], CLASSES, **MODEL))
@@ -139,12 +145,10 @@ def bare_loop(config: dict[str, Any]) -> None:
     speeds = []
     for _epoch in range(EPOCHS):
         started, rows = time.perf_counter(), 0
-        for table in shard.iter_batches(
-            batch_size=BATCH, batch_format="pyarrow", prefetch_batches=4
-        ):
-            features, labels = table_arrays(table, (FEATURES,))
+        for batch in shard.iter_torch_batches(batch_size=BATCH, prefetch_batches=4):
+            features, labels = batch[FEATURES_COLUMN], batch[LABEL_COLUMN]
             optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(torch.from_numpy(features)), torch.from_numpy(labels))
+            loss = F.cross_entropy(model(features), labels)
             loss.backward()
             optimizer.step()
             rows += len(labels)

@@ -140,6 +140,38 @@ class ArrayShard:
             yield features[step], targets[step]
 
 
+class StoredArrayShard(ArrayShard):
+    """A worker's rows of an ``arrays`` split in storage: read whole (only its byte range) on
+    the first batch; ``head`` before that reads only the rows it returns."""
+
+    def __init__(self, splits_url: str, split: str, rank: int = 0, world_size: int = 1) -> None:
+        self.features_url = storage.split_array_url(splits_url, split, "features")
+        self.labels_url = storage.split_array_url(splits_url, split, "labels")
+        self.start, self.stop = shard_bounds(storage.array_rows(self.labels_url), rank, world_size)
+        self.rows = self.stop - self.start
+        self._placed = None
+        self._loaded = False
+
+    def _rows(self, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        return (
+            storage.read_array_rows(self.features_url, self.start, stop),
+            storage.read_array_rows(self.labels_url, self.start, stop),
+        )
+
+    def head(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._loaded:
+            return super().head(n)
+        return self._rows(self.start + min(n, self.rows))
+
+    def batches(
+        self, batch_size: int, order: EpochOrder | None, place: Placement
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if not self._loaded:
+            self.features, self.labels = self._rows(self.stop)
+            self._loaded = True
+        return super().batches(batch_size, order, place)
+
+
 @dataclass(frozen=True)
 class ShardFile:
     """One Parquet file of a split (its name relative to the splits' URL) and the rows of each
@@ -357,11 +389,4 @@ def open_shard(
     if layout == "parquet":
         files = read_manifest(splits_url)[split]
         return StreamedShard(splits_url, files, sample_shape, rank, world_size)
-    labels_url = storage.split_array_url(splits_url, split, "labels")
-    rows = storage.read_array(labels_url).shape[0]
-    start, stop = shard_bounds(rows, rank, world_size)
-    features_url = storage.split_array_url(splits_url, split, "features")
-    return ArrayShard(
-        storage.read_array_rows(features_url, start, stop),
-        storage.read_array_rows(labels_url, start, stop),
-    )
+    return StoredArrayShard(splits_url, split, rank, world_size)

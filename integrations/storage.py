@@ -157,6 +157,11 @@ def trial_checkpoint_url(campaign_url: str, root_trial: int) -> str:
     return join(campaign_url, f"trial-{root_trial:05d}")
 
 
+def trial_stop_url(trial_checkpoint_url: str, attempt: int) -> str:
+    """The marker that asks one attempt of a trial to stop after its current epoch."""
+    return join(trial_checkpoint_url, f"STOP-{attempt}")
+
+
 def lease_url(root_url: str) -> str:
     """The lease folder of whatever lives under ``root_url`` (a campaign's checkpoint root)."""
     return join(root_url, "lease")
@@ -387,20 +392,29 @@ def read_array(url: str) -> np.ndarray:
     return np.load(io.BytesIO(read_bytes(url)), allow_pickle=False)
 
 
+def _npy_header(handle: IO[bytes], url: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
+    """The shape and dtype of the ``.npy`` file open in ``handle``, left at its first row."""
+    major, _minor = np.lib.format.read_magic(handle)
+    read_header = (
+        np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    )
+    shape, fortran_order, dtype = read_header(handle)
+    if fortran_order:
+        raise ValueError(f"{url} is Fortran-ordered; write arrays C-contiguous")
+    return shape, dtype
+
+
+def array_rows(url: str) -> int:
+    """The rows of a ``.npy`` file, from its header."""
+    with open_file(url) as handle:
+        return int(_npy_header(handle, url)[0][0])
+
+
 def read_array_rows(url: str, start: int, stop: int) -> np.ndarray:
     """Rows ``[start, stop)`` of a ``.npy`` file, reading only those bytes."""
     with open_file(url) as handle:
-        major, _minor = np.lib.format.read_magic(handle)
-        read_header = (
-            np.lib.format.read_array_header_1_0
-            if major == 1
-            else np.lib.format.read_array_header_2_0
-        )
-        shape, fortran_order, dtype = read_header(handle)
-        if fortran_order:
-            raise ValueError(f"{url} is Fortran-ordered; write arrays C-contiguous")
-        row_items = int(np.prod(shape[1:], dtype=np.int64))
-        row_bytes = row_items * dtype.itemsize
+        shape, dtype = _npy_header(handle, url)
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
         stop = min(stop, shape[0])
         handle.seek(handle.tell() + start * row_bytes)
         raw = handle.read(max(stop - start, 0) * row_bytes)

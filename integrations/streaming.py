@@ -18,8 +18,10 @@ split). Stratifying would need the class counts before the split, a third pass.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +39,7 @@ BATCH_ROWS = 8192
 ROW_GROUP_BYTES = 8 * 2**20
 FILE_BYTES = 256 * 2**20
 SPLITS = ("train", "val", "test")
+MAX_CLASSES = 10_000  # more distinct labels than this: a number to regress, not classes
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class SplitRecipe:
         import pandas as pd
 
         values = pd.DataFrame(batch[self.features].to_numpy(np.float32), columns=self.features)
-        values[self.label] = batch[self.label].astype(str)
+        values[self.label] = batch[self.label].astype(str).to_numpy()  # by position, not index
         key = f"{self.seed:016d}"[-16:]
         uniform = pd.util.hash_pandas_object(values, index=False, hash_key=key).to_numpy()
         uniform = uniform.astype(np.float64) / 2.0**64
@@ -67,37 +70,67 @@ class SplitRecipe:
 
 
 @dataclass
+class Moments:
+    """Count, mean and sum of squared deviations of a column (or of each column), combined
+    batch by batch with Chan's parallel update: exact for large means, unlike sums of squares."""
+
+    count: float = 0.0
+    mean: np.ndarray | float = 0.0
+    m2: np.ndarray | float = 0.0
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Moments:
+        if len(values) == 0:
+            return cls()
+        mean = values.mean(axis=0)
+        return cls(float(len(values)), mean, ((values - mean) ** 2).sum(axis=0))
+
+    def add(self, count: float, mean: np.ndarray | float, m2: np.ndarray | float) -> None:
+        if count == 0:
+            return
+        total = self.count + count
+        delta = mean - self.mean
+        self.mean = self.mean + delta * (count / total)
+        self.m2 = self.m2 + m2 + delta**2 * (self.count * count / total)
+        self.count = total
+
+    def std(self) -> np.ndarray:
+        return np.sqrt(np.asarray(self.m2) / max(self.count, 1.0))
+
+
+@dataclass
 class Statistics:
-    """The first pass's sums, added up in the driver."""
+    """The first pass's per-batch statistics, combined in the driver."""
 
     width: int
     rows: np.ndarray = field(default_factory=lambda: np.zeros(3, np.int64))  # per split
-    sums: np.ndarray | None = None
-    squares: np.ndarray | None = None
-    target: np.ndarray = field(default_factory=lambda: np.zeros(2))  # sum, sum of squares
+    features: Moments = field(default_factory=Moments)  # of the training rows
+    target: Moments = field(default_factory=Moments)  # regression: of the training targets
     labels: set[Any] = field(default_factory=set)
 
     def add(self, batch: dict[str, np.ndarray]) -> None:
-        self.rows += batch["rows"].sum(axis=0)
-        sums, squares = batch["sums"].sum(axis=0), batch["squares"].sum(axis=0)
-        self.sums = sums if self.sums is None else self.sums + sums
-        self.squares = squares if self.squares is None else self.squares + squares
-        self.target += batch["target"].sum(axis=0)
-        for listed in batch["labels"]:
-            self.labels.update(json.loads(str(listed)))
+        for index in range(len(batch["rows"])):
+            self.rows += batch["rows"][index]
+            train = float(batch["rows"][index][0])
+            self.features.add(train, batch["mean"][index], batch["m2"][index])
+            self.target.add(train, *batch["target"][index])
+            self.labels.update(json.loads(str(batch["labels"][index])))
+        if len(self.labels) > MAX_CLASSES:
+            raise ConfigurationError(
+                "data.task",
+                f"the label column has more than {MAX_CLASSES} distinct values; if it is a "
+                "number to predict, not a class, set --task regression",
+            )
 
     def mean_std(self, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
-        if not normalize or self.sums is None:
+        if not normalize or self.features.count == 0:
             return np.zeros(self.width, np.float32), np.ones(self.width, np.float32)
-        n = max(int(self.rows[0]), 1)
-        mean = self.sums / n
-        std = np.sqrt(np.maximum(self.squares / n - mean**2, 0.0))  # type: ignore[operator]
+        std = self.features.std()
+        mean = np.asarray(self.features.mean)
         return mean.astype(np.float32), np.where(std < 1e-6, 1.0, std).astype(np.float32)
 
     def target_mean_std(self) -> tuple[float, float]:
-        n = max(int(self.rows[0]), 1)
-        mean = self.target[0] / n
-        return float(mean), float(np.sqrt(max(self.target[1] / n - mean**2, 0.0))) or 1.0
+        return float(self.target.mean), float(self.target.std()) or 1.0
 
 
 def _batch_statistics(batch: pd.DataFrame, recipe: SplitRecipe) -> dict[str, np.ndarray]:
@@ -106,7 +139,8 @@ def _batch_statistics(batch: pd.DataFrame, recipe: SplitRecipe) -> dict[str, np.
     if recipe.task == "regression":
         import pandas as pd
 
-        missing |= ~np.isfinite(pd.to_numeric(labels, errors="coerce").to_numpy(np.float64))
+        values = pd.to_numeric(labels, errors="coerce").to_numpy(np.float64)
+        missing = missing | ~np.isfinite(values)
     if missing.any():
         where = batch["path"].to_numpy()[missing][0] if "path" in batch else "a file"
         raise ConfigurationError(
@@ -116,14 +150,17 @@ def _batch_statistics(batch: pd.DataFrame, recipe: SplitRecipe) -> dict[str, np.
         )
     split = recipe.splits(batch)
     train = split == 0
-    features = batch[recipe.features].to_numpy(np.float64)[train]
-    target = labels.to_numpy(np.float64)[train] if recipe.task == "regression" else np.zeros(0)
+    features = Moments.of(batch[recipe.features].to_numpy(np.float64)[train])
+    target = (
+        Moments.of(labels.to_numpy(np.float64)[train]) if recipe.task == "regression" else Moments()
+    )
+    width = len(recipe.features)
     seen = [] if recipe.task == "regression" else sorted(labels.unique().tolist())
     return {
         "rows": np.bincount(split, minlength=3)[None],
-        "sums": features.sum(axis=0)[None],
-        "squares": (features**2).sum(axis=0)[None],
-        "target": np.array([[target.sum(), (target**2).sum()]]),
+        "mean": np.broadcast_to(features.mean, width)[None].astype(np.float64),
+        "m2": np.broadcast_to(features.m2, width)[None].astype(np.float64),
+        "target": np.array([[target.mean, target.m2]], np.float64),
         "labels": np.array([json.dumps(seen)]),
     }
 
@@ -167,14 +204,36 @@ def read_source(source: tabular_files.TabularSource, with_paths: bool = False) -
     return read(paths, filesystem=filesystem, **options)
 
 
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Raise a :class:`ConfigurationError` that a Ray Data task raised (bad rows of a file) as
+    it is, not wrapped in Ray's task errors."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    raise_original = context.raise_original_map_exception
+    context.raise_original_map_exception = True  # not Ray Data's UserCodeException around it
+    try:
+        yield
+    except Exception as exc:
+        if type(exc) is ConfigurationError:
+            raise
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, ConfigurationError):
+            cause = getattr(cause, "cause", None) or cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise ConfigurationError(cause.field, cause.message) from None
+    finally:
+        context.raise_original_map_exception = raise_original
+
+
 @dataclass(frozen=True)
 class StreamedSplits:
-    """What preparing wrote: per split its files and rows, and the statistics."""
+    """What preparing wrote: per split its files and rows; the classes and target scale."""
 
     files: dict[str, list[shards.ShardFile]]
     class_names: list[str]
-    mean: np.ndarray
-    std: np.ndarray
     target_mean: float
     target_std: float
 
@@ -195,12 +254,12 @@ def prepare(
     from rich.progress import Progress
 
     statistics = Statistics(width=len(recipe.features))
-    first_pass = read_source(source, with_paths=True).map_batches(
-        functools.partial(_batch_statistics, recipe=recipe),
-        batch_format="pandas",
-        batch_size=BATCH_ROWS,
-    )
-    with Progress(transient=True) as progress:
+    with Progress(transient=True) as progress, user_errors():  # a dataset keeps its context
+        first_pass = read_source(source, with_paths=True).map_batches(
+            functools.partial(_batch_statistics, recipe=recipe),
+            batch_format="pandas",
+            batch_size=BATCH_ROWS,
+        )
         rows = progress.add_task("Split statistics", total=source.rows)
         for batch in first_pass.iter_batches(batch_size=None, batch_format="numpy"):
             statistics.add(batch)
@@ -240,7 +299,7 @@ def prepare(
     shards.write_manifest(splits_url, files)
     storage.write_array(storage.statistic_url(splits_url, "mean"), mean)
     storage.write_array(storage.statistic_url(splits_url, "std"), std)
-    return StreamedSplits(files, [str(c) for c in classes], mean, std, target_mean, target_std)
+    return StreamedSplits(files, [str(c) for c in classes], target_mean, target_std)
 
 
 def _written(splits_url: str, split: str) -> list[shards.ShardFile]:

@@ -71,7 +71,7 @@ class TrialPlanner:
             run_id="",
         )
         # Per attempt: a retried trial must not see the marker of an attempt that was pruned.
-        config = replace(config, stop_url=storage.join(checkpoint_url, f"STOP-{trial.number}"))
+        config = replace(config, stop_url=storage.trial_stop_url(checkpoint_url, trial.number))
         sweep = self.params.sweep
         spec = TrialSpec(
             number=trial.number,

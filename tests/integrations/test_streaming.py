@@ -39,20 +39,24 @@ FEATURES = 6
 ROWS_PER_FILE = 1500
 
 
+def learnable_rows(files: int = 3, seed: int = 0) -> pd.DataFrame:
+    """Rows a model can learn: the label is the largest of 3 columns, and column ``f0`` holds
+    each row's id (to check that splits cover every row once)."""
+    x = np.random.default_rng(seed).standard_normal((files * ROWS_PER_FILE, FEATURES))
+    frame = pd.DataFrame(x.astype(np.float32), columns=[f"f{j}" for j in range(FEATURES)])
+    frame["f0"] = np.arange(len(frame), dtype=np.float32)
+    frame["kind"] = np.array(["low", "mid", "top"])[x[:, 1:4].argmax(axis=1)]
+    return frame
+
+
 def write_parquet_files(folder: Path, files: int = 3, seed: int = 0) -> pd.DataFrame:
-    """``files`` Parquet files of learnable rows: the label is the largest of 3 columns, and
-    column ``f0`` holds each row's id (to check that splits cover every row once)."""
+    """:func:`learnable_rows` as ``files`` Parquet files of ``ROWS_PER_FILE`` rows."""
     folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    frames = []
+    frame = learnable_rows(files, seed)
     for index in range(files):
-        x = rng.standard_normal((ROWS_PER_FILE, FEATURES)).astype(np.float32)
-        frame = pd.DataFrame(x, columns=[f"f{j}" for j in range(FEATURES)])
-        frame["f0"] = np.arange(ROWS_PER_FILE, dtype=np.float32) + index * ROWS_PER_FILE
-        frame["kind"] = np.array(["low", "mid", "top"])[x[:, 1:4].argmax(axis=1)]
-        frame.to_parquet(folder / f"part-{index}.parquet", index=False)
-        frames.append(frame)
-    return pd.concat(frames, ignore_index=True)
+        part = frame.iloc[index * ROWS_PER_FILE : (index + 1) * ROWS_PER_FILE]
+        part.to_parquet(folder / f"part-{index}.parquet", index=False)
+    return frame
 
 
 def data_params(url: str) -> DataParams:
@@ -160,6 +164,72 @@ def test_a_file_that_differs_from_the_others_fails_before_training_naming_it(
 
 
 # --- prepared by Ray Data -----------------------------------------------------------------
+
+
+def test_streaming_statistics_combine_batches_exactly_even_far_from_zero() -> None:
+    """Chan's update of per-batch moments: a column around 1e9 keeps its unit deviation (sums
+    of squares in float64 would lose it)."""
+    values = 1e9 + np.random.default_rng(3).standard_normal((10_000, 2))
+    combined = streaming.Moments()
+    for batch in np.array_split(values, 7):
+        part = streaming.Moments.of(batch)
+        combined.add(part.count, part.mean, part.m2)
+    np.testing.assert_allclose(combined.mean, values.mean(axis=0), rtol=1e-13)
+    np.testing.assert_allclose(combined.std(), values.std(axis=0), rtol=1e-6)
+
+
+def test_a_rows_split_depends_on_its_values_only_not_on_its_batch_or_position() -> None:
+    frame = learnable_rows()
+    recipe = streaming.SplitRecipe(
+        features=[f"f{j}" for j in range(FEATURES)],
+        label="kind",
+        task="classification",
+        seed=4,
+        val_fraction=0.15,
+        test_fraction=0.15,
+    )
+    whole = recipe.splits(frame)
+    parts = [frame.iloc[start : start + 700] for start in range(0, len(frame), 700)]
+    assert np.array_equal(np.concatenate([recipe.splits(part) for part in parts]), whole)
+    shuffled = frame.sample(frac=1.0, random_state=1)
+    assert np.array_equal(recipe.splits(shuffled), whole[shuffled.index.to_numpy()])
+    other_seed = streaming.SplitRecipe(**{**recipe.__dict__, "seed": 5})
+    assert not np.array_equal(other_seed.splits(frame), whole)
+
+
+def test_rows_without_a_label_fail_the_preparation_naming_their_file(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    write_parquet_files(tmp_path / "source")
+    odd = tmp_path / "source" / "part-2.parquet"
+    frame = pd.read_parquet(odd)
+    frame.loc[frame.index[:4], "kind"] = None  # the same columns and types, four labels missing
+    frame.to_parquet(odd, index=False)
+    with pytest.raises(ConfigurationError, match="4 rows of .*part-2.parquet have no valid") as bad:
+        prepare(str(tmp_path / "source"), (tmp_path / "storage").as_uri())
+    assert bad.value.field == "data.label_column"
+    assert not list(tmp_path.rglob("meta.json")), "nothing half-prepared is left to be reused"
+
+
+def test_a_streamed_regression_target_is_standardised_by_its_training_rows(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    frame = write_parquet_files(tmp_path / "source", files=2).drop(columns=["kind"])
+    frame["price"] = 3.0 * frame["f1"] + 50.0
+    frame.iloc[:1500].to_parquet(tmp_path / "source" / "part-0.parquet", index=False)
+    frame.iloc[1500:].to_parquet(tmp_path / "source" / "part-1.parquet", index=False)
+    data = DataParams(
+        dataset="tabular", url=str(tmp_path / "source"), label_column="price", task="regression"
+    )
+    source = tabular_files.describe(data.url or "", "price", "regression")
+    prepared = preprocess_streamed(
+        data, source, fingerprint_source(source, data), (tmp_path / "storage").as_uri()
+    )
+    assert prepared.task == "regression" and prepared.num_classes == 1
+    _, targets = prepared.shard("train").head(10**6)
+    assert prepared.target_mean == pytest.approx(float(targets.mean()), rel=1e-6)
+    assert prepared.target_std == pytest.approx(float(targets.std()), rel=1e-4)
+    assert abs(prepared.target_mean - 50.0) < 0.5  # the raw targets are stored, not scaled
 
 
 def test_streamed_splits_are_seeded_disjoint_complete_and_standardised(
