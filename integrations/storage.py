@@ -293,9 +293,12 @@ def read_bytes_and_sha256(url: str, digest: bool = True) -> tuple[bytes, str]:
 
 
 @contextlib.contextmanager
-def open_file(url: str, mode: str = "rb") -> Iterator[IO[bytes]]:
+def open_file(url: str, mode: str = "rb", *, random_access: bool = False) -> Iterator[IO[bytes]]:
+    """``url`` open as a file. ``random_access``: every read is one request for exactly its
+    bytes (no read-ahead block), for readers that know their byte ranges (Parquet's)."""
     fs, path = filesystem(url)
-    with fs.open(path, mode) as handle:
+    options = {"cache_type": "none"} if random_access and not is_local(url) else {}
+    with fs.open(path, mode, **options) as handle:
         yield handle
 
 

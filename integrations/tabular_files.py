@@ -191,11 +191,21 @@ def describe(url: str, label_column: str, task: str = "classification") -> Tabul
                 "data.url",
                 f"feature columns {text} of {first.url} are not numeric; encode or drop them",
             )
-        if task == "regression" and not first.columns[label_column].startswith(numeric):
+        label_type = first.columns[label_column]
+        if task == "regression" and not label_type.startswith(numeric):
             raise ConfigurationError(
                 "data.label_column",
-                f"the regression target {label_column!r} is "
-                f"{first.columns[label_column]} in {first.url}, not a number; use --task "
-                "classification for class labels",
+                f"the regression target {label_column!r} is {label_type} in {first.url}, not a "
+                "number; use --task classification for class labels",
+            )
+        # Plain values only: an extension type (Ray's pickled objects, say) would be decoded by
+        # code named in the file.
+        if not label_type.startswith(
+            (*numeric, "string", "large_string", "dictionary<values=string")
+        ):
+            raise ConfigurationError(
+                "data.label_column",
+                f"the label {label_column!r} is {label_type} in {first.url}; a label must be a "
+                "number, a boolean or a string",
             )
     return TabularSource(url, fmt, files, label_column)

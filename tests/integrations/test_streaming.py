@@ -315,6 +315,31 @@ def test_a_shard_file_that_changed_under_the_run_is_refused(
         list(shard.batches(64, None, place))
 
 
+def test_a_shard_whose_columns_are_not_plain_floats_is_refused_before_decoding(
+    tmp_path: Path,
+) -> None:
+    """A planted shard with a binary ``features`` column (an extension type's storage, e.g. Ray's
+    pickled objects) is refused from its schema: no decoder named by a file runs."""
+    table = pa.table({"features": pa.array([b"\x80\x04K\x01."] * 3), "label": pa.array([0, 1, 2])})
+    (tmp_path / "parquet").mkdir()
+    pq.write_table(table, tmp_path / "parquet" / "planted.parquet")
+    shards.write_manifest(
+        tmp_path.as_uri(), {"train": [shards.ShardFile("parquet/planted.parquet", (3,))]}
+    )
+    shard = shards.open_shard(tmp_path.as_uri(), "parquet", "train", (FEATURES,))
+    with pytest.raises(shards.ShardReadError, match="not the fixed-size float32 lists"):
+        list(shard.batches(2, None, place))
+
+
+def test_a_label_column_of_objects_is_refused(tmp_path: Path) -> None:
+    table = pa.table({"f0": pa.array([1.0, 2.0]), "kind": pa.array([b"a", b"b"])})
+    (tmp_path / "data").mkdir()
+    pq.write_table(table, tmp_path / "data" / "part-0.parquet")
+    with pytest.raises(ConfigurationError, match="a label must be a number") as refused:
+        tabular_files.describe(str(tmp_path / "data"), "kind")
+    assert refused.value.field == "data.label_column" and "part-0.parquet" in str(refused.value)
+
+
 # --- S3 faults ----------------------------------------------------------------------------
 
 
