@@ -37,7 +37,7 @@ def test_a_dataset_on_s3_is_streamed_through_training_evaluation_and_a_campaign(
         TrainModelParams(
             data=data,
             model={"hidden": 32, "depth": 1},
-            training={"epochs": 4, "workers": 2, "batch_size": 64, "lr": 0.01},
+            training={"epochs": 3, "workers": 2, "batch_size": 64, "lr": 0.01},
             registry={"model_name": "streamed-blobs"},
         )
     )
