@@ -180,8 +180,8 @@ def _trainer(
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from prefect_ml.integrations.epoch_trainer import EpochTrainer
-    from prefect_ml.integrations.shards import ArrayShard, TrainLoopConfig
+    from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig
+    from prefect_ml.integrations.shards import ArrayShard
 
     def ddp(model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(device)

@@ -142,14 +142,19 @@ def test_live_process_on_this_host_with_a_stale_heartbeat_is_taken_over(lease_ur
     """An existing PID is not enough: a holder that stopped renewing (a stopped process)
     expires like any other."""
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    # 5 s, not 1: on a loaded machine the S3 calls between writing the record and asking for
+    # the lease took over a second, the record had expired, and the lease taken then (never
+    # released) failed every S3 test after it.
+    early = _lease(lease_url, expiry_s=5)
     try:
         _write_record(lease_url, 1, pid=holder.pid, process_start=_process_start(holder.pid))
         with pytest.raises(LeaseHeldError, match=f"process {holder.pid} "):
-            _lease(lease_url, expiry_s=1).acquire()
-        _wait_older_than(lease_url, 1, 1)
-        with _lease(lease_url, expiry_s=1) as lease:
+            early.acquire()
+        _wait_older_than(lease_url, 1, 5)
+        with _lease(lease_url, expiry_s=5) as lease:
             assert lease.generation == 2
     finally:
+        early.release()  # held only if the refusal failed: never left renewing
         holder.kill()
         holder.wait()
 
