@@ -40,6 +40,7 @@ bench: $(STAMP) postgresql
 	$(VENV)/bin/python benchmarks/cluster.py
 	$(VENV)/bin/python benchmarks/checkpoints.py
 	$(VENV)/bin/python benchmarks/data.py
+	$(VENV)/bin/python benchmarks/predict.py
 	$(VENV)/bin/python benchmarks/precision.py
 	# The serving benchmark's load generator is wrk (Debian package).
 	command -v wrk >/dev/null || apt-get install -y wrk

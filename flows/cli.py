@@ -17,6 +17,7 @@ import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
+from uuid import UUID
 
 import click
 from pydantic import BaseModel, ValidationError
@@ -25,7 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from prefect_ml.integrations import prefect_server, storage
+from prefect_ml.integrations import alerts, prefect_server, storage
 from prefect_ml.integrations.errors import ConfigurationError, PrefectMLError
 from prefect_ml.integrations.settings import (
     get_settings,
@@ -35,6 +36,7 @@ from prefect_ml.integrations.settings import (
 from prefect_ml.tasks.params import (
     CampaignParams,
     PipelineParams,
+    PredictParams,
     ServeModelParams,
     TrainModelParams,
 )
@@ -163,14 +165,21 @@ def print_outcome(outcome: Any) -> None:
     table.add_column("value")
     for name, value in outcome.evaluation.metrics.items():
         table.add_row(f"test {name}", f"{value:.4f}")
-    registration = outcome.registration
+    from prefect_ml.tasks.report import training_notes  # imports Prefect: not at module load
+
+    registration, trained = outcome.registration, outcome.trained
     table.add_row("model version", f"{registration.model_name} v{registration.version}")
+    verdict = "promoted: " if registration.promoted else "kept previous: "
     table.add_row(
         f"alias @{registration.alias}",
-        ("promoted: " if registration.promoted else "kept previous: ") + registration.reason,
+        ("reused: " if trained.reused else verdict) + registration.reason,
     )
-    table.add_row("MLflow run", outcome.trained.run_id)
-    table.add_row("checkpoints", outcome.trained.checkpoint_url)
+    table.add_row("MLflow run", trained.run_id)
+    table.add_row("checkpoints", trained.checkpoint_url)
+    if trained.early_stopped:
+        table.add_row("early stopped", trained.early_stopped)
+    for label, text in training_notes(trained, registration):
+        table.add_row(label.lower(), text)
     console.print(table)
     tracking_uri = settings.resolved_tracking_uri
     console.print("[bold]Where to look next[/bold]")
@@ -201,6 +210,10 @@ def print_serving(result: Any) -> None:
     if result.smoke is not None:
         predictions = result.smoke.response["predictions"]
         table.add_row("smoke request", f"{predictions} in {result.smoke.latency_ms:.1f} ms")
+    if result.canary is not None:
+        report = result.canary
+        verdict = "promoted" if report.promoted else f"rolled back to v{report.stable_version}"
+        table.add_row(f"canary v{report.canary_version}", f"{verdict}: {report.reason}")
     console.print(table)
 
 
@@ -236,6 +249,8 @@ def _run_flow(flow_name: str, params: BaseModel) -> Any:
         from prefect_ml.flows.sweep import hpo_campaign as flow_fn  # type: ignore[assignment]
     elif flow_name == "serve_model":
         from prefect_ml.flows.serve import serve_model as flow_fn  # type: ignore[assignment]
+    elif flow_name == "batch_predict":
+        from prefect_ml.flows.predict import batch_predict as flow_fn  # type: ignore[assignment]
     else:
         from prefect_ml.flows.train import train_model as flow_fn  # type: ignore[assignment]
     from prefect_ml.integrations.ray_cluster import ray_session
@@ -379,6 +394,32 @@ def sweep(**flags: Any) -> None:
     print_campaign(_run_flow("hpo_campaign", parse_parameters(CampaignParams, flags)))
 
 
+def print_predictions(result: Any) -> None:
+    """Which version scored what, how fast, where the predictions are, or that they were reused."""
+    manifest = result.manifest
+    title = f"batch predictions of {manifest.model_name} v{manifest.model_version}"
+    table = Table(title=title, title_style="bold green")
+    table.add_column("item")
+    table.add_column("value")
+    table.add_row("input", f"{manifest.input_url} ({len(manifest.inputs)} files)")
+    table.add_row("rows", f"{manifest.rows:,}")
+    if result.reused:
+        table.add_row("scored", f"reused, from {manifest.created} (--force scores again)")
+    else:
+        table.add_row("scored", f"{manifest.seconds:.1f} s, {manifest.rows_per_second:,.0f} rows/s")
+    table.add_row("output", manifest.output_url)
+    table.add_row("MLflow run", manifest.run_id)
+    table.add_row("passed through", ", ".join(manifest.passthrough_columns) or "-")
+    console.print(table)
+
+
+@app.command()
+@_with_parameter_flags(PredictParams)
+def predict(**flags: Any) -> None:
+    """Score a dataset's files with a registered version (batch_predict) into Parquet."""
+    print_predictions(_run_flow("batch_predict", parse_parameters(PredictParams, flags)))
+
+
 @app.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind.")
 @click.option("--port", type=click.IntRange(1, 65535), default=4200, show_default=True)
@@ -420,14 +461,47 @@ def ui(host: str, port: int) -> None:
             console.print("Stopping the Prefect server")
 
 
-@app.command()
-@click.option(
+def _set_up_alerts(
+    block: alerts.NotificationBlock | None, deployments: list[Any], api_url: str
+) -> str:
+    """Create or update the alert automations for the deployments; what to tell the user."""
+    if block is None:
+        return (
+            "Alerts: off (no notification block: pass --alert-block or set "
+            "PREFECT_ML_ALERT_BLOCK; README, Alerts)"
+        )
+    return _alerts_on(block, prefect_server.register_deployments(deployments), api_url)
+
+
+def _alerts_on(block: alerts.NotificationBlock, deployment_ids: list[UUID], api_url: str) -> str:
+    names = alerts.ensure_automations(block, deployment_ids, alerts.alert_ui_url(api_url))
+    return f"Alerts: through {block.reference} (automations: {'; '.join(names)})"
+
+
+_prefect_file_option = click.option(
     "--prefect-file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=str(prefect_server.DEFAULT_PREFECT_FILE),
     show_default=True,
     help="The deployments to serve; entrypoints are relative to the working directory.",
 )
+_alert_block_option = click.option(
+    "--alert-block",
+    default=None,
+    help="Prefect notification block (NAME or TYPE/NAME) that alerts go through: a failed or "
+    "crashed run of these deployments, a new champion. Default PREFECT_ML_ALERT_BLOCK; "
+    "unset: no alerts.",
+)
+
+
+def _alert_block(flag: str | None) -> alerts.NotificationBlock | None:
+    """The block of --alert-block, else of PREFECT_ML_ALERT_BLOCK; None when neither is set."""
+    name = flag or get_settings().alert_block
+    return alerts.find_notification_block(name) if name else None
+
+
+@app.command()
+@_prefect_file_option
 @click.option(
     "--ray-slots",
     type=click.IntRange(min=1),
@@ -437,7 +511,10 @@ def ui(host: str, port: int) -> None:
     f"flow runs (the concurrency limit on the tag '{prefect_server.RAY_TAG}').",
 )
 @click.option("--only", multiple=True, help="Serve only these deployments (repeatable).")
-def deploy(prefect_file: Path, ray_slots: int, only: tuple[str, ...]) -> None:
+@_alert_block_option
+def deploy(
+    prefect_file: Path, ray_slots: int, only: tuple[str, ...], alert_block: str | None
+) -> None:
     """Register the deployments of prefect.yaml (schedules, parameter forms) on the Prefect
     server and run their flow runs from this process until Ctrl-C; no work pool needed."""
     with _clear_errors():
@@ -450,10 +527,12 @@ def deploy(prefect_file: Path, ray_slots: int, only: tuple[str, ...]) -> None:
             names = [spec.name for spec in specs]
             raise ConfigurationError("--only", f"no {unknown} in {prefect_file}; it has {names}")
         specs = [spec for spec in specs if not only or spec.name in only]
+        block = _alert_block(alert_block)  # a wrong name fails before anything is created
         deployments = prefect_server.runner_deployments(specs)
         prefect_server.set_ray_quota(ray_slots)
         for name in prefect_server.take_over_from_work_pools(deployments):
             console.print(f"[yellow]{name}: this process runs it from now on[/yellow]")
+        alerts_line = _set_up_alerts(block, deployments, api_url)
     table = Table(title="prefect-ml deployments")
     for column in ("deployment", "entrypoint", "schedule"):
         table.add_column(column)
@@ -463,10 +542,34 @@ def deploy(prefect_file: Path, ray_slots: int, only: tuple[str, ...]) -> None:
     console.print(table)
     ui_address = prefect_server.ui_url(api_url)
     console.print(f"Ray quota: {ray_slots} training or campaign task(s) at once")
+    console.print(alerts_line)
     console.print(f"Open {ui_address}/deployments and press Run. Ctrl-C stops.")
     from prefect import serve as serve_deployments
 
     serve_deployments(*deployments, print_starting_message=False)
+
+
+@app.command(name="alerts")
+@_prefect_file_option
+@_alert_block_option
+def alerts_command(prefect_file: Path, alert_block: str | None) -> None:
+    """Create or update the alert automations for the deployments of prefect.yaml that are
+    already on the server (a work pool's, registered by `prefect deploy`), then exit.
+    `prefect-ml deploy --alert-block` does the same for the deployments it serves."""
+    with _clear_errors():
+        api_url = prefect_server.require_server(
+            os.environ.get("PREFECT_API_URL"), os.environ.get("PREFECT_API_AUTH_STRING")
+        )
+        block = _alert_block(alert_block)
+        if block is None:
+            raise ConfigurationError(
+                "--alert-block", "name a notification block, or set PREFECT_ML_ALERT_BLOCK"
+            )
+        deployments = prefect_server.runner_deployments(
+            prefect_server.read_deployment_specs(prefect_file)
+        )
+        ids = prefect_server.registered_deployment_ids(deployments)
+        console.print(_alerts_on(block, ids, api_url))
 
 
 @app.command()
@@ -519,6 +622,28 @@ def _clear_errors() -> Iterator[None]:
     except PrefectMLError as exc:
         console.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
         raise SystemExit(1) from exc
+
+
+@app.command()
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, help="Print the chain as JSON (stdout).")
+def lineage(model: str, as_json: bool) -> None:
+    """Where a registered version comes from and where it is served: data, preprocessing, flow
+    runs, training run, checkpoint, version, serving. MODEL is NAME@ALIAS, NAME/VERSION or
+    NAME (its @champion)."""
+    from prefect_ml.tasks.lineage import trace
+
+    with _clear_errors():
+        chain = trace(model)
+    if as_json:
+        click.echo(chain.model_dump_json(indent=2))
+        return
+    table = Table(title=f"lineage of {chain.model_name} v{chain.version}", title_style="bold")
+    for column in ("stage", "what", "link"):
+        table.add_column(column, overflow="fold")
+    for step in chain.steps:
+        table.add_row(step.stage, escape(step.what), escape(step.link or ""))
+    console.print(table)
 
 
 @app.command()

@@ -13,6 +13,7 @@ from prefect_ml.tasks.params import TrainingSections, TrainModelParams, section_
 from prefect_ml.tasks.placement import check_placement
 from prefect_ml.tasks.quotas import apply_ray_slots, tenant_tags
 from prefect_ml.tasks.register import Registration, register
+from prefect_ml.tasks.reuse import reuse_finished
 from prefect_ml.tasks.train import TrainResult, train, training_lease
 
 __all__ = ["TrainingOutcome", "train_model"]
@@ -42,12 +43,21 @@ def prepared_data(params: TrainingSections) -> PreparedData:
 
 def training_chain(params: TrainModelParams) -> TrainingOutcome:
     """The steps shared by ``train_model`` and ``ml_pipeline``, from the public tasks; runs
-    inside either flow."""
+    inside either flow. A training whose identity already has a finished, registered run is
+    not done again (unless ``training.force``): that run's outcome is returned."""
     data = prepared_data(params)
     registry = params.registry
     # One driver per run from training until the run is finished by its registration: a second
     # identical command started meanwhile would otherwise reopen the RUNNING run and register again.
     with training_lease(params, data.fingerprint) as lease:
+        done = None if params.training.force else reuse_finished(params, data)
+        if done is not None:
+            return TrainingOutcome(
+                data=data,
+                trained=done.trained,
+                evaluation=done.evaluation,
+                registration=done.registration,
+            )
         with tenant_tags():  # the tenant's quota counts its Ray-occupying tasks
             trained = train(
                 data,

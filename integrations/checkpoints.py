@@ -231,14 +231,17 @@ class CheckpointStore:
         }
         return min(scored, key=lambda e: (sign * scored[e], -e)) if scored else None
 
-    def prune(self, policy: RetentionPolicy) -> list[int]:
-        """Drop the weights of checkpoints the policy does not keep; return their epochs.
+    def prune(
+        self, policy: RetentionPolicy, *, also_keep: frozenset[int] = frozenset()
+    ) -> list[int]:
+        """Drop the weights of checkpoints the policy does not keep (nor ``also_keep``, e.g.
+        early stopping's best epoch); return their epochs.
 
         The manifest is rewritten first (listing only ``kept_files``), then the other files
         are deleted, so a reader never finds a manifest that names a missing file.
         """
         manifests = self._committed()
-        keep = set(sorted(manifests)[-policy.keep_last :]) | {self.best_epoch(policy)}
+        keep = set(sorted(manifests)[-policy.keep_last :]) | {self.best_epoch(policy)} | also_keep
         pruned = []
         for epoch, manifest in manifests.items():
             if epoch in keep or manifest.get("pruned"):

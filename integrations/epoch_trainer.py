@@ -37,6 +37,7 @@ from prefect_ml.integrations import (
 )
 from prefect_ml.integrations.catalog import build_model, enable_gradient_checkpointing
 from prefect_ml.integrations.checkpoints import CheckpointStore, RetentionPolicy
+from prefect_ml.integrations.early_stopping import EarlyStopping, History
 from prefect_ml.integrations.errors import CheckpointError, ConfigurationError
 from prefect_ml.integrations.shards import EpochOrder, Shard, epoch_seed, open_shard
 
@@ -77,6 +78,18 @@ class TrainLoopConfig:
     task: str = "classification"  # the task type (integrations.problems): loss and metrics
     target_mean: float = 0.0  # regression: the targets train standardised by these
     target_std: float = 1.0
+    # Stop once early_stopping_metric has not improved by more than the min delta for this
+    # many epochs; 0 trains every epoch. Decided from the committed epochs' metrics alone.
+    early_stopping_patience: int = 0
+    early_stopping_min_delta: float = 0.0
+    early_stopping_metric: str = "val_loss"
+
+    def early_stopping(self) -> EarlyStopping | None:
+        if self.early_stopping_patience < 1:
+            return None
+        return EarlyStopping.for_metric(
+            self.early_stopping_metric, self.early_stopping_patience, self.early_stopping_min_delta
+        )
 
     def retention(self) -> RetentionPolicy | None:
         if self.keep_checkpoints < 1:
@@ -152,16 +165,27 @@ class EpochCommitter:
 
     The loop hands over the checkpoint's files as bytes. One commit is in flight at a time, so
     commits stay in epoch order and memory stays bounded. After each commit the retention
-    policy, if any, prunes the checkpoints it does not keep. Workers never write metrics
+    policy, if any, prunes the checkpoints it does not keep, except early stopping's best
+    epoch (whose weights are the run's result). ``history`` holds the metrics of the epochs
+    committed before this committer started (a resumed run's). Workers never write metrics
     anywhere else: the driver turns committed checkpoints into MLflow history (see
     ``tasks.train.EpochRecorder``), which keeps MLflow's client work off the training
     process's interpreter lock.
     """
 
-    def __init__(self, store: CheckpointStore, retention: RetentionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        retention: RetentionPolicy | None = None,
+        *,
+        early_stopping: EarlyStopping | None = None,
+        history: History | None = None,
+    ) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self._store, self._retention = store, retention
+        self._early_stopping = early_stopping
+        self._history = {epoch: dict(metrics) for epoch, metrics in (history or {}).items()}
         self.committed_epoch = 0  # the newest epoch this committer committed
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._in_flight: Future[str] | None = None
@@ -185,14 +209,22 @@ class EpochCommitter:
             "epoch_seconds": now - epoch_started,  # wall time of the whole epoch on rank 0
         }
         files = {**files, METRICS_FILE: json.dumps(metrics).encode()}
-        self._in_flight = self._executor.submit(self._commit, epoch, files)
+        self._in_flight = self._executor.submit(self._commit, epoch, files, metrics)
 
-    def _commit(self, epoch: int, files: dict[str, bytes]) -> str:
+    def _commit(self, epoch: int, files: dict[str, bytes], metrics: dict[str, float]) -> str:
         url = self._store.save(epoch, files)
         self.committed_epoch = epoch
+        self._history[epoch] = metrics
         if self._retention is not None:
-            self._store.prune(self._retention)
+            self._store.prune(self._retention, also_keep=self._pinned())
         return url
+
+    def _pinned(self) -> frozenset[int]:
+        """Epochs whose weights stay whatever the retention policy says: early stopping's best."""
+        if self._early_stopping is None:
+            return frozenset()
+        best = self._early_stopping.best(self._history)
+        return frozenset() if best is None else frozenset({best.epoch})
 
     def wait(self) -> None:
         """Block until the queued commit is done; raise a :class:`CheckpointError` if it failed
@@ -480,14 +512,20 @@ class EpochTrainer:
         return files
 
     def committed_metrics(self) -> dict[int, dict[str, float]]:
-        """Metrics of every verified epoch before ``first_epoch`` (a resumed trial's history)."""
-        history = {}
-        for epoch in range(1, self.first_epoch):
-            try:
-                history[epoch] = json.loads(self.store.read_verified(epoch, METRICS_FILE))
-            except CheckpointError:
-                continue  # a broken checkpoint: that epoch's values are missing, not shifted
-        return history
+        """Metrics of every verified epoch before ``first_epoch`` (a resumed run's history)."""
+        return committed_history(self.store, self.first_epoch - 1)
+
+
+def committed_history(store: CheckpointStore, last_epoch: int) -> dict[int, dict[str, float]]:
+    """Metrics of every verified epoch up to ``last_epoch``, pruned ones included (retention
+    keeps every epoch's metrics file)."""
+    history = {}
+    for epoch in range(1, last_epoch + 1):
+        try:
+            history[epoch] = json.loads(store.read_verified(epoch, METRICS_FILE))
+        except CheckpointError:
+            continue  # a broken checkpoint: that epoch's values are missing, not shifted
+    return history
 
 
 def check_precision(precision: str, device: torch.device) -> None:
@@ -512,15 +550,27 @@ def stop_requested(stop_url: str, device: torch.device) -> bool:
     return collectives.any_worker(bool(stop_url) and storage.exists(stop_url), device)
 
 
+def stopped_early(
+    early_stopping: EarlyStopping | None, history: History, device: torch.device
+) -> bool:
+    """Whether the monitored metric stopped improving (early stopping); every worker agrees."""
+    if early_stopping is None:
+        return False
+    return collectives.any_worker(early_stopping.decide(history) is not None, device)
+
+
 def load_trained_model(
     checkpoint_url: str,
     model_name: str,
     input_shape: list[int],
     num_classes: int,
     model_options: dict[str, Any],
+    epoch: int | None = None,
 ) -> tuple[torch.nn.Module, int]:
-    """The model of the newest verified checkpoint under ``checkpoint_url``, and its epoch."""
-    latest = CheckpointStore(checkpoint_url).latest()
+    """The model of checkpoint ``epoch`` under ``checkpoint_url`` (by default the newest
+    verified one), and its epoch."""
+    store = CheckpointStore(checkpoint_url)
+    latest = store.latest() if epoch is None else store.load(epoch)
     if latest is None:
         raise CheckpointError(f"no verified checkpoint under {checkpoint_url}")
     model = build_model(model_name, input_shape, num_classes, model_options)

@@ -29,6 +29,8 @@ from prefect_ml.integrations.settings import (
 )
 
 if TYPE_CHECKING:
+    from uuid import UUID
+
     from prefect import Flow
     from prefect.deployments.runner import RunnerDeployment
 
@@ -332,3 +334,30 @@ def take_over_from_work_pools(deployments: list[RunnerDeployment]) -> list[str]:
                 client.update_deployment(existing.id, DeploymentUpdate(path="."))
                 taken.append(f"{full_name} (work pool {existing.work_pool_name})")
     return taken
+
+
+def register_deployments(deployments: list[RunnerDeployment]) -> list[UUID]:
+    """Register the deployments now (create or update by name) and return their ids, for
+    what must name them before serving starts (serving then updates the same deployments)."""
+    return [cast("UUID", deployment.apply()) for deployment in deployments]  # sync here
+
+
+def registered_deployment_ids(deployments: list[RunnerDeployment]) -> list[UUID]:
+    """The ids of these deployments as the server has them (registered by ``prefect deploy``
+    for a work pool, or by ``prefect-ml deploy``)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    ids = []
+    with get_client(sync_client=True) as client:
+        for deployment in deployments:
+            full_name = f"{deployment.flow_name}/{deployment.name}"
+            try:
+                ids.append(client.read_deployment_by_name(full_name).id)
+            except ObjectNotFound:
+                raise ConfigurationError(
+                    "--prefect-file",
+                    f"{full_name} is not registered on the server; register it first "
+                    "(`prefect deploy --prefect-file deployments/prefect.yaml --all`)",
+                ) from None
+    return ids

@@ -16,6 +16,7 @@ from prefect_ml.integrations.epoch_trainer import (
     EpochTrainer,
     TrainLoopConfig,
     stop_requested,
+    stopped_early,
 )
 
 if TYPE_CHECKING:
@@ -36,7 +37,8 @@ def worker_nodes() -> list[str]:
 
 
 def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
-    """One Ray Train worker: resume from the newest verified checkpoint, then train epochs."""
+    """One Ray Train worker: resume from the newest verified checkpoint, then train epochs
+    until the last one, a stop request, or early stopping."""
     import ray.train
     import ray.train.torch
 
@@ -61,12 +63,24 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
                 WORKER_NODES_TAG: ",".join(nodes),
             },
         )
-    committer = EpochCommitter(trainer.store, config.retention()) if trainer.rank == 0 else None
+    early_stopping = config.early_stopping()
+    # A resumed group decides from the committed epochs' metrics, as the first group would have.
+    history = trainer.committed_metrics() if early_stopping else {}
+    committer = (
+        EpochCommitter(
+            trainer.store, config.retention(), early_stopping=early_stopping, history=history
+        )
+        if trainer.rank == 0
+        else None
+    )
     for epoch in range(trainer.first_epoch, config.epochs + 1):
         if stop_requested(config.stop_url, trainer.device):
             break
+        if stopped_early(early_stopping, history, trainer.device):
+            break
         started = time.perf_counter()
         metrics = trainer.train_epoch(epoch)
+        history[epoch] = metrics  # all-reduced: the same values on every worker
         blocked_since = time.perf_counter()
         # The snapshot (gathered to rank 0) is the only part that blocks; hashing and writing
         # happen in the background.

@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import json
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple, cast
@@ -27,7 +28,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
 from ray import serve
 from ray.serve import Deployment
 
-from prefect_ml.integrations import tracking
+from prefect_ml.integrations import canary, tracking
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
 from prefect_ml.integrations.inference import InferencePrecision, Predictor, serving_device
 from prefect_ml.integrations.resources import ResourceRequest, placeable
@@ -53,6 +54,11 @@ class PredictRequest(BaseModel):
     inputs: list[Row] = Field(
         min_length=1,
         description='Rows of raw features, e.g. [[0.0, 3.0, ...]] or [{"age": 41.0, ...}].',
+    )
+    labels: list[str | FiniteNumber] | None = Field(
+        None,
+        description="Optional: each row's true class or value, where it is known when the "
+        "request is made; a canary rollout compares the versions' accuracy (or RMSE) on them.",
     )
 
 
@@ -93,6 +99,16 @@ class ServedModel(BaseModel):
     @property
     def width(self) -> int:
         return int(np.prod(self.sample_shape))
+
+    def identity(self) -> dict[str, Any]:
+        return ModelIdentity(name=self.name, version=self.version, run_id=self.run_id).model_dump()
+
+    def io_schema(self) -> dict[str, Any]:
+        """What requests and answers look like: two versions with the same schema can share
+        an endpoint."""
+        return self.model_dump(
+            include={"sample_shape", "feature_names", "class_names", "task", "input_dtype"}
+        )
 
 
 class ReplicaOptions(BaseModel):
@@ -185,6 +201,51 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(chunks)
 
 
+def load_predictor(
+    served: ServedModel, gpus: float = 0.0, precision: InferencePrecision = "fp32"
+) -> tuple[Predictor, str]:
+    """The version's model (pt2 only, see :func:`tracking.load_pt2_model`) in eval mode on
+    the device that ``gpus`` reserved, and the folder it was downloaded to."""
+    import mlflow
+    import torch
+
+    mlflow.set_tracking_uri(served.tracking_uri)
+    mlflow.set_registry_uri(served.tracking_uri)
+    local = mlflow.artifacts.download_artifacts(served.uri)
+    loaded = tracking.load_pt2_model(local, what=f"{served.name} v{served.version}")
+    if isinstance(loaded, torch.export.ExportedProgram):
+        loaded = loaded.module()
+    try:
+        loaded.eval()
+    except NotImplementedError:
+        pass  # MLflow 3's default pt2 format: an exported module, fixed in eval mode already
+    predictor = Predictor(
+        loaded,
+        served.sample_shape,
+        serving_device(gpus, torch.cuda.is_available()),
+        precision,
+        task=served.task,
+        input_dtype=served.input_dtype,
+    )
+    return predictor, local
+
+
+def non_finite_rows(values: np.ndarray) -> list[int]:
+    """The indices of the rows of ``values`` holding NaN or infinity."""
+    return np.flatnonzero(~np.isfinite(values).all(axis=1)).tolist()
+
+
+def labelled_outputs(
+    outputs: np.ndarray, class_names: list[str] | None, task: str = "classification"
+) -> np.ndarray:
+    """Per row what the model predicts: the class name (a string array) for classification,
+    the value (float64) for regression."""
+    if task == "regression":
+        return outputs[:, 0].astype(np.float64)
+    names = np.asarray(class_names if class_names else [str(i) for i in range(outputs.shape[1])])
+    return names[outputs.argmax(axis=1)]
+
+
 def predictions_body(
     outputs: np.ndarray,
     class_names: list[str] | None,
@@ -195,19 +256,39 @@ def predictions_body(
     the values; a model that returned NaN or infinity gets a 500 that says so, never a body
     that is not JSON."""
     if not np.isfinite(outputs).all():
-        rows = np.flatnonzero(~np.isfinite(outputs).all(axis=1)).tolist()
+        rows = non_finite_rows(outputs)
         _problem(500, f"the model returned non-finite outputs for rows {rows[:10]}")
-    content: dict[str, Any]
-    if task == "regression":
-        content = {"predictions": outputs[:, 0].astype(np.float64).tolist(), "model": identity}
-    else:
-        indices = outputs.argmax(axis=1).tolist()
-        content = {
-            "predictions": [class_names[i] if class_names else str(i) for i in indices],
-            "probabilities": outputs.astype(np.float64).round(6).tolist(),
-            "model": identity,
-        }
-    return json.dumps(content, allow_nan=False)
+    content: dict[str, Any] = {"predictions": labelled_outputs(outputs, class_names, task).tolist()}
+    if task != "regression":
+        content["probabilities"] = outputs.astype(np.float64).round(6).tolist()
+    return json.dumps({**content, "model": identity}, allow_nan=False)
+
+
+class LoadedVersion(NamedTuple):
+    """A model version in a replica's memory, ready to answer."""
+
+    predictor: Predictor
+    served: ServedModel
+    identity: dict[str, Any]
+    input_example: list[list[float]]
+
+
+def load_version(served: ServedModel, limits: ReplicaOptions) -> LoadedVersion:
+    """Download ``served`` and load it (pt2 only) on the device the replica reserved; a
+    pickle-format version fails the replica here, and the old one serves on."""
+    from mlflow.models import Model
+
+    predictor, local = load_predictor(served, limits.gpus, limits.inference_precision)
+    example = Model.load(local).load_input_example(local)
+    rows = np.asarray(example).reshape(-1, served.width)[:2].tolist()
+    return LoadedVersion(predictor, served, served.identity(), rows)
+
+
+def _batched(version: LoadedVersion | None, matrices: list[np.ndarray]) -> list[np.ndarray]:
+    if version is None:
+        raise RuntimeError("the canary was dropped while its batch waited")
+    outputs = version.predictor.outputs(np.concatenate(matrices))
+    return np.split(outputs, np.cumsum([len(m) for m in matrices])[:-1])
 
 
 api = FastAPI(
@@ -222,41 +303,30 @@ class ModelServer:
     """One replica: the model version in memory, a request validator and a batcher."""
 
     def __init__(self, served: dict[str, Any], options: dict[str, Any]) -> None:
-        import mlflow
         import torch
-        from mlflow.models import Model
 
         self.served = ServedModel.model_validate(served)
         self.limits = ReplicaOptions.model_validate(options)
         torch.set_num_threads(self.limits.torch_threads)
-        mlflow.set_tracking_uri(self.served.tracking_uri)
-        mlflow.set_registry_uri(self.served.tracking_uri)
-        local = mlflow.artifacts.download_artifacts(self.served.uri)
-        # pt2 only: a pickle-format version fails the replica here, and the old one serves on.
-        loaded = tracking.load_pt2_model(local, what=f"{self.served.name} v{self.served.version}")
-        if isinstance(loaded, torch.export.ExportedProgram):
-            loaded = loaded.module()
-        try:
-            loaded.eval()
-        except NotImplementedError:
-            pass  # MLflow 3's default pt2 format: an exported module, fixed in eval mode already
-        self.predictor = Predictor(
-            loaded,
-            self.served.sample_shape,
-            serving_device(self.limits.gpus, torch.cuda.is_available()),
-            self.limits.inference_precision,
-            task=self.served.task,
-            input_dtype=self.served.input_dtype,
+        self.stable = load_version(self.served, self.limits)
+        for batched in (self.forward_batch, self.canary_batch):
+            batched.set_max_batch_size(self.limits.max_batch_size)  # type: ignore[attr-defined]
+            batched.set_batch_wait_timeout_s(  # type: ignore[attr-defined]
+                self.limits.batch_wait_timeout_s
+            )
+        context = serve.get_replica_context()
+        self.canary = canary.CanaryRoute(
+            context.app_name, context.replica_id.unique_id, self._load_canary
         )
-        example = Model.load(local).load_input_example(local)
-        self.input_example = np.asarray(example).reshape(-1, self.served.width)[:2].tolist()
-        self.identity = ModelIdentity(
-            name=self.served.name, version=self.served.version, run_id=self.served.run_id
-        ).model_dump()
-        self.forward_batch.set_max_batch_size(self.limits.max_batch_size)  # type: ignore[attr-defined]
-        self.forward_batch.set_batch_wait_timeout_s(  # type: ignore[attr-defined]
-            self.limits.batch_wait_timeout_s
-        )
+
+    def _load_canary(self, served: dict[str, Any]) -> LoadedVersion:
+        candidate = ServedModel.model_validate(served)
+        if candidate.io_schema() != self.served.io_schema():
+            raise ConfigurationError(
+                "serving.canary_share",
+                f"{candidate.uri} takes other inputs than {self.served.uri}",
+            )
+        return load_version(candidate, self.limits)
 
     def _is_authorized(self, request: Request) -> bool:
         expected = self.limits.token_sha256
@@ -276,14 +346,18 @@ class ModelServer:
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
     async def forward_batch(self, matrices: list[np.ndarray]) -> list[np.ndarray]:
         """Requests that arrive together go through the model as one matrix."""
-        outputs = self.predictor.outputs(np.concatenate(matrices))
-        return np.split(outputs, np.cumsum([len(m) for m in matrices])[:-1])
+        return _batched(self.stable, matrices)
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    async def canary_batch(self, matrices: list[np.ndarray]) -> list[np.ndarray]:
+        """The same, for the requests a canary rollout gives the new version."""
+        return _batched(self.canary.predictor, matrices)
 
     @api.get("/healthz", summary="Liveness: the replica is up and its model is loaded")
     async def healthz(self, request: Request) -> dict[str, Any]:
         """Never needs the token; which model is served is shown only to those who have it."""
         if self._is_authorized(request):
-            return {"status": "ok", "model": self.identity}
+            return {"status": "ok", "model": self.stable.identity}
         return {"status": "ok"}
 
     @api.get("/metadata", summary="The served model version, its input schema and an example")
@@ -291,7 +365,7 @@ class ModelServer:
         self._authorize(request)
         served = self.served
         return {
-            "model": self.identity,
+            "model": self.stable.identity,
             "model_uri": served.uri,
             "dataset_fingerprint": served.dataset_fingerprint,
             "input_schema": {
@@ -311,8 +385,8 @@ class ModelServer:
                 "max_batch_size": self.limits.max_batch_size,
                 "batch_wait_timeout_s": self.limits.batch_wait_timeout_s,
             },
-            "device": asdict(self.predictor.describe()),
-            "input_example": {"inputs": self.input_example},
+            "device": asdict(self.stable.predictor.describe()),
+            "input_example": {"inputs": self.stable.input_example},
         }
 
     @api.post(
@@ -344,15 +418,53 @@ class ModelServer:
                 413,
                 f"{len(parsed.inputs)} rows in one request; the limit is {self.limits.max_rows}",
             )
+        if parsed.labels is not None and len(parsed.labels) != len(parsed.inputs):
+            _problem(
+                422,
+                f"{len(parsed.labels)} labels for {len(parsed.inputs)} rows; send one per row",
+            )
         matrix = _rows_to_array(parsed, self.served)
-        if self.limits.batching:
-            outputs = await self.forward_batch(matrix)
-        else:
-            outputs = self.predictor.outputs(matrix)
-        body_text = predictions_body(
-            outputs, self.served.class_names, self.identity, self.served.task
-        )
-        return Response(body_text, media_type="application/json")
+        candidate = self.canary.predictor  # read once: the sync thread may drop it meanwhile
+        if candidate is not None and self.canary.takes_request():
+            try:
+                return await self._answer("canary", candidate, matrix, parsed.labels)
+            except Exception:  # answered by the serving version below, counted as the canary's
+                self.canary.record("canary", canary.VersionStats(requests=1, errors=1))
+        return await self._answer("stable", self.stable, matrix, parsed.labels)
+
+    async def _answer(
+        self,
+        role: str,
+        version: LoadedVersion,
+        matrix: np.ndarray,
+        labels: list[str | float] | None,
+    ) -> Response:
+        """``version``'s answer, timed and (during a canary rollout) recorded as ``role``'s."""
+        started = time.perf_counter()
+        try:
+            if self.limits.batching:
+                batch = self.canary_batch if role == "canary" else self.forward_batch
+                outputs = await batch(matrix)
+            else:
+                outputs = version.predictor.outputs(matrix)
+            served = version.served
+            body = predictions_body(outputs, served.class_names, version.identity, served.task)
+        except Exception:
+            if role == "stable":
+                self.canary.record(role, canary.VersionStats(requests=1, errors=1))
+            raise
+        if self.canary.active:
+            outcome = (
+                canary.label_outcome(
+                    labelled_outputs(outputs, served.class_names, served.task), labels, served.task
+                )
+                if labels
+                else canary.VersionStats()
+            )
+            outcome.requests = 1
+            outcome.latencies_ms = [(time.perf_counter() - started) * 1000]
+            self.canary.record(role, outcome)
+        return Response(body, media_type="application/json")
 
 
 class Placement(BaseModel):
@@ -484,3 +596,14 @@ def _replica_failure(placement: Placement) -> str:
     message = deployment.message if deployment else ""
     lines = [line for line in message.splitlines() if line.strip()]
     return lines[-1].strip() if lines else "see the Ray Serve controller log"
+
+
+def running_replicas(app_name: str) -> int:
+    """How many of the application's replicas are up now (0: it is not deployed)."""
+    if running_http_address() is None:
+        return 0
+    app = serve.status().applications.get(app_name)
+    deployment = app.deployments.get(DEPLOYMENT_NAME) if app else None
+    if deployment is None:
+        return 0
+    return sum(n for state, n in deployment.replica_states.items() if state == "RUNNING")

@@ -106,6 +106,14 @@ class PrefectMLSettings(BaseSettings):
         "aws_access_key_id and aws_secret_access_key (and optionally aws_session_token); "
         "unset uses the standard AWS chain (environment, AWS_PROFILE, instance role).",
     )
+    alert_block: str | None = Field(
+        default=None,
+        title="Alert notification block",
+        description="Name (or TYPE/NAME) of a Prefect notification block: `prefect-ml deploy` "
+        "then creates automations that notify through it when a deployment's flow run fails "
+        "or crashes and when a model becomes champion. `--alert-block` overrides it; unset: "
+        "no alerts.",
+    )
     s3_max_attempts: int = Field(
         default=6,
         ge=1,

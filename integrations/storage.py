@@ -173,6 +173,24 @@ def training_lease_url(storage_url: str, run_key: str) -> str:
     return join(storage_url, "leases", "training", run_key)
 
 
+def predictions_url(root_url: str, fingerprint: str) -> str:
+    """A batch scoring's Parquet output for the input files and model version with
+    ``fingerprint``."""
+    return join(root_url, "predictions", fingerprint)
+
+
+def predictions_manifest_url(output_url: str) -> str:
+    """What a batch scoring wrote (JSON), written after every Parquet file: its presence
+    means complete. ``_``-prefixed, so a reader of the folder's data files skips it."""
+    return join(output_url, "_SUCCESS")
+
+
+def predictions_pending_url(output_url: str) -> str:
+    """The marker a batch scoring writes before its first file: the folder is ours to clear
+    when no manifest follows (a crashed write)."""
+    return join(output_url, "_PENDING")
+
+
 def doctor_url(root_url: str, name: str) -> str:
     """Where ``prefect-ml doctor`` puts its probe objects under ``root_url``: ``.doctor/<name>``,
     one name per node (its Ray node id) and per driver, so a leftover says who wrote it."""

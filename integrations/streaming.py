@@ -192,15 +192,33 @@ def _batch_rows(
 
 
 def read_source(source: tabular_files.TabularSource, with_paths: bool = False) -> ray.data.Dataset:
-    """The source files as a Ray Data dataset, read through :mod:`integrations.storage`'s
-    filesystem (its endpoint, credentials and retries)."""
+    """The source files as a Ray Data dataset (see :func:`read_files`)."""
+    return read_files(source.files, source.format, with_paths)
+
+
+def read_files(
+    files: list[tabular_files.SourceFile],
+    fmt: str,
+    with_paths: bool = False,
+    *,
+    read_cpus: float | None = None,
+    blocks: int | None = None,
+) -> ray.data.Dataset:
+    """``files`` (all ``fmt``: csv or parquet) as a Ray Data dataset, read through
+    :mod:`integrations.storage`'s filesystem (its endpoint, credentials and retries).
+    ``read_cpus``: what each read task reserves (Ray Data's default: 1); ``blocks``: how many
+    blocks to read at least (Ray Data's default merges small files into few)."""
     import ray.data
 
-    located = [storage.ray_storage(f.url) for f in source.files]
+    located = [storage.ray_storage(f.url) for f in files]
     paths, filesystem = [path for path, _ in located], located[0][1]
-    read = ray.data.read_parquet if source.format == "parquet" else ray.data.read_csv
+    read = ray.data.read_parquet if fmt == "parquet" else ray.data.read_csv
     # No hive partition columns: the files' own columns are the schema described and checked.
     options: dict[str, Any] = {"partitioning": None, "include_paths": with_paths}
+    if read_cpus is not None:
+        options["num_cpus"] = read_cpus
+    if blocks is not None:
+        options["override_num_blocks"] = blocks
     return read(paths, filesystem=filesystem, **options)
 
 
@@ -329,6 +347,7 @@ class _TestScorer:
             loop["input_shape"],
             loop["num_classes"],
             loop["model_options"],
+            epoch=loop.get("epoch"),  # None: the newest verified checkpoint
         )
         self.problem = problems.problem(loop["task"])
 

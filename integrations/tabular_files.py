@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     import pyarrow
 
 SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+# Arrow type names of the columns that can be features.
+NUMERIC_TYPES = ("int", "uint", "float", "double", "halffloat", "bool", "decimal")
 GLOB_CHARACTERS = "*?["
 DESCRIBE_THREADS = 16  # footers read at once
 
@@ -64,9 +66,17 @@ class TabularSource:
 
     def identity(self) -> dict[str, Any]:
         """What names the data in a fingerprint: each file's URL, size and version."""
-        files = [[f.url, f.size, f.version] for f in self.files]
-        digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
-        return {"files": digest, "label_column": self.label_column, "format": self.format}
+        return {
+            "files": files_digest(self.files),
+            "label_column": self.label_column,
+            "format": self.format,
+        }
+
+
+def files_digest(files: list[SourceFile]) -> str:
+    """The sha256 of the files' URLs, sizes and versions: changes when any file does."""
+    listed = [[f.url, f.size, f.version] for f in files]
+    return hashlib.sha256(json.dumps(listed).encode()).hexdigest()
 
 
 def file_format(url: str) -> str | None:
@@ -77,12 +87,12 @@ def file_format(url: str) -> str | None:
     return None
 
 
-def list_files(url: str) -> list[tuple[str, dict[str, Any]]]:
+def list_files(url: str, field: str = "data.url") -> list[tuple[str, dict[str, Any]]]:
     """The CSV and Parquet files at ``url`` (a file, a directory searched recursively, or a
     glob), sorted, with their listing details.
 
     Raises:
-        ConfigurationError: nothing matches, or CSV and Parquet files are mixed.
+        ConfigurationError: naming ``field``: nothing matches, or CSV and Parquet files are mixed.
     """
     fs, path = storage.filesystem(url)
     fs.invalidate_cache()
@@ -103,14 +113,14 @@ def list_files(url: str) -> list[tuple[str, dict[str, Any]]]:
     )
     if not files:
         raise ConfigurationError(
-            "data.url",
+            field,
             f"{url!r} matches no CSV or Parquet file; give a file, a directory holding .csv or "
             ".parquet files, or a glob such as s3://bucket/data/*.parquet",
         )
     formats = {file_format(name) for name, _ in files}
     if len(formats) > 1:
         raise ConfigurationError(
-            "data.url", f"{url!r} mixes CSV and Parquet files; point it at one format"
+            field, f"{url!r} mixes CSV and Parquet files; point it at one format"
         )
     return files
 
@@ -149,12 +159,40 @@ def _count_lines(handle: Any) -> int:
     return lines + (last != b"\n")
 
 
-def describe_files(url: str) -> list[SourceFile]:
+def describe_files(url: str, field: str = "data.url") -> list[SourceFile]:
     """The files at ``url`` (see :func:`list_files`) with their columns and rows, from their
     footers or headers, read in parallel."""
-    listed = list_files(url)
+    listed = list_files(url, field)
     with ThreadPoolExecutor(DESCRIBE_THREADS) as pool:
         return list(pool.map(lambda item: _describe_file(*item), listed))
+
+
+def check_same_columns(files: list[SourceFile], field: str = "data.url") -> None:
+    """Raise, naming ``field`` and the first file that differs, unless every file has the first
+    file's columns and types."""
+    first = files[0]
+    for file in files:
+        if file.columns != first.columns:
+            differ = sorted(set(file.columns.items()) ^ set(first.columns.items()))
+            raise ConfigurationError(
+                field,
+                f"{file.url} has other columns than {first.url} (differing: {differ}); every "
+                "file of a dataset must have the same columns and types",
+            )
+
+
+def column_types(file: SourceFile) -> dict[str, str]:
+    """The Arrow type of each column of ``file``: Parquet's from its footer; a CSV's as Arrow
+    infers them from the file's first block (a MB at most), reading no more."""
+    if file_format(file.url) == "parquet":
+        return dict(file.columns)
+    import pyarrow.csv
+
+    with storage.open_file(file.url) as handle:
+        reader = pyarrow.csv.open_csv(
+            handle, read_options=pyarrow.csv.ReadOptions(block_size=2**20)
+        )
+        return {field.name: str(field.type) for field in reader.schema}
 
 
 def describe(url: str, label_column: str, task: str = "classification") -> TabularSource:
@@ -174,25 +212,18 @@ def describe(url: str, label_column: str, task: str = "classification") -> Tabul
                 f"column {label_column!r} is not in {file.url}; its columns are "
                 f"{list(file.columns)}. Set --label-column to a column every file has.",
             )
-        if file.columns != first.columns:
-            differ = sorted(set(file.columns.items()) ^ set(first.columns.items()))
-            raise ConfigurationError(
-                "data.url",
-                f"{file.url} has other columns than {first.url} (differing: {differ}); every "
-                "file of a dataset must have the same columns and types",
-            )
+    check_same_columns(files)
     fmt = file_format(first.url) or "csv"
     if fmt == "parquet":
-        numeric = ("int", "uint", "float", "double", "halffloat", "bool", "decimal")
         features = {c: t for c, t in first.columns.items() if c != label_column}
-        text = [c for c, t in features.items() if not t.startswith(numeric)]
+        text = [c for c, t in features.items() if not t.startswith(NUMERIC_TYPES)]
         if text:
             raise ConfigurationError(
                 "data.url",
                 f"feature columns {text} of {first.url} are not numeric; encode or drop them",
             )
         label_type = first.columns[label_column]
-        if task == "regression" and not label_type.startswith(numeric):
+        if task == "regression" and not label_type.startswith(NUMERIC_TYPES):
             raise ConfigurationError(
                 "data.label_column",
                 f"the regression target {label_column!r} is {label_type} in {first.url}, not a "
@@ -201,7 +232,7 @@ def describe(url: str, label_column: str, task: str = "classification") -> Tabul
         # Plain values only: an extension type (Ray's pickled objects, say) would be decoded by
         # code named in the file.
         if not label_type.startswith(
-            (*numeric, "string", "large_string", "dictionary<values=string")
+            (*NUMERIC_TYPES, "string", "large_string", "dictionary<values=string")
         ):
             raise ConfigurationError(
                 "data.label_column",

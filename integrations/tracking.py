@@ -8,6 +8,7 @@ tracking URIs; global state would leak between them. The only exception is
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import queue
@@ -38,6 +39,9 @@ CLASS_NAMES_TAG = "prefect_ml.class_names"
 FEATURE_NAMES_TAG = "prefect_ml.feature_names"
 TASK_TAG = "prefect_ml.task"  # on model versions: classification or regression
 INPUT_DTYPE_TAG = "prefect_ml.input_dtype"  # on model versions: float32 unless it says float64
+BEST_EPOCH_TAG = "prefect_ml.best_epoch"  # on runs: the epoch evaluated and registered
+EARLY_STOPPED_TAG = "prefect_ml.early_stopped"  # on runs: where early stopping ended training
+REGISTERED_VERSION_TAG = "registered_version"  # on runs: the version registered from the run
 
 
 _INITIALISED: set[str] = set()
@@ -196,6 +200,54 @@ def start_or_resume_run(
     run = client.create_run(experiment_id, run_name=run_name, tags={RUN_KEY_TAG: run_key, **tags})
     log_params(client, run.info.run_id, params)
     return run.info.run_id, False
+
+
+@dataclass(frozen=True)
+class RegisteredRun:
+    """A FINISHED run whose model is a registered version: what a repeat of its training reuses."""
+
+    run_id: str
+    experiment_id: str
+    model_name: str  # as the registry calls it (the tenant's prefix included)
+    version: str
+    metrics: dict[str, float]
+    tags: dict[str, str]
+
+
+def registered_run(
+    client: MlflowClient, experiment: str, run_key: str, model_name: str
+) -> RegisteredRun | None:
+    """The newest FINISHED run with ``run_key`` in ``experiment`` that registered a version of
+    ``model_name`` (both in the tenant's namespace), or None: that training is not done yet."""
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(in_namespace(experiment))
+    if found is None:
+        return None
+    finished = client.search_runs(
+        [found.experiment_id],
+        filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+    )
+    name = in_namespace(model_name)
+    for run in finished:
+        version = run.data.tags.get(REGISTERED_VERSION_TAG)
+        if not version:
+            continue
+        try:
+            registered = client.get_model_version(name, version)
+        except MlflowException:  # registered under another model name, or deleted since
+            continue
+        if registered.run_id == run.info.run_id:
+            return RegisteredRun(
+                run_id=run.info.run_id,
+                experiment_id=str(found.experiment_id),
+                model_name=name,
+                version=version,
+                metrics=dict(run.data.metrics),
+                tags=dict(run.data.tags),
+            )
+    return None
 
 
 def log_params(client: MlflowClient, run_id: str, params: dict[str, Any]) -> None:
@@ -462,6 +514,81 @@ def tag_version(client: MlflowClient, model_name: str, version: str, tags: dict[
     model_name = in_namespace(model_name)
     for key, value in tags.items():
         client.set_model_version_tag(model_name, version, key, value)
+
+
+FLOW_RUNS_TAG_PREFIX = "prefect_ml.flow_run."  # on runs: <flow run id>.<step> -> when
+SPLITS_TAG = "prefect_ml.splits_url"  # on training runs: the prepared splits it trained on
+DATASET_CONTEXT = "training"  # the mlflow.data.context of a training run's dataset input
+
+
+def record_flow_run(client: MlflowClient, run_id: str, flow_run_id: str, step: str) -> None:
+    """Lineage: the flow run ``flow_run_id`` took ``step`` on the run (now). Every flow run
+    that touched a run keeps its own tag; :data:`FLOW_RUN_TAG` names the latest."""
+    import datetime
+
+    if not flow_run_id:
+        return
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    tags = {FLOW_RUN_TAG: flow_run_id, f"{FLOW_RUNS_TAG_PREFIX}{flow_run_id}.{step}": now}
+    set_tags(client, run_id, tags)
+
+
+def flow_runs(tags: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(when, flow run id, step) for every flow run that touched a run, oldest first."""
+    touched = []
+    for key, when in tags.items():
+        if key.startswith(FLOW_RUNS_TAG_PREFIX):
+            flow_run_id, _, step = key.removeprefix(FLOW_RUNS_TAG_PREFIX).rpartition(".")
+            touched.append((when, flow_run_id, step))
+    return sorted(touched)
+
+
+def log_dataset_input(
+    client: MlflowClient,
+    run_id: str,
+    *,
+    name: str,
+    digest: str,
+    source: str,
+    profile: dict[str, Any],
+    schema: dict[str, Any] | None = None,
+) -> None:
+    """Log the dataset a run trains on as its MLflow Dataset input (shown in the run's
+    Datasets panel): name, digest (the fingerprint's head), source URL and a profile."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    source_type = source.partition("://")[0] if "://" in source else "code"
+    dataset = Dataset(
+        name=name,
+        digest=digest[:36],  # MLflow's column width
+        source_type=source_type,
+        source=json.dumps({"url": source}),
+        schema=json.dumps(schema) if schema else None,
+        profile=json.dumps(profile),
+    )
+    context = InputTag(key="mlflow.data.context", value=DATASET_CONTEXT)
+    client.log_inputs(run_id, datasets=[DatasetInput(dataset=dataset, tags=[context])])
+
+
+SERVING_TAG_PREFIX = "prefect_ml.serving."  # on versions, one per Serve application (JSON)
+CANARY_TAG = "prefect_ml.canary"  # on versions: the verdict of its canary rollout
+
+
+def record_serving(
+    client: MlflowClient, model_name: str, version: str, app_name: str, record: dict[str, Any]
+) -> None:
+    """Where and since when ``version`` is served (``url``, ``since``, ``share``; ``until``
+    once another version took the application over), as a tag of the version."""
+    tag_version(client, model_name, version, {SERVING_TAG_PREFIX + app_name: json.dumps(record)})
+
+
+def serving_records(version: ModelVersion) -> dict[str, dict[str, Any]]:
+    """Application name -> the record :func:`record_serving` left on ``version``."""
+    return {
+        key.removeprefix(SERVING_TAG_PREFIX): json.loads(value)
+        for key, value in version.tags.items()
+        if key.startswith(SERVING_TAG_PREFIX)
+    }
 
 
 def check_writable(tracking_uri: str, artifact_root: str | None) -> str:

@@ -103,6 +103,7 @@ def _score_on_cluster(trained: TrainResult, scored: PreparedData) -> Scored:
         "task": trained.data.task,
         "target_mean": trained.data.target_mean,
         "target_std": trained.data.target_std,
+        "epoch": trained.best_epoch,  # the checkpoint evaluated and registered
     }
     files = shards.read_manifest(scored.splits_url)["test"]
     with ray_cluster.ray_session(get_settings()):
@@ -110,7 +111,8 @@ def _score_on_cluster(trained: TrainResult, scored: PreparedData) -> Scored:
 
 
 def evaluate_model(trained: TrainResult, data: PreparedData | None = None) -> Evaluation:
-    """Score the final checkpoint on the test split (of ``data``, else of the data it trained
+    """Score the run's best checkpoint (``best_epoch``: the final one without early stopping)
+    on the test split (of ``data``, else of the data it trained
     on) with its task's metrics, and log them and a figure (the confusion matrix, or predicted
     against actual values) to the run."""
     scored, trained_on = data or trained.data, trained.data
@@ -154,7 +156,8 @@ def evaluate_model(trained: TrainResult, data: PreparedData | None = None) -> Ev
 
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate(trained: TrainResult, data: PreparedData | None = None) -> Evaluation:
-    """Score a trained run's final checkpoint on a held-out test split.
+    """Score a trained run's checkpoint (its best epoch with early stopping, else its final
+    one) on a held-out test split.
 
     The task's metrics go to the run as ``test_<name>`` (``test_accuracy``, ``test_macro_f1``,
     ``test_loss``; for regression ``test_rmse``, ``test_mae``, ``test_r2``, ``test_loss``), each

@@ -25,6 +25,7 @@ from pydantic import (
 from pydantic_core import to_jsonable_python
 
 from prefect_ml.integrations import problems, storage, tracking
+from prefect_ml.integrations.canary import CanaryPolicy
 from prefect_ml.integrations.catalog import resolve_dataset, resolve_model
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.resources import (
@@ -219,6 +220,15 @@ OPERATIONAL_FIELDS = {
     "gradient_checkpointing",
     "collective_timeout_s",
     "elastic_resize_s",
+    "force",  # whether a finished, registered run of this identity is reused, not what it is
+}
+# Early stopping shapes the result (which epochs train, which one is registered), so it is part
+# of the identity, but only when it is on: with patience 0 or unset the run is the one it was
+# before these fields existed, and min delta and metric change nothing (TrainingParams.identity).
+EARLY_STOPPING_FIELDS = {
+    "early_stopping_patience",
+    "early_stopping_min_delta",
+    "early_stopping_metric",
 }
 
 
@@ -317,6 +327,36 @@ class TrainingParams(_Section):
         description="Validation metric whose best epoch keeps its weights whatever its age "
         "(one the task type produces); 'none' keeps only the newest.",
     )
+    early_stopping_patience: int | None = Field(
+        None,
+        ge=0,
+        title="Early-stopping patience",
+        description="Stop once the early-stopping metric has not improved by the min delta for "
+        "this many epochs; the best epoch's weights are then evaluated and registered. 0 or "
+        "unset: train every epoch.",
+    )
+    early_stopping_min_delta: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        title="Early-stopping min delta",
+        description="How much an epoch must beat the best value so far to count as improving.",
+    )
+    early_stopping_metric: (
+        Literal["val_loss", "val_accuracy", "val_rmse", "val_mae", "val_r2"] | None
+    ) = Field(
+        None,
+        title="Early-stopping metric",
+        description="Validation metric early stopping watches (one the task type produces); by "
+        "default the best-checkpoint metric (val_loss when that is 'none').",
+    )
+    force: bool = Field(
+        False,
+        title="Force training",
+        description="Train a new run even when a finished run of the same identity (data, "
+        "model, training values) already has a registered version; otherwise that run and "
+        "version are reused.",
+    )
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -350,6 +390,24 @@ class TrainingParams(_Section):
         if self.accelerator_type and not self.use_gpu:
             raise ValueError("accelerator_type places GPU workers: set --use-gpu as well")
         return self
+
+    @property
+    def early_stopping_monitor(self) -> str:
+        """The metric early stopping watches: its own, else the best-checkpoint metric."""
+        if self.early_stopping_metric is not None:
+            return self.early_stopping_metric
+        return "val_loss" if self.best_checkpoint_metric == "none" else self.best_checkpoint_metric
+
+    def identity(self) -> dict[str, Any]:
+        """The values that shape the result (see OPERATIONAL_FIELDS, EARLY_STOPPING_FIELDS)."""
+        values = self.model_dump(mode="json", exclude=OPERATIONAL_FIELDS | EARLY_STOPPING_FIELDS)
+        if self.early_stopping_patience:
+            values["early_stopping"] = {
+                "patience": self.early_stopping_patience,
+                "min_delta": self.early_stopping_min_delta,
+                "metric": self.early_stopping_monitor,
+            }
+        return values
 
     @property
     def worker_range(self) -> tuple[int, int]:
@@ -446,6 +504,8 @@ class TrainingSections(_Section):
         named: list[tuple[str, str]] = [
             ("training.best_checkpoint_metric", self.training.best_checkpoint_metric)
         ]
+        if self.training.early_stopping_metric is not None:
+            named.append(("training.early_stopping_metric", self.training.early_stopping_metric))
         registry: RegistryParams | None = getattr(self, "registry", None)
         if registry is not None and registry.metric is not None:
             named.append(("registry.metric", registry.metric))
@@ -475,7 +535,7 @@ class TrainingSections(_Section):
             "experiment": self.experiment,
             "fingerprint": fingerprint,
             "model": self.model.model_dump(mode="json"),
-            "training": self.training.model_dump(mode="json", exclude=OPERATIONAL_FIELDS),
+            "training": self.training.identity(),
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -492,7 +552,15 @@ class TrainModelParams(TrainingSections):
 
 # Search-space names a campaign may tune: every model and training field that shapes the result.
 SEARCHABLE_SECTIONS: dict[str, type[_Section]] = {"model": ModelParams, "training": TrainingParams}
-NOT_SEARCHABLE = {"model", "model_options", "workers", "use_gpu", *OPERATIONAL_FIELDS}
+# Early stopping is not searched: a campaign's trials train every epoch, its pruner stops them.
+NOT_SEARCHABLE = {
+    "model",
+    "model_options",
+    "workers",
+    "use_gpu",
+    *OPERATIONAL_FIELDS,
+    *EARLY_STOPPING_FIELDS,
+}
 EPOCH_METRICS = tuple(problems.EPOCH_METRICS)  # of every task type; each flow checks its own
 
 
@@ -825,6 +893,50 @@ class ServingParams(_Section):
     smoke_test: bool = Field(
         True, title="Smoke request", description="Send one example request after deploying."
     )
+    canary_share: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        title="Canary share",
+        description="When the application already serves another version of the model: the "
+        "share of requests the new one answers while both are compared, before it takes them "
+        "all or is rolled back (0: roll straight to 100%).",
+    )
+    canary_window_s: float = Field(
+        300.0,
+        gt=0,
+        title="Canary window (s)",
+        description="How long the canary is compared with the serving version (errors end it "
+        "early).",
+    )
+    canary_min_requests: int = Field(
+        20,
+        ge=1,
+        title="Canary min requests",
+        description="Requests the canary must answer in the window to be judged; fewer roll it "
+        "back.",
+    )
+    canary_max_error_increase: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        title="Canary max error increase",
+        description="How much higher than the serving version's the canary's error rate may be "
+        "(0.01: one point).",
+    )
+    canary_max_latency_ratio: float = Field(
+        1.5,
+        ge=1,
+        title="Canary max latency ratio",
+        description="How many times the serving version's p95 latency the canary's may be.",
+    )
+    canary_max_metric_drop: float = Field(
+        0.02,
+        ge=0,
+        title="Canary max metric drop",
+        description="On requests that carry labels: how much worse the canary's accuracy (or "
+        "RMSE) may be.",
+    )
 
     @model_validator(mode="after")
     def _check_serving(self) -> ServingParams:
@@ -849,6 +961,19 @@ class ServingParams(_Section):
                 "--replica-gpus, or keep --inference-precision fp32"
             )
         return self
+
+    def canary_policy(self) -> CanaryPolicy | None:
+        """How a new version is compared with the serving one, or None to roll straight."""
+        if not self.canary_share:
+            return None
+        return CanaryPolicy(
+            share=self.canary_share,
+            window_s=self.canary_window_s,
+            min_requests=self.canary_min_requests,
+            max_error_increase=self.canary_max_error_increase,
+            max_latency_ratio=self.canary_max_latency_ratio,
+            max_metric_drop=self.canary_max_metric_drop,
+        )
 
     def replica_request(self) -> ResourceRequest:
         """What one serving replica reserves."""
@@ -899,6 +1024,96 @@ class ServeModelParams(_Section):
         title="Serving",
         description="Address, batching, replicas and their resources, request limits.",
     )
+
+
+class PredictParams(_Section):
+    """Parameters of ``batch_predict``: which registered version scores which files, where the
+    predictions go, and how the scoring actors run."""
+
+    model_name: str = Field(
+        "digits-classifier",
+        min_length=1,
+        title="Registered model name",
+        description="Name of the model in the MLflow registry.",
+    )
+    alias: str = Field(
+        "champion",
+        min_length=1,
+        title="Alias",
+        description="Score with the version holding this alias.",
+    )
+    model_version: str | None = Field(
+        None,
+        pattern=r"^[0-9]+$",
+        title="Version",
+        description="Score with this version number instead of the alias.",
+    )
+    url: str | None = Field(
+        None,
+        title="Data URL",
+        description="Required: the rows to score, raw features as /predict takes them: a CSV or "
+        "Parquet file, a directory of them or a glob (a path, file://, s3://, ...). Columns the "
+        "model does not take pass through to the output.",
+    )
+    output: str | None = Field(
+        None,
+        title="Output URL",
+        description="Folder for the predictions (Parquet and a _SUCCESS manifest) [default: "
+        "<storage>/predictions/<fingerprint of the files and the version>].",
+    )
+    force: bool = Field(
+        False,
+        title="Score again",
+        description="Score even when the output already holds this input's predictions by this "
+        "version.",
+    )
+    batch_size: int = Field(
+        8192, ge=1, title="Batch size", description="Rows per model call in each actor."
+    )
+    concurrency: int = Field(
+        2, ge=1, title="Actors", description="Scoring actors, each loading the model once."
+    )
+    cpus_per_actor: float = Field(
+        0.5,
+        gt=0,
+        title="CPUs per actor",
+        description="CPUs each actor reserves; its torch threads: the whole CPUs, at least 1. "
+        "Leave room for the reads (a quarter CPU each).",
+    )
+    use_gpu: bool = Field(
+        False, title="Use GPUs", description="Give each actor a GPU and score on it."
+    )
+    inference_precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        title="Inference precision",
+        description="Autocast dtype on a GPU (bf16/fp16 need --use-gpu); probabilities are "
+        "written as float32 either way.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        return None if url is None else storage.check_data_url(url, "url")
+
+    @field_validator("output")
+    @classmethod
+    def _check_output(cls, output: str | None) -> str | None:
+        return None if output is None else storage.check_data_url(output, "output")
+
+    @model_validator(mode="after")
+    def _check_predict(self) -> PredictParams:
+        if self.inference_precision != "fp32" and not self.use_gpu:
+            raise ValueError(
+                f"inference_precision {self.inference_precision} needs a GPU: set --use-gpu, or "
+                "keep --inference-precision fp32"
+            )
+        return self
+
+    def required_url(self) -> str:
+        """The data URL, or a ConfigurationError naming ``url`` when none was given."""
+        if self.url is None:
+            raise ConfigurationError("url", "give the rows to score: set --url")
+        return self.url
 
 
 class PipelineParams(TrainModelParams):

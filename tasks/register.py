@@ -11,7 +11,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import problems, storage, tracking
+from prefect_ml.integrations import alerts, problems, storage, tracking
 from prefect_ml.integrations.catalog import taking_float64, with_standardizer, with_target_scale
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.problems import Direction
@@ -186,10 +186,21 @@ def register_model(
     verdict = "promoted" if decision.promoted else "not promoted"
     decision_tags = {"promotion.decision": verdict, "promotion.reason": decision.reason}
     tracking.tag_version(client, model_name, version, decision_tags)
-    tracking.set_tags(client, trained.run_id, {**decision_tags, "registered_version": version})
+    registered_tag = {tracking.REGISTERED_VERSION_TAG: version}
+    tracking.set_tags(client, trained.run_id, {**decision_tags, **registered_tag})
+    tracking.record_flow_run(client, trained.run_id, current_flow_run_id(), "register")
     tracking.finish_run(client, trained.run_id)
     registered_name = tracking.in_namespace(model_name)  # what the registry calls it
     logger.info("%s v%s %s to @%s: %s", registered_name, version, verdict, alias, decision.reason)
+    if decision.promoted:  # the champion changed: the alert automation listens for this
+        alerts.announce_promotion(
+            model=registered_name,
+            version=version,
+            previous_version=decision.previous_version,
+            alias=alias,
+            reason=decision.reason,
+            run_id=trained.run_id,
+        )
     return Registration(
         model_name=registered_name,
         version=version,

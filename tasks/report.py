@@ -34,7 +34,14 @@ def summary_markdown(
         if trained.resumed_from_epoch
         else "from scratch"
     )
+    if trained.early_stopped:
+        resumed += f"; early stopping ended it at {trained.early_stopped}"
+    outcome_notes = "".join(
+        f"\n- **{label}**: {text}" for label, text in training_notes(trained, registration)
+    )
     verdict = "**promoted**" if registration.promoted else "**not promoted**"
+    if trained.reused:
+        verdict = "**reused**"
     data = trained.data
     layout_note = (
         "Parquet shards streamed by the workers"
@@ -52,8 +59,23 @@ def summary_markdown(
 - **Training**: {trained.final_epoch} epochs ({resumed}), checkpoints at `{trained.checkpoint_url}`
 - **MLflow run**: [{trained.run_id}]({run_link})
 - **Model**: [`{registration.model_uri}`]({version_link})
-- **Alias `{registration.alias}`**: {verdict} — {registration.reason}
+- **Alias `{registration.alias}`**: {verdict} — {registration.reason}{outcome_notes}
 """
+
+
+def training_notes(trained: TrainResult, registration: Registration) -> list[tuple[str, str]]:
+    """What a summary adds about early stopping and reuse, as (label, text) lines."""
+    notes = [("Evaluated epoch", f"{trained.best_epoch} (its checkpoint is the registered model)")]
+    if trained.reused:
+        notes.append(
+            (
+                "Reused",
+                f"MLflow run {trained.run_id} and {registration.model_name} "
+                f"v{registration.version} were already trained and registered for this identity; "
+                "nothing was trained again (--force trains a new run)",
+            )
+        )
+    return notes
 
 
 def publish_summary_artifacts(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import time
@@ -20,6 +21,7 @@ from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import cluster_nodes
 from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
+from prefect_ml.tasks.canary import CanaryReport, publish_canary, record_verdict, run_canary
 from prefect_ml.tasks.params import (
     REPLICA_FIELDS,
     ServeModelParams,
@@ -28,6 +30,7 @@ from prefect_ml.tasks.params import (
 )
 from prefect_ml.tasks.placement import require_fits
 from prefect_ml.tasks.quotas import check_caps
+from prefect_ml.tasks.train import current_flow_run_id
 
 __all__ = ["ServingResult", "SmokeResult", "serve"]
 
@@ -59,6 +62,7 @@ class ServingResult(BaseModel):
     alias: str | None
     authenticated: bool
     smoke: SmokeResult | None
+    canary: CanaryReport | None = None  # the rollout's comparison, when it had a canary
 
 
 def _sample_shape(version: ModelVersion) -> list[int]:
@@ -188,12 +192,31 @@ def serving_url(params: ServingParams, tls_pair: tuple[Path, Path] | None) -> st
     return "https://" + params.url.removeprefix("http://") if tls_pair else params.url
 
 
+def _endpoint_client(token: str | None, certificate: Path | None) -> httpx.Client:
+    """A client of our endpoint: with the bearer token, trusting ``certificate`` over HTTPS."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    verify = tls.trusting(certificate) if certificate else True
+    return httpx.Client(timeout=30, headers=headers, verify=verify)
+
+
+def serving_now(
+    params: ServingParams, url: str, token: str | None, certificate: Path | None
+) -> serving.ServedModel | None:
+    """The version the application serves now, or None when it is not deployed."""
+    if not serving.running_replicas(params.app_name):
+        return None
+    with _endpoint_client(token, certificate) as client:
+        response = client.get(f"{url}/metadata")
+    if response.status_code != 200:
+        return None
+    identity = response.json()["model"]
+    return resolve_served_model(identity["name"], "", str(identity["version"]))
+
+
 def smoke_request(url: str, token: str | None, certificate: Path | None = None) -> SmokeResult:
     """Ask /metadata for the model's input example and send it to /predict; raise on any error.
     Over HTTPS the endpoint must present ``certificate`` (or one its CA signed)."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    verify = tls.trusting(certificate) if certificate else True
-    with httpx.Client(timeout=30, headers=headers, verify=verify) as client:
+    with _endpoint_client(token, certificate) as client:
         metadata = client.get(f"{url}/metadata")
         metadata.raise_for_status()
         example = metadata.json()["input_example"]
@@ -250,11 +273,27 @@ def serve_registered_model(
         )
     tls_pair = settings.serve_tls
     url = serving_url(params, tls_pair)
+    certificate = tls_pair[0] if tls_pair else None
+    report = None
     with ray_session(settings):
         check_fits(params)
-        logger.info("Deploying %s v%s to %s", served.name, served.version, url)
-        serving.deploy(served, replica_options(params, token), placement(params), tls=tls_pair)
-        certificate = tls_pair[0] if tls_pair else None
+        current = serving_now(params, url, token, certificate)
+        policy = params.canary_policy()
+        if (
+            policy is not None
+            and current is not None
+            and (current.name, current.version) != (served.name, served.version)
+        ):
+            report = run_canary(current, served, policy, params.app_name)
+            publish_canary(report)
+            record_verdict(report, None if model_version else alias, settings.resolved_tracking_uri)
+            if not report.promoted:
+                served = current  # the application never stopped serving it
+        if report is None or report.promoted:
+            logger.info("Deploying %s v%s to %s", served.name, served.version, url)
+            options = replica_options(params, token)
+            serving.deploy(served, options, placement(params), tls=tls_pair)
+            record_served(served, current, params.app_name, url)
         smoke = smoke_request(url, token, certificate) if params.smoke_test else None
     result = ServingResult(
         url=url,
@@ -266,6 +305,7 @@ def serve_registered_model(
         alias=None if model_version else alias,
         authenticated=token is not None,
         smoke=smoke,
+        canary=report,
     )
     create_markdown_artifact(serving_markdown(result), key="serving", description="Serving")
     create_link_artifact(f"{url}/docs", link_text="OpenAPI docs", key="serving-docs")
@@ -275,6 +315,30 @@ def serve_registered_model(
         key="served-model",
     )
     return result
+
+
+def record_served(
+    served: serving.ServedModel, replaced: serving.ServedModel | None, app_name: str, url: str
+) -> None:
+    """Lineage: ``served`` is served at ``url`` from now on; ``replaced`` was until now."""
+    client = tracking.client_for(served.tracking_uri)
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    flow_run = current_flow_run_id()
+    if replaced is not None and (replaced.name, replaced.version) != (served.name, served.version):
+        earlier = tracking.registered_version(
+            client, replaced.name, alias="", version=replaced.version
+        )
+        record = tracking.serving_records(earlier).get(app_name, {"url": url})
+        tracking.record_serving(
+            client, replaced.name, replaced.version, app_name, {**record, "until": now}
+        )
+    tracking.record_serving(
+        client,
+        served.name,
+        served.version,
+        app_name,
+        {"url": url, "since": now, "flow_run_id": flow_run},
+    )
 
 
 def _require_lasting_ray(settings: PrefectMLSettings) -> None:

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -17,7 +17,8 @@ from pydantic import BaseModel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from prefect_ml.integrations import catalog, epoch_trainer, hooks, ray_training, storage, tracking
-from prefect_ml.integrations.checkpoints import CheckpointStore
+from prefect_ml.integrations.checkpoints import CheckpointStore, VerifiedCheckpoint
+from prefect_ml.integrations.early_stopping import EarlyStopping, StopDecision
 from prefect_ml.integrations.errors import CheckpointError, PrefectMLError
 from prefect_ml.integrations.leases import Lease
 from prefect_ml.integrations.prefect_server import RAY_TAG
@@ -30,8 +31,11 @@ from prefect_ml.tasks.retries import transient_retries
 
 __all__ = ["TrainResult", "train"]
 
+RESUMED_FROM_TAG = "prefect_ml.resumed_from_epoch"  # on runs: the checkpoint a resume started at
+
 if TYPE_CHECKING:
     import torch
+    from mlflow import MlflowClient
 
 
 class TrainResult(BaseModel):
@@ -43,10 +47,16 @@ class TrainResult(BaseModel):
         checkpoint_url: where its verified checkpoints are.
         final_epoch, resumed_from_epoch: the last epoch, and the epoch a resumed run started at
             (0 from scratch).
+        best_epoch: the epoch whose checkpoint is evaluated and registered: with early
+            stopping, the best epoch of its metric; otherwise the final epoch.
+        early_stopped: where and why early stopping ended training (``"epoch 7 of 12; best
+            epoch 4 (val_loss 0.123)"``); None when every epoch trained.
         epoch_metrics: the last epoch's metrics (``train_loss``, ``val_loss`` and the task's:
             ``val_accuracy``, or ``val_rmse``, ``val_mae``, ``val_r2``).
         model: the network it trained (the model section), to rebuild it from the checkpoint.
         data: the prepared dataset it trained on.
+        reused: whether this is an earlier, finished and registered run of the same identity,
+            returned instead of training again (``train_model`` without ``--force``).
     """
 
     run_id: str
@@ -54,9 +64,12 @@ class TrainResult(BaseModel):
     checkpoint_url: str
     final_epoch: int
     resumed_from_epoch: int
+    best_epoch: int
     epoch_metrics: dict[str, float]
     model: ModelParams
     data: PreparedData
+    early_stopped: str | None = None
+    reused: bool = False
 
 
 def flatten(params: BaseModel) -> dict[str, Any]:
@@ -176,6 +189,8 @@ def loop_config(
         **{
             **shared,
             "model_options": params.model.factory_options(),  # built-in shape options too
+            "early_stopping_patience": params.training.early_stopping_patience or 0,
+            "early_stopping_metric": params.training.early_stopping_monitor,
             "splits_url": data.splits_url,
             "data_layout": data.layout,
             "input_shape": data.sample_shape,
@@ -233,6 +248,80 @@ def check_model(params: TrainingSections, data: PreparedData) -> None:
             hooks.checked_metrics(extra(model(features), labels), model, "compute_metrics")
 
 
+@dataclass(frozen=True)
+class TrainingEnd:
+    """How a run's training ended, read from its verified checkpoints alone."""
+
+    final: VerifiedCheckpoint
+    best_epoch: int  # the checkpoint evaluated and registered
+    stopped: StopDecision | None  # early stopping's decision, if it ended the run
+
+
+def training_end(
+    store: CheckpointStore,
+    final: VerifiedCheckpoint | None,
+    early_stopping: EarlyStopping | None,
+    epochs: int,
+) -> TrainingEnd | None:
+    """How the run whose newest verified checkpoint is ``final`` ended; None while it has
+    epochs left to train (early stopping decides from the committed epochs' metrics)."""
+    if final is None:
+        return None
+    history = epoch_trainer.committed_history(store, final.epoch) if early_stopping else {}
+    stopped = early_stopping.decide(history) if early_stopping else None
+    if final.epoch < epochs and (stopped is None or final.epoch < stopped.epoch):
+        return None
+    best = early_stopping.best(history) if early_stopping else None
+    return TrainingEnd(final, best.epoch if best else final.epoch, stopped)
+
+
+def train_result(
+    params: TrainingSections,
+    data: PreparedData,
+    end: TrainingEnd,
+    *,
+    run_id: str,
+    experiment_id: str,
+    checkpoint_url: str,
+    resumed_from_epoch: int,
+    reused: bool = False,
+) -> TrainResult:
+    """The :class:`TrainResult` of a run that ended as ``end`` says."""
+    return TrainResult(
+        run_id=run_id,
+        experiment_id=experiment_id,
+        checkpoint_url=checkpoint_url,
+        final_epoch=end.final.epoch,
+        resumed_from_epoch=resumed_from_epoch,
+        best_epoch=end.best_epoch,
+        early_stopped=end.stopped.describe(params.training.epochs) if end.stopped else None,
+        epoch_metrics=json.loads(end.final.files[epoch_trainer.METRICS_FILE]),
+        model=params.model,
+        data=data,
+        reused=reused,
+    )
+
+
+def log_training_data(
+    client: MlflowClient, run_id: str, params: TrainingSections, data: PreparedData
+) -> None:
+    """Lineage: the dataset as the run's MLflow Dataset input, named by its source, digested
+    by its fingerprint, profiled by its splits."""
+    source = params.data.url or f"prefect-ml dataset {params.data.dataset}"
+    name = (
+        params.data.url.rstrip("/").rsplit("/", 1)[-1] if params.data.url else params.data.dataset
+    )
+    tracking.log_dataset_input(
+        client,
+        run_id,
+        name=name,
+        digest=data.fingerprint,
+        source=source,
+        profile={"rows": data.rows, "task": data.task, "layout": data.layout},
+        schema={"sample_shape": data.sample_shape, "feature_names": data.feature_names},
+    )
+
+
 def training_lease(params: TrainingSections, fingerprint: str) -> Lease:
     """The lease that makes this process the only driver of the run with this identity."""
     run_key = params.run_key(fingerprint)
@@ -270,11 +359,14 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
         run_name=f"{params.model.model}-{data.fingerprint[:8]}",
         params={**flatten(params), "data.fingerprint": data.fingerprint},
         tags={
-            tracking.FLOW_RUN_TAG: current_flow_run_id(),
             tracking.FINGERPRINT_TAG: data.fingerprint,
             tracking.DATA_LAYOUT_TAG: data.layout,
+            tracking.SPLITS_TAG: data.splits_url,
         },
     )
+    tracking.record_flow_run(client, run_id, current_flow_run_id(), "train")
+    if not resumed:
+        log_training_data(client, run_id, params, data)
     checkpoint_url = storage.run_checkpoint_url(storage.root_url(settings), experiment_id, run_id)
     # A writer killed mid-upload leaves an incomplete multipart upload: invisible, but billed.
     # Only the lease holder writes here, so every incomplete upload is a dead writer's.
@@ -285,7 +377,7 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
     resumed_from = latest.epoch if latest else 0
     if resumed:
         logger.info("Resuming MLflow run %s from checkpoint epoch %d", run_id, resumed_from)
-        tracking.set_tags(client, run_id, {"prefect_ml.resumed_from_epoch": str(resumed_from)})
+        tracking.set_tags(client, run_id, {RESUMED_FROM_TAG: str(resumed_from)})
     config = loop_config(
         params,
         data,
@@ -295,6 +387,7 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
     )
     # Workers stop at the next epoch boundary once another driver took the lease over.
     config = replace(config, stop_url=lease.superseded_url)
+    early_stopping, epochs = config.early_stopping(), params.training.epochs
     recorder = EpochRecorder(
         settings.resolved_tracking_uri,
         run_id,
@@ -304,7 +397,8 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
         headline=data.problem.headline,
     )
     with recorder:  # also logs epochs a killed process committed but never logged
-        if resumed_from < params.training.epochs:
+        # A run that already stopped early (before a crash) trains no further.
+        if training_end(store, latest, early_stopping, epochs) is None:
             try:
                 with ray_session(settings):
                     if code := shipped_code():
@@ -327,32 +421,38 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
                     "resume from its last verified checkpoint."
                 ) from exc
     lease.ensure_held()
-    final = store.latest()
-    if final is None or final.epoch < params.training.epochs:
+    end = training_end(store, store.latest(), early_stopping, epochs)
+    if end is None:
         raise PrefectMLError(
             f"training ended without a verified final checkpoint in {checkpoint_url}"
         )
-    epoch_metrics = json.loads(final.files[epoch_trainer.METRICS_FILE])
-    return TrainResult(
+    result = train_result(
+        params,
+        data,
+        end,
         run_id=run_id,
         experiment_id=experiment_id,
         checkpoint_url=checkpoint_url,
-        final_epoch=final.epoch,
         resumed_from_epoch=resumed_from,
-        epoch_metrics=epoch_metrics,
-        model=params.model,
-        data=data,
     )
+    # The epoch that is evaluated and registered, and why training ended where it did.
+    end_tags = {tracking.BEST_EPOCH_TAG: str(result.best_epoch)}
+    if result.early_stopped:
+        end_tags[tracking.EARLY_STOPPED_TAG] = result.early_stopped
+        logger.info("Early stopping ended run %s at %s", run_id, result.early_stopped)
+    tracking.set_tags(client, run_id, end_tags)
+    return result
 
 
 def trained_model(trained: TrainResult) -> torch.nn.Module:
-    """The model of the run's final verified checkpoint, in eval mode."""
+    """The model of the run's best verified checkpoint (``best_epoch``), in eval mode."""
     model, _epoch = epoch_trainer.load_trained_model(
         trained.checkpoint_url,
         trained.model.model,
         trained.data.sample_shape,
         trained.data.num_classes,
         trained.model.factory_options(),
+        epoch=trained.best_epoch,
     )
     return model
 

@@ -29,6 +29,18 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def flow_run_artifacts(flow_run_id: str) -> dict[str, str]:
+    """The artifacts a flow run published on the session's Prefect API, by key."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    return {artifact.key: str(artifact.data) for artifact in found if artifact.key}
+
+
 def committed_epochs(storage_dir: Path) -> list[int]:
     """Epochs with a committed checkpoint (manifest written) anywhere under ``storage_dir``."""
     return sorted(
@@ -72,9 +84,11 @@ def register_classifier(
     seed: int,
     feature_names: list[str] | None = None,
     alias: str | None = "champion",
+    wrap: Callable[[Any], Any] | None = None,
 ) -> str:
     """Fit a small MLP in-process (a second of full-batch Adam) and register it as our registry
-    step does: standardiser inside, schema tags on the version. Returns the version number."""
+    step does: standardiser inside, schema tags on the version (``wrap``, if given, wraps the
+    network that is registered). Returns the version number."""
     import torch
 
     from prefect_ml.integrations import catalog, tracking
@@ -93,11 +107,12 @@ def register_classifier(
     experiment = tracking.ensure_experiment(client, "serving-tests", settings.mlflow_artifact_root)
     run_id = client.create_run(experiment).info.run_id
     classes = [str(c) for c in range(int(labels.max()) + 1)]
+    registered = catalog.with_standardizer(model, mean, std, [features.shape[1]])
     version = tracking.log_and_register_model(
         client,
         settings.resolved_tracking_uri,
         run_id,
-        catalog.with_standardizer(model, mean, std, [features.shape[1]]),
+        wrap(registered) if wrap else registered,
         features[:3].astype(np.float32),
         model_name=model_name,
         tags={

@@ -71,7 +71,13 @@ class TrialPlanner:
             run_id="",
         )
         # Per attempt: a retried trial must not see the marker of an attempt that was pruned.
-        config = replace(config, stop_url=storage.trial_stop_url(checkpoint_url, trial.number))
+        # Trials train every epoch and report each one: the campaign's pruner is what stops a
+        # trial early, and the study compares trials at the same epochs.
+        config = replace(
+            config,
+            stop_url=storage.trial_stop_url(checkpoint_url, trial.number),
+            early_stopping_patience=0,
+        )
         sweep = self.params.sweep
         spec = TrialSpec(
             number=trial.number,

@@ -20,6 +20,7 @@ EXPECTED = {
     "campaign": ("flows/sweep.py:hpo_campaign", "hpo-campaign"),
     "train": ("flows/train.py:train_model", "train-model"),
     "serve": ("flows/serve.py:serve_model", "serve-model"),
+    "batch-predict": ("flows/predict.py:batch_predict", "batch-predict"),
 }
 
 
@@ -37,7 +38,7 @@ def test_prefect_yaml_names_every_flow_by_path_on_the_process_pool() -> None:
     assert entries["nightly"]["schedules"] == [
         {"cron": "0 2 * * *", "timezone": "UTC", "active": True}
     ]
-    assert all("schedules" not in entries[name] for name in ("campaign", "train", "serve"))
+    assert all("schedules" not in entries[name] for name in EXPECTED if name != "nightly")
 
 
 def test_prefect_ml_deploy_builds_the_same_deployments(monkeypatch: pytest.MonkeyPatch) -> None:

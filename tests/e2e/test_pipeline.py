@@ -2,36 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import mlflow.pyfunc
 import numpy as np
 import pytest
-from prefect.client.orchestration import get_client
+from click.testing import CliRunner
 from ray import serve
 from sklearn.datasets import load_digits
 
+from prefect_ml.flows.cli import app
 from prefect_ml.flows.pipeline import ml_pipeline
 from prefect_ml.integrations import storage, tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import PipelineParams
-from tests.helpers import free_port, wait_for
+from tests.helpers import flow_run_artifacts, free_port, wait_for
 from tests.s3 import TEST_BUCKET, MotoS3
-
-
-def _artifacts(flow_run_id: str) -> dict[str, str]:
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
-        )
-    return {artifact.key: str(artifact.data) for artifact in found}
 
 
 def _predict_with_mlflow_models_serve(home: PrefectMLSettings, images: np.ndarray) -> np.ndarray:
@@ -114,7 +107,7 @@ def test_pipeline_registers_promotes_and_then_keeps_the_better_champion(
     assert version.tags[tracking.FLOW_RUN_TAG] == flow_run_id
     assert version.tags["promotion.decision"] == "promoted"
 
-    published = _artifacts(flow_run_id)
+    published = flow_run_artifacts(flow_run_id)
     assert "Training summary" in published["training-summary"]
     assert outcome.trained.run_id in published["training-summary"]
     assert {"test-metrics", "mlflow-run"} <= set(published)
@@ -211,7 +204,7 @@ def test_the_pipeline_with_a_sweep_runs_on_s3_with_mlflow_artifacts_in_s3(
     assert final.data.params["training.workers"] == "2", "the final model trains distributed"
     assert outcome.registration.version == "1"
     assert final.info.artifact_uri.startswith("mlflow-artifacts:")
-    published = _artifacts(str(state.state_details.flow_run_id))
+    published = flow_run_artifacts(str(state.state_details.flow_run_id))
     assert "training-summary" in published
 
     # The pipeline ended by serving @champion (the final model, v1) and smoke-testing it;
@@ -227,6 +220,7 @@ def test_the_pipeline_with_a_sweep_runs_on_s3_with_mlflow_artifacts_in_s3(
     assert smoke.response["predictions"] == [str(d) for d in expected]
     assert "Smoke request" in published["serving"]
     assert tracking.logged_epochs(client, final.info.run_id) == [1, 2, 3]
+    _check_lineage(outcome, dataset_url, str(state.state_details.flow_run_id))
 
     # Every byte lives in the bucket; nothing was written to the local home's storage.
     keys = list(_bucket_keys(moto_s3))
@@ -246,6 +240,34 @@ def test_the_pipeline_with_a_sweep_runs_on_s3_with_mlflow_artifacts_in_s3(
     data_file = "/__0_0.distcp"  # the DCP data file of a checkpoint
     state_files = sorted(k for k in keys if k.startswith(run_prefix) and k.endswith(data_file))
     assert state_files == [f"{run_prefix}epoch-000003/__0_0.distcp"]
+
+
+def _check_lineage(outcome: Any, dataset_url: str, flow_run_id: str) -> None:
+    """`prefect-ml lineage` walks from the champion back to the dataset on S3 and forward to
+    where it is served, each link from what the pipeline recorded."""
+    result = CliRunner().invoke(app, ["lineage", "digits-classifier@champion", "--json"])
+    assert result.exit_code == 0, result.output
+    chain = json.loads(result.output[result.output.index("{") :])
+    assert chain["version"] == "1"
+    steps = {(step["stage"], step["what"].split(" ")[0]): step for step in chain["steps"]}
+    stages = [step["stage"] for step in chain["steps"]]
+    order = ["data", "preprocess", "flow run", "training run", "checkpoint", "model version"]
+    assert [s for s in stages if s in order] == order[:2] + ["flow run"] * 2 + order[3:]
+    assert stages[-1] == "serving"
+    data = steps[("data", "digits.parquet")]
+    assert data["link"] == dataset_url and outcome.data.fingerprint[:36] in data["what"]
+    assert steps[("preprocess", "splits")]["link"] == outcome.data.splits_url
+    assert {s["what"].split(" ")[0] for s in chain["steps"] if s["stage"] == "flow run"} == {
+        flow_run_id
+    }  # the pipeline's one flow run trained the run and registered it
+    run_step = next(s for s in chain["steps"] if s["stage"] == "training run")
+    assert outcome.trained.run_id in run_step["what"] and run_step["link"]
+    checkpoint = next(s for s in chain["steps"] if s["stage"] == "checkpoint")
+    assert checkpoint["link"].startswith(outcome.trained.checkpoint_url)
+    version = next(s for s in chain["steps"] if s["stage"] == "model version")
+    assert "@champion" in version["what"] and version["link"].endswith("/versions/1")
+    serving = chain["steps"][-1]
+    assert serving["link"] == outcome.serving.url and "since" in serving["what"]
 
 
 def _bucket_keys(moto_s3: MotoS3) -> Iterator[str]:

@@ -4,21 +4,24 @@ and a person logs in and runs a training from the Prefect UI in headless Chromiu
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from prefect_ml.integrations import tracking
+from prefect_ml.integrations import alerts, tracking
 from prefect_ml.integrations.prefect_server import basic_auth_header, server_is_up
 from tests.conftest import REPO_ROOT
 from tests.e2e.ui_driver import (
@@ -263,9 +266,92 @@ def _flow_run(client: httpx.Client, flow_run_id: str) -> dict[str, Any]:
     return dict(client.get(f"/flow_runs/{flow_run_id}").json())
 
 
+@dataclass
+class Webhook:
+    """A webhook receiver on loopback: what the alert block posts to, and what it received."""
+
+    url: str
+    received: list[dict[str, str]] = field(default_factory=list)
+
+    def alert(self, *words: str, timeout: float = 90) -> dict[str, str]:
+        """The first notification whose subject and body contain every one of ``words``."""
+
+        def matching() -> list[dict[str, str]]:
+            return [m for m in self.received if all(w in m["subject"] + m["body"] for w in words)]
+
+        wait_for(lambda: bool(matching()), timeout, f"an alert naming {words}: {self.received}")
+        return matching()[0]
+
+
 @pytest.fixture(scope="module")
-def served(prefect_ui: PrefectUI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """`prefect-ml deploy` serving the deployments, until the module's last test."""
+def webhook() -> Iterator[Webhook]:
+    received: list[dict[str, str]] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Receiver)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield Webhook(f"http://127.0.0.1:{server.server_port}/alerts", received)
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+ALERT_BLOCK = "ml-alerts"
+
+
+@pytest.fixture(scope="module")
+def alert_block(prefect_ui: PrefectUI, webhook: Webhook) -> str:
+    """A Custom Webhook notification block on the server, posting to the loopback receiver:
+    ``allow_private_urls`` on, for this block only, as the README says for a receiver on your
+    own network (Prefect's SSRF guard refuses loopback otherwise)."""
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    server = {PREFECT_API_URL: prefect_ui.api_url, PREFECT_API_AUTH_STRING: prefect_ui.auth_string}
+    with temporary_settings(updates=server):
+        CustomWebhookNotificationBlock(
+            name="prefect-ml alerts",
+            url=webhook.url,
+            json_data={"subject": "{{subject}}", "body": "{{body}}"},
+            allow_private_urls=True,
+        ).save(ALERT_BLOCK)
+    return ALERT_BLOCK
+
+
+def test_deploy_with_an_alert_block_that_does_not_exist_fails_before_creating_anything(
+    prefect_ui: PrefectUI,
+) -> None:
+    finished = subprocess.run(
+        [str(BIN / "prefect-ml"), "deploy", "--alert-block", "no-such-block"],
+        cwd=REPO_ROOT,
+        env=prefect_ui.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert finished.returncode == 1
+    output = " ".join((finished.stdout + finished.stderr).split())
+    assert "--alert-block: no notification block named 'no-such-block'" in output, output
+    with prefect_ui.api() as client:
+        assert client.post("/automations/filter", json={}).json() == []
+        limits = client.post("/v2/concurrency_limits/filter", json={}).json()
+        assert "tag:prefect-ml-ray" not in {limit["name"] for limit in limits}
+
+
+@pytest.fixture(scope="module")
+def served(
+    prefect_ui: PrefectUI, alert_block: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """`prefect-ml deploy --alert-block` serving the deployments, until the module's last test."""
     log = tmp_path_factory.mktemp("deploy") / "deploy.log"
     # No PREFECT_API_URL nor PREFECT_API_AUTH_STRING: `prefect-ml deploy` finds the server
     # `prefect-ml ui` runs for its home, and its credentials, and gives both to its flow runs.
@@ -274,9 +360,10 @@ def served(prefect_ui: PrefectUI, tmp_path_factory: pytest.TempPathFactory) -> I
         for k, v in prefect_ui.env.items()
         if k not in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")
     }
-    deploy = _start([str(BIN / "prefect-ml"), "deploy"], env, log)
+    deploy = _start([str(BIN / "prefect-ml"), "deploy", "--alert-block", alert_block], env, log)
     try:
-        _wait_for_output(deploy, log, "Ctrl-C stops")
+        output = _wait_for_output(deploy, log, "Ctrl-C stops")
+        assert f"Alerts: through custom-webhook/{alert_block}" in " ".join(output.split())
         with prefect_ui.api() as client:
 
             def ready() -> bool:  # the process polls for each deployment's runs
@@ -323,7 +410,7 @@ def test_a_command_as_dataset_through_the_authenticated_api_fails_before_any_tas
 
 
 def test_a_training_submitted_from_the_ui_form_completes_and_registers_a_model(
-    prefect_ui: PrefectUI, served: None
+    prefect_ui: PrefectUI, served: None, webhook: Webhook
 ) -> None:
     """`prefect-ml deploy` serves the deployments; a person logs in to the UI in the browser,
     opens the train deployment, sets 1 epoch, 1 worker and 16 hidden units in the form,
@@ -383,3 +470,55 @@ def test_a_training_submitted_from_the_ui_form_completes_and_registers_a_model(
     [version] = mlflow.search_model_versions("name = 'digits-classifier'")
     assert version.run_id == run.info.run_id
     assert str(mlflow.get_model_version_by_alias("digits-classifier", "champion").version) == "1"
+    # The real registration above moved the alias: the champion alert says so.
+    assert "took @champion from no earlier version" in webhook.alert("digits-classifier v1")["body"]
+
+
+def test_a_failed_deployment_run_sends_an_alert_that_names_and_links_it(
+    prefect_ui: PrefectUI, served: None, webhook: Webhook
+) -> None:
+    """A run of the train deployment whose parameters pass the schema and fail when the flow
+    parses them: the server's automation posts to the webhook, naming the run."""
+    with prefect_ui.api() as client:
+        train_id = _deployment(client, "train-model", "train")["id"]
+        data = {"dataset": "no_such_module:dataset"}
+        response = client.post(
+            f"/deployments/{train_id}/create_flow_run",
+            json={"parameters": {"params": {"data": data}}},
+        )
+        assert response.status_code == 201, response.text
+        run = response.json()
+    alert = webhook.alert(run["id"])
+    assert f"train-model/train run {run['name']} Failed" in alert["subject"], alert
+    assert f"{prefect_ui.ui_url}/runs/flow-run/{run['id']}" in alert["body"], alert
+    assert "data.dataset" in alert["body"], alert
+
+
+def test_a_new_champion_sends_an_alert_with_model_versions_and_reason(
+    prefect_ui: PrefectUI, served: None, webhook: Webhook
+) -> None:
+    """The registry step's emitter, run as a registration runs it, against the server."""
+    emit = (
+        "from prefect_ml.integrations.alerts import announce_promotion\n"
+        "announce_promotion(model='alerts-demo', version='3', previous_version='2',"
+        " alias='champion', reason='test_accuracy 0.97 > 0.95 (v2)', run_id='run-123')\n"
+    )
+    finished = subprocess.run(
+        [sys.executable, "-c", emit], env=prefect_ui.env, capture_output=True, text=True, timeout=60
+    )
+    assert finished.returncode == 0, finished.stderr
+    alert = webhook.alert("alerts-demo")
+    assert alert["subject"] == "prefect-ml: alerts-demo v3 is the new @champion", alert
+    assert "alerts-demo v3 took @champion from v2." in alert["body"], alert
+    assert "Reason: test_accuracy 0.97 > 0.95 (v2)" in alert["body"], alert
+    assert "MLflow run: run-123" in alert["body"], alert
+
+
+def test_prefect_ml_alerts_again_updates_the_automations_and_adds_none(
+    prefect_ui: PrefectUI, served: None, alert_block: str
+) -> None:
+    """What the compose stack runs after `prefect deploy`: same names, so no second copy."""
+    _run_cli([str(BIN / "prefect-ml"), "alerts", "--alert-block", alert_block], prefect_ui.env)
+    with prefect_ui.api() as client:
+        names = [a["name"] for a in client.post("/automations/filter", json={}).json()]
+    assert sorted(names) == sorted([alerts.FAILED_RUN_AUTOMATION, alerts.CHAMPION_AUTOMATION])

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import mlflow.pytorch
@@ -32,9 +33,8 @@ from prefect_ml.flows.serve import serve_model
 from prefect_ml.integrations import tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import ServeModelParams
-from tests.e2e.test_pipeline import _artifacts
 from tests.e2e.test_resume_after_kill import _kill_tree
-from tests.helpers import free_port, register_classifier, wait_for
+from tests.helpers import flow_run_artifacts, free_port, register_classifier, wait_for
 
 MAX_ROWS = 50
 MAX_BODY = 200_000
@@ -112,7 +112,7 @@ def test_predictions_match_the_registered_model_and_the_run_is_documented(served
     result = served.result  # type: ignore[attr-defined]
     assert result.smoke.response["model"]["version"] == "1"
     assert result.smoke.response["predictions"] == body["predictions"][:2]
-    artifacts = _artifacts(served.flow_run_id)  # type: ignore[attr-defined]
+    artifacts = flow_run_artifacts(served.flow_run_id)  # type: ignore[attr-defined]
     assert "Smoke request" in artifacts["serving"] and "v1" in artifacts["serving"]
     assert "/#/models/digits-classifier/versions/1" in artifacts["served-model"]
 
@@ -434,6 +434,11 @@ def _served_version(url: str) -> str | None:
     return str(response.json()["model"]["version"]) if response.status_code == 200 else None
 
 
+# A short canary for the CLI's watch; latency is not judged (a few requests on a loaded machine).
+CLI_CANARY = ["--canary-share", "0.5", "--canary-window-s", "3", "--canary-min-requests", "3"]
+CLI_CANARY += ["--canary-max-latency-ratio", "100"]
+
+
 def test_the_cli_serves_in_the_foreground_follows_the_alias_and_stops_on_ctrl_c(
     served: Served, tmp_path: Path
 ) -> None:
@@ -461,13 +466,26 @@ def test_the_cli_serves_in_the_foreground_follows_the_alias_and_stops_on_ctrl_c(
     log = tmp_path / "serve.log"
     with log.open("wb") as sink:
         server = subprocess.Popen(
-            [*command, "--replica-cpus", "0.5", "--watch", "1"], env=env, stdout=sink, stderr=sink
+            [*command, "--replica-cpus", "0.5", "--watch", "1", *CLI_CANARY],
+            env=env,
+            stdout=sink,
+            stderr=sink,
         )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _served_version(url) == "2", 240, "the CLI to serve v2")
+        stop, seen, errors = threading.Event(), [], []  # the canary's traffic
+        traffic = threading.Thread(target=_traffic, args=(url, stop, seen, errors))
+        traffic.start()
         tracking.set_alias(client, "digits-classifier", "champion", "1")
-        wait_for(lambda: _served_version(url) == "1", 120, "the watch to roll to v1")
+        # The canary answers v1 before the roll ends: wait for the CLI's table of the roll.
+        rolled = "serving digits-classifier v1"
+        try:
+            wait_for(lambda: rolled in log.read_text(errors="replace"), 120, "the watch to roll")
+        finally:
+            stop.set()
+            traffic.join()
+        assert errors == [] and _served_version(url) == "1"
         server.send_signal(signal.SIGINT)
         server.wait(timeout=90)
     except BaseException:
@@ -479,4 +497,118 @@ def test_the_cli_serves_in_the_foreground_follows_the_alias_and_stops_on_ctrl_c(
     text = log.read_text(errors="replace")
     assert server.returncode == 0, text[-3000:]
     assert "@champion moved to v1" in text and "Stopping the application" in text
+    # The watch rolled through a canary: the polls above were its traffic.
+    assert "Canary v1 answers 50% of prefect-ml's requests next to v2" in text, text[-5000:]
     assert _served_version(url) is None
+
+
+class _FailsOnBrightPixel(torch.nn.Module):
+    """A classifier that answers NaN for the rows whose pixel 20 is bright: a version that
+    fails on some inputs (about half of the digits)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        logits = self.inner(rows)
+        return torch.where(rows[:, 20:21] > 8, torch.full_like(logits, float("nan")), logits)
+
+
+def _traffic(url: str, stop: threading.Event, seen: list[str], errors: list[str]) -> None:
+    """One client sending labelled digits without pause, noting which version answered."""
+    rng = random.Random(len(seen))
+    with httpx.Client(base_url=url, timeout=30) as client:
+        while not stop.is_set():
+            index = rng.randrange(len(FEATURES))
+            body = {"inputs": [FEATURES[index].tolist()], "labels": [str(DIGITS.target[index])]}
+            try:
+                response = client.post("/predict", json=body)
+            except httpx.HTTPError as exc:
+                errors.append(repr(exc))
+                continue
+            if response.status_code != 200:
+                errors.append(f"{response.status_code} {response.text}")
+            else:
+                seen.append(response.json()["model"]["version"])
+
+
+def _canary_rollout(served: Served, new_version: str, **canary: object) -> tuple[Any, list[str]]:
+    """Move @champion to ``new_version`` and serve it with a canary while 4 clients send
+    requests; returns the flow's result and the versions that answered. No request fails."""
+    client = tracking.client_for(served.settings.resolved_tracking_uri)
+    tracking.set_alias(client, "digits-classifier", "champion", new_version)
+    stop, seen, errors = threading.Event(), [], []
+    clients = [
+        threading.Thread(target=_traffic, args=(served.url, stop, seen, errors)) for _ in range(4)
+    ]
+    for thread in clients:
+        thread.start()
+    try:
+        state = serve_model(served.params(**canary), return_state=True)
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join()
+    assert state.is_completed(), state.message
+    assert errors == []  # a request the canary fails is answered by the serving version
+    return state, seen
+
+
+def test_a_canary_that_fails_on_some_inputs_is_rolled_back_without_a_failed_request(
+    served: Served,
+) -> None:
+    stable = _served_version(served.url)
+    assert stable is not None
+    failing = register_classifier(
+        served.settings,
+        "digits-classifier",
+        FEATURES,
+        DIGITS.target,
+        seed=5,
+        alias=None,
+        wrap=_FailsOnBrightPixel,
+    )
+    canary = {"canary_share": 0.5, "canary_window_s": 60, "canary_min_requests": 10}
+    state, seen = _canary_rollout(served, failing, **canary)
+    result = state.result()
+
+    report = result.canary
+    assert report is not None and not report.promoted
+    assert report.stable_version == stable and report.canary_version == failing
+    assert "error rate" in report.reason
+    canary_row = report.comparison[1]
+    assert canary_row["errors"] > 0 and canary_row["requests"] >= 10
+    assert report.comparison[0]["errors"] == 0
+    assert result.version == stable and _served_version(served.url) == stable
+    assert failing in seen  # the canary did answer its share when it could
+    client = tracking.client_for(served.settings.resolved_tracking_uri)
+    assert tracking.champion(client, "digits-classifier", "champion")[0] == stable  # type: ignore[index]
+    version = client.get_model_version("digits-classifier", failing)
+    assert version.tags[tracking.CANARY_TAG].startswith("rolled back")
+    artifacts = flow_run_artifacts(str(state.state_details.flow_run_id))
+    assert "rolled back" in artifacts["canary"] and f"v{failing} (canary)" in artifacts["canary"]
+
+
+def test_a_good_canary_takes_all_requests_and_the_versions_record_where_they_serve(
+    served: Served,
+) -> None:
+    stable = _served_version(served.url)
+    assert stable is not None
+    good = register_classifier(
+        served.settings, "digits-classifier", FEATURES, DIGITS.target, seed=6, alias=None
+    )
+    canary = {"canary_share": 0.5, "canary_window_s": 6, "canary_min_requests": 5}
+    state, seen = _canary_rollout(served, good, **canary)
+    report = state.result().canary
+
+    assert report is not None and report.promoted, report
+    assert {"accuracy (labelled)"} <= set(report.comparison[1])
+    assert float(report.comparison[1]["accuracy (labelled)"]) > 0.8
+    assert _served_version(served.url) == good and seen[-1] == good
+    assert stable in seen and good in seen
+    client = tracking.client_for(served.settings.resolved_tracking_uri)
+    new_record = tracking.serving_records(client.get_model_version("digits-classifier", good))
+    old_record = tracking.serving_records(client.get_model_version("digits-classifier", stable))
+    assert new_record["prefect-ml"]["url"] == served.url and "until" not in new_record["prefect-ml"]
+    assert old_record["prefect-ml"]["until"] >= new_record["prefect-ml"]["since"]

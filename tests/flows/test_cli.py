@@ -32,6 +32,10 @@ def test_flags_mirror_parameter_names(command: str) -> None:
         "--model-name",
         "--min-delta",
         "--no-normalize",
+        "--early-stopping-patience",
+        "--early-stopping-min-delta",
+        "--early-stopping-metric",
+        "--force",
     ):
         assert flag in result.output
 
@@ -240,4 +244,23 @@ def test_task_flags_parse_and_a_metric_the_task_lacks_exits_2(
     assert result.exit_code == 2
     output = " ".join(result.output.split())  # the table wraps long messages
     assert "regression produces no" in output and "'accuracy'" in output
+    assert not home.home_dir.joinpath("mlflow.db").exists()
+
+
+def test_predict_flags_mirror_the_predict_parameters_and_bad_ones_exit_2(
+    home: PrefectMLSettings,
+) -> None:
+    usage = CliRunner().invoke(app, ["predict", "--help"])
+    for flag in ("--model-name", "--alias", "--model-version", "--url", "--output", "--force"):
+        assert flag in usage.output
+    for flag in ("--use-gpu", "--concurrency", "--batch-size", "--inference-precision"):
+        assert flag in usage.output
+    for flags, text in (
+        (["--url", "rows.csv", "--concurrency", "0"], "concurrency"),
+        (["--url", "rows.csv", "--inference-precision", "bf16"], "needs a GPU"),
+        (["--url", "ftp://host/rows.csv"], "not allowed"),
+    ):
+        result = CliRunner().invoke(app, ["predict", *flags])
+        assert result.exit_code == 2, result.output
+        assert text in result.output
     assert not home.home_dir.joinpath("mlflow.db").exists()

@@ -56,6 +56,18 @@ from prefect_ml.tasks.params import (
             "",
             "classification produces no 'val_r2'",
         ),
+        (
+            {"training": {"early_stopping_patience": 2, "early_stopping_metric": "val_rmse"}},
+            "",
+            "training.early_stopping_metric: classification produces no 'val_rmse'",
+        ),
+        (
+            {"training": {"early_stopping_metric": "train_loss"}},
+            "training.early_stopping_metric",
+            "'val_loss', 'val_accuracy', 'val_rmse', 'val_mae' or 'val_r2'",
+        ),
+        ({"training": {"early_stopping_patience": -1}}, "training.early_stopping_patience", "0"),
+        ({"training": {"early_stopping_min_delta": -1}}, "training.early_stopping_min_delta", "0"),
     ],
 )
 def test_invalid_parameters_name_the_field(given: dict[str, Any], field: str, message: str) -> None:
@@ -94,6 +106,33 @@ def test_run_key_ignores_fault_tolerance_and_layout_but_not_hyperparameters() ->
         assert base.run_key("fp") != other.run_key("fp"), change
     assert base.run_key("fp") == same.run_key("fp")
     assert base.run_key("fp") != base.run_key("fp2")
+
+
+def test_early_stopping_is_in_the_run_identity_only_when_on_and_force_never_is() -> None:
+    """Patience 0 (or unset) is the run it was before early stopping existed; on, its values
+    and the metric it watches (by default the best-checkpoint metric) are the identity."""
+
+    def key(**training: Any) -> str:
+        return TrainModelParams.model_validate({"training": training}).run_key("fp")
+
+    base = key()
+    assert key(early_stopping_patience=0, early_stopping_min_delta=0.5) == base
+    assert key(force=True) == base
+    on = key(early_stopping_patience=2)
+    assert on != base
+    assert key(early_stopping_patience=2, early_stopping_metric="val_loss") == on
+    assert key(early_stopping_patience=2, best_checkpoint_metric="val_accuracy") != on
+    assert key(early_stopping_patience=2, early_stopping_min_delta=0.01) != on
+    assert key(early_stopping_patience=2, force=True) == on
+    watched = TrainModelParams.model_validate({"training": {"best_checkpoint_metric": "none"}})
+    assert watched.training.early_stopping_monitor == "val_loss"
+
+
+@pytest.mark.parametrize("name", ["early_stopping_patience", "force"])
+def test_early_stopping_and_force_are_not_searchable(name: str) -> None:
+    space = {name: {"type": "int", "low": 0, "high": 3}}
+    with pytest.raises(ValidationError, match=f"'{name}' is not a tunable parameter"):
+        SweepParams.model_validate({"search_space": space})
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,7 @@ def _trained() -> TrainResult:
         checkpoint_url="file:///nowhere",
         final_epoch=1,
         resumed_from_epoch=0,
+        best_epoch=1,
         epoch_metrics={},
         model=ModelParams(),
         data=_prepared(),

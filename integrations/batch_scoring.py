@@ -1,0 +1,305 @@
+"""Batch scoring: a registered model version over a tabular dataset's files, on Ray Data.
+
+Rows are raw features, as ``/predict`` takes them: for a model that names its features, those
+columns; for one that does not, every numeric column in order. The other columns pass through
+to the output next to ``prediction`` (the class name, or the value) and, for a classifier,
+``probabilities``. Ray Data reads the files, actors (:class:`BatchScorer`) that each load the
+model once score batches, and the rows are written as Parquet under the output URL; the driver
+never holds rows.
+
+An output folder is complete only once its manifest (``_SUCCESS``, JSON) is written, after
+every Parquet file; a ``_PENDING`` marker written first says the folder is ours, so a crashed
+write (marker, no manifest) is cleared by the next run and a folder of someone else's files is
+never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from pydantic import BaseModel
+
+from prefect_ml.integrations import serving, storage, streaming, tabular_files
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.inference import InferencePrecision
+
+if TYPE_CHECKING:
+    import pyarrow
+
+PREDICTION, PROBABILITIES = "prediction", "probabilities"
+FINGERPRINT_CHARS = 24
+# What each read task reserves: reads are light next to the model, and actors that hold every
+# CPU would leave a read none, so the pipeline would stall (2 actors of 1 CPU on 2 cores do).
+READ_CPUS = 0.25
+BLOCKS_PER_ACTOR = 4
+
+
+@dataclass(frozen=True)
+class ScoringColumns:
+    """Which input columns the model takes (in its order) and which pass through."""
+
+    features: list[str]
+    passthrough: list[str]
+
+
+@dataclass(frozen=True)
+class ScoringOptions:
+    """How the actors run: rows per batch, how many actors, and what each reserves."""
+
+    batch_size: int = 8192
+    concurrency: int = 2
+    cpus_per_actor: float = 0.5
+    gpus_per_actor: float = 0.0
+    precision: InferencePrecision = "fp32"
+
+
+class PredictionManifest(BaseModel):
+    """What a batch scoring wrote, recorded after its last Parquet file (its commit marker)."""
+
+    fingerprint: str
+    model_name: str
+    model_version: str
+    run_id: str
+    model_uri: str
+    input_url: str
+    inputs: list[str]
+    output_url: str
+    files: list[str]
+    rows: int
+    seconds: float
+    created: str
+    feature_columns: list[str]
+    passthrough_columns: list[str]
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+
+def scoring_columns(file: tabular_files.SourceFile, served: serving.ServedModel) -> ScoringColumns:
+    """The feature and passthrough columns of ``file`` for ``served``.
+
+    Raises:
+        ConfigurationError: naming ``url``: a feature column the model names is missing or not
+            numeric, the numeric columns do not match an unnamed model's width, or a column
+            would be overwritten by an output column.
+    """
+    types = tabular_files.column_types(file)
+    what = f"{served.name} v{served.version}"
+    if served.feature_names:
+        missing = [name for name in served.feature_names if name not in types]
+        if missing:
+            raise ConfigurationError(
+                "url",
+                f"{file.url} has no column {', '.join(map(repr, missing))} that {what} takes "
+                f"as features; its columns are {list(types)}",
+            )
+        features = list(served.feature_names)
+    else:
+        features = [c for c, t in types.items() if t.startswith(tabular_files.NUMERIC_TYPES)]
+        if len(features) != served.width:
+            raise ConfigurationError(
+                "url",
+                f"{file.url} has {len(features)} numeric columns {features}, but {what} takes "
+                f"{served.width} features (it names none, so every numeric column is one, in "
+                "order); drop or encode columns until they match",
+            )
+    text = [c for c in features if not types[c].startswith((*tabular_files.NUMERIC_TYPES, "null"))]
+    if text:
+        raise ConfigurationError(
+            "url", f"feature columns {text} of {file.url} are not numeric; encode them"
+        )
+    passthrough = [c for c in types if c not in features]
+    clash = [c for c in passthrough if c in (PREDICTION, PROBABILITIES)]
+    if clash:
+        raise ConfigurationError(
+            "url", f"{file.url} has columns {clash}, which the output writes; rename them"
+        )
+    return ScoringColumns(features, passthrough)
+
+
+def fingerprint(files: list[tabular_files.SourceFile], served: serving.ServedModel) -> str:
+    """The identity of a scoring: the input files (URL, size, version) and the model version."""
+    identity = {
+        "files": tabular_files.files_digest(files),
+        "model": served.name,
+        "version": served.version,
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return digest[:FINGERPRINT_CHARS]
+
+
+def feature_matrix(batch: pyarrow.Table, names: list[str]) -> np.ndarray:
+    """The named columns of ``batch`` as a float32 matrix, nulls as NaN."""
+    matrix = np.empty((batch.num_rows, len(names)), dtype=np.float32)
+    for index, name in enumerate(names):
+        matrix[:, index] = batch.column(name).to_numpy()
+    return matrix
+
+
+def scored_table(
+    batch: pyarrow.Table,
+    passthrough: list[str],
+    outputs: np.ndarray,
+    class_names: list[str] | None,
+    task: str,
+) -> pyarrow.Table:
+    """The passthrough columns of ``batch``, ``prediction`` and, for a classifier,
+    ``probabilities`` (a list of float32 per row)."""
+    import pyarrow as pa
+
+    columns: dict[str, Any] = {name: batch.column(name) for name in passthrough}
+    columns[PREDICTION] = pa.array(serving.labelled_outputs(outputs, class_names, task))
+    if task != "regression":
+        flat = pa.array(outputs.astype(np.float32).reshape(-1))
+        fixed = pa.FixedSizeListArray.from_arrays(flat, outputs.shape[1])
+        columns[PROBABILITIES] = fixed.cast(pa.list_(pa.float32()))
+    return pa.table(columns)
+
+
+class BatchScorer:
+    """A Ray Data actor: the version's model, loaded once, scoring batches of raw rows."""
+
+    def __init__(
+        self,
+        served: dict[str, Any],
+        columns: dict[str, Any],
+        gpus: float,
+        precision: InferencePrecision,
+        threads: int,
+    ) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+        self.served = serving.ServedModel.model_validate(served)
+        self.columns = ScoringColumns(**columns)
+        self.predictor, _ = serving.load_predictor(self.served, gpus, precision)
+
+    def __call__(self, batch: pyarrow.Table) -> pyarrow.Table:
+        matrix = feature_matrix(batch, self.columns.features)
+        bad = serving.non_finite_rows(matrix)
+        if bad:
+            row = {name: batch.column(name)[bad[0]].as_py() for name in self.columns.features}
+            raise ConfigurationError(
+                "url",
+                f"{len(bad)} rows of a batch have missing or non-finite features, e.g. {row}; "
+                "fill or drop them",
+            )
+        outputs = self.predictor.outputs(matrix)
+        if bad := serving.non_finite_rows(outputs):
+            raise ConfigurationError(
+                "model_version",
+                f"{self.served.name} v{self.served.version} returned non-finite outputs for "
+                f"{len(bad)} rows of finite features; check the model",
+            )
+        return scored_table(
+            batch, self.columns.passthrough, outputs, self.served.class_names, self.served.task
+        )
+
+
+def completed(output_url: str, fingerprint: str) -> PredictionManifest | None:
+    """The manifest of a complete scoring with ``fingerprint`` at ``output_url``, else None."""
+    manifest_url = storage.predictions_manifest_url(output_url)
+    if not storage.exists(manifest_url):
+        return None
+    manifest = PredictionManifest.model_validate_json(storage.read_bytes(manifest_url))
+    return manifest if manifest.fingerprint == fingerprint else None
+
+
+def clear_output(output_url: str) -> None:
+    """Remove an earlier scoring's folder (complete or crashed); refuse a folder of other files.
+
+    Raises:
+        ConfigurationError: naming ``output``: the folder holds files no scoring wrote.
+    """
+    names = storage.list_names(output_url)
+    if not names:
+        return
+    ours = storage.predictions_manifest_url(output_url), storage.predictions_pending_url(output_url)
+    if not any(storage.exists(url) for url in ours):
+        raise ConfigurationError(
+            "output",
+            f"{output_url} holds files that no batch scoring wrote ({names[:5]}); give an empty "
+            "or new folder",
+        )
+    fs, path = storage.filesystem(output_url)
+    fs.rm(path, recursive=True)
+
+
+def score(
+    input_url: str,
+    files: list[tabular_files.SourceFile],
+    served: serving.ServedModel,
+    columns: ScoringColumns,
+    output_url: str,
+    options: ScoringOptions,
+) -> PredictionManifest:
+    """Score ``files`` (those at ``input_url``, one format) with ``served`` on Ray Data into
+    Parquet under ``output_url`` (cleared first), then write the manifest; returns it."""
+    import ray.data
+
+    key = fingerprint(files, served)
+    fmt = tabular_files.file_format(files[0].url) or "csv"
+    clear_output(output_url)
+    storage.write_bytes(storage.predictions_pending_url(output_url), json.dumps(key).encode())
+    started = time.perf_counter()
+    scorer_options = {
+        "served": served.model_dump(),
+        "columns": asdict(columns),
+        "gpus": options.gpus_per_actor,
+        "precision": options.precision,
+        "threads": max(1, int(options.cpus_per_actor)),
+    }
+    path, filesystem = storage.ray_storage(output_url)
+    # Every actor gets work: a few blocks each at least, however few and small the files are.
+    rows = sum(f.rows for f in files)
+    blocks = max(
+        len(files), min(BLOCKS_PER_ACTOR * options.concurrency, -(-rows // options.batch_size))
+    )
+    with streaming.user_errors():
+        streaming.read_files(files, fmt, read_cpus=READ_CPUS, blocks=blocks).map_batches(
+            BatchScorer,
+            fn_constructor_kwargs=scorer_options,
+            batch_format="pyarrow",
+            batch_size=options.batch_size,
+            compute=ray.data.ActorPoolStrategy(size=options.concurrency),
+            num_cpus=options.cpus_per_actor,
+            num_gpus=options.gpus_per_actor or None,
+        ).write_parquet(path, filesystem=filesystem)
+    seconds = time.perf_counter() - started
+    written = _written(output_url)
+    manifest = PredictionManifest(
+        fingerprint=key,
+        model_name=served.name,
+        model_version=served.version,
+        run_id=served.run_id,
+        model_uri=served.uri,
+        input_url=input_url,
+        inputs=[f.url for f in files],
+        output_url=output_url,
+        files=[f.url for f in written],
+        rows=sum(f.rows for f in written),
+        seconds=seconds,
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        feature_columns=columns.features,
+        passthrough_columns=columns.passthrough,
+    )
+    storage.write_bytes(
+        storage.predictions_manifest_url(output_url), manifest.model_dump_json(indent=1).encode()
+    )
+    storage.remove(storage.predictions_pending_url(output_url))
+    return manifest
+
+
+def _written(output_url: str) -> list[tabular_files.SourceFile]:
+    """The Parquet files the write left under ``output_url`` (none for an empty input)."""
+    try:
+        return tabular_files.describe_files(output_url, "output")
+    except ConfigurationError:
+        return []
