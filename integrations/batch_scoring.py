@@ -34,10 +34,17 @@ if TYPE_CHECKING:
 
 PREDICTION, PROBABILITIES = "prediction", "probabilities"
 FINGERPRINT_CHARS = 24
-# What each read task reserves: reads are light next to the model, and actors that hold every
-# CPU would leave a read none, so the pipeline would stall (2 actors of 1 CPU on 2 cores do).
-READ_CPUS = 0.25
-BLOCKS_PER_ACTOR = 4
+# What each read and write task reserves: they are light next to the model, and actors that
+# hold every CPU would leave them none, so the pipeline would stall (2 actors of 1 CPU on 2 cores
+# do). Ray Data's default of 1 CPU per write task made writes wait for reads to finish.
+IO_CPUS = 0.25
+# Read and write tasks in flight: one of each per this many actors. Each more is a worker process
+# that starts (seconds on a busy host) and takes CPU from the model: 1M rows of a light model on
+# 2 cores took 13-15 s with one of each, 20-31 s with as many as Ray Data fits (0.25 CPU each).
+ACTORS_PER_IO_TASK = 2
+# Blocks are the unit an actor takes: small enough that an actor ready seconds after the other
+# (each loads the model) still gets its share, and the last block is a short tail.
+BLOCKS_PER_ACTOR = 16
 
 
 @dataclass(frozen=True)
@@ -262,8 +269,12 @@ def score(
     blocks = max(
         len(files), min(BLOCKS_PER_ACTOR * options.concurrency, -(-rows // options.batch_size))
     )
+    io_tasks = -(-options.concurrency // ACTORS_PER_IO_TASK)
     with streaming.user_errors():
-        streaming.read_files(files, fmt, read_cpus=READ_CPUS, blocks=blocks).map_batches(
+        read = streaming.read_files(
+            files, fmt, read_cpus=IO_CPUS, blocks=blocks, read_tasks=io_tasks
+        )
+        read.map_batches(
             BatchScorer,
             fn_constructor_kwargs=scorer_options,
             batch_format="pyarrow",
@@ -271,7 +282,12 @@ def score(
             compute=ray.data.ActorPoolStrategy(size=options.concurrency),
             num_cpus=options.cpus_per_actor,
             num_gpus=options.gpus_per_actor or None,
-        ).write_parquet(path, filesystem=filesystem)
+        ).write_parquet(
+            path,
+            filesystem=filesystem,
+            ray_remote_args={"num_cpus": IO_CPUS},
+            concurrency=io_tasks,
+        )
     seconds = time.perf_counter() - started
     written = _written(output_url)
     manifest = PredictionManifest(

@@ -136,6 +136,20 @@ def _malformed_requests() -> list[tuple[str, dict[str, str], str | bytes, int, s
         ("inputs not a list", as_json, '{"inputs": 3}', 422, "valid array"),
         ("named columns", as_json, '{"inputs": [{"a": 1.0}]}', 422, "not named columns"),
         (
+            "labels of other rows",
+            as_json,
+            '{"inputs": [' + good_row + '], "labels": ["1", "2"]}',
+            422,
+            "2 labels for 1 rows",
+        ),
+        (
+            "a label not a value",
+            as_json,
+            '{"inputs": [' + good_row + '], "labels": [[1]]}',
+            422,
+            "labels",
+        ),
+        (
             "too many rows",
             as_json,
             '{"inputs": [' + ",".join([good_row] * (MAX_ROWS + 1)) + "]}",
