@@ -53,16 +53,27 @@ def _runs(tracking_uri: str, experiment_name: str) -> list[Any]:
     return list(client.search_runs([experiment.experiment_id]))
 
 
-def _final_run_workers(tracking_uri: str) -> list[int]:
-    """Workers per logged epoch of the pipeline's final training: the run a Ray Train group
-    tagged (campaign trials train in one process here)."""
+def _final_run(tracking_uri: str) -> Any:
+    """The pipeline's final training run: the one a Ray Train group tagged (campaign trials
+    train in one process here), or None before it started."""
     client = tracking.client_for(tracking_uri)
     experiment = client.get_experiment_by_name("cluster")
     if experiment is None:
-        return []
+        return None
     query = f"tags.`{ray_training.WORLD_SIZE_TAG}` != ''"
     runs = client.search_runs([experiment.experiment_id], query)
-    return _workers_per_epoch(tracking_uri, runs[0].info.run_id) if runs else []
+    return runs[0] if runs else None
+
+
+def _final_run_workers(tracking_uri: str) -> list[int]:
+    """Workers per logged epoch of the pipeline's final training."""
+    run = _final_run(tracking_uri)
+    return _workers_per_epoch(tracking_uri, run.info.run_id) if run else []
+
+
+def _latest_group_size(tracking_uri: str) -> str:
+    run = _final_run(tracking_uri)
+    return run.data.tags[ray_training.WORLD_SIZE_TAG] if run else ""
 
 
 def _workers_per_epoch(tracking_uri: str, run_id: str) -> list[int]:
@@ -146,6 +157,12 @@ def test_the_pipeline_runs_on_the_cluster_and_survives_a_lost_node(
     # decides again once this runs out (Ray's default 60 s). 10 s was too short on a loaded CI
     # machine once: the restart failed with WorkerGroupStartupTimeoutError.
     env["PREFECT_ML_WORKER_GROUP_START_TIMEOUT_S"] = "20"
+    # The model's gate (a file on this host's /tmp, which the nodes share) holds the training
+    # while the new node joins, so the group has grown before the epochs run out, however slow
+    # the machine is.
+    gate = tmp_path / "gate"
+    waiting = tmp_path / "gate.waiting"  # the model creates it when it waits at the gate
+    gate.touch()
     command = cli_command(
         "run",
         "--experiment",
@@ -154,7 +171,7 @@ def test_the_pipeline_runs_on_the_cluster_and_survives_a_lost_node(
         "cluster-digits",
         *MODEL,
         "--model-options",
-        '{"delay": 0.1}',
+        json.dumps({"delay": 0.1, "gate": str(gate)}),
         "--workers",
         "1-2",
         "--elastic-resize-s",
@@ -193,7 +210,18 @@ def test_the_pipeline_runs_on_the_cluster_and_survives_a_lost_node(
             300,
             "an epoch trained by the one worker left",
         )
+        gate.unlink()  # the one worker left stops at its next batch
+        wait_for(lambda: run.poll() is not None or waiting.exists(), 120, "the worker to wait")
+        assert _latest_group_size(mlflow_s3_server) == "1"
         cluster.add_node("node-c", "127.0.0.4", 1)
+        # At Ray's next resize check the group restarts from the last checkpoint with a worker
+        # on the new node (its rank 0 tags the group's size); then the gate opens.
+        wait_for(
+            lambda: run.poll() is not None or _latest_group_size(mlflow_s3_server) == "2",
+            300,
+            "the group to grow onto the new node",
+        )
+        gate.touch()
         wait_for(
             lambda: run.poll() is not None or "Serving until Ctrl-C" in log_path.read_text(),
             600,
