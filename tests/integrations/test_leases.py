@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -71,8 +72,12 @@ def test_second_holder_is_refused_naming_host_pid_and_age(lease_url: str) -> Non
     message = str(refused.value)
     assert isinstance(refused.value, ConfigurationError) and refused.value.field == "experiment"
     assert f"process {os.getpid()} on {socket.gethostname()}" in message
-    assert "training run abc" in message and "last heartbeat 0s ago" in message
-    assert "held for 60s more" in message and "stop that process" in message
+    assert "training run abc" in message and "stop that process" in message
+    # The age is the storage's: a second or two on a loaded machine's S3 server.
+    ages = re.search(r"last heartbeat (\d+)s ago .* held for (\d+)s more", message)
+    assert ages is not None, message
+    age, left = int(ages[1]), int(ages[2])
+    assert age <= 5 and age + left == 60, message
 
 
 def test_a_joining_lease_shares_its_call_chains_hold_and_another_thread_is_refused(
