@@ -358,20 +358,9 @@ def test_moving_the_alias_and_redeploying_rolls_with_zero_failed_requests(served
     seen: list[tuple[float, str]] = []
     errors: list[str] = []
 
-    def client_loop() -> None:
-        with httpx.Client(base_url=served.url, timeout=30) as client:
-            while not stop.is_set():
-                try:
-                    response = client.post("/predict", json={"inputs": [FEATURES[7].tolist()]})
-                except httpx.HTTPError as exc:
-                    errors.append(repr(exc))
-                    continue
-                if response.status_code != 200:
-                    errors.append(f"{response.status_code} {response.text}")
-                else:
-                    seen.append((time.monotonic(), response.json()["model"]["version"]))
-
-    clients = [threading.Thread(target=client_loop) for _ in range(4)]
+    clients = [
+        threading.Thread(target=_traffic, args=(served.url, stop, seen, errors)) for _ in range(4)
+    ]
     for thread in clients:
         thread.start()
     time.sleep(1.0)
@@ -529,8 +518,10 @@ class _FailsOnBrightPixel(torch.nn.Module):
         return torch.where(rows[:, 20:21] > 8, torch.full_like(logits, float("nan")), logits)
 
 
-def _traffic(url: str, stop: threading.Event, seen: list[str], errors: list[str]) -> None:
-    """One client sending labelled digits without pause, noting which version answered."""
+def _traffic(
+    url: str, stop: threading.Event, seen: list[tuple[float, str]], errors: list[str]
+) -> None:
+    """One client sending labelled digits without pause, noting when which version answered."""
     rng = random.Random(len(seen))
     with httpx.Client(base_url=url, timeout=30) as client:
         while not stop.is_set():
@@ -544,7 +535,7 @@ def _traffic(url: str, stop: threading.Event, seen: list[str], errors: list[str]
             if response.status_code != 200:
                 errors.append(f"{response.status_code} {response.text}")
             else:
-                seen.append(response.json()["model"]["version"])
+                seen.append((time.monotonic(), response.json()["model"]["version"]))
 
 
 def _canary_rollout(served: Served, new_version: str, **canary: object) -> tuple[Any, list[str]]:
@@ -566,7 +557,7 @@ def _canary_rollout(served: Served, new_version: str, **canary: object) -> tuple
             thread.join()
     assert state.is_completed(), state.message
     assert errors == []  # a request the canary fails is answered by the serving version
-    return state, seen
+    return state, [version for _when, version in seen]
 
 
 def test_a_canary_that_fails_on_some_inputs_is_rolled_back_without_a_failed_request(
