@@ -73,7 +73,14 @@ class TrainLoopConfig:
     best_checkpoint_metric: str = "val_loss"  # also kept; "none" keeps no best
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast; fp16 adds a gradient scaler)
     gradient_checkpointing: bool = False
-    strategy: str = "ddp"  # "ddp" | "fsdp" (FSDP2 ``fully_shard``); one worker trains unwrapped
+    strategy: str = "ddp"  # "ddp" | "fsdp" | "tp" | "pp"; one worker trains unwrapped
+    tensor_parallel_size: int = 0  # tp: workers per tensor-parallel group; 0 = all
+    pipeline_parallel_size: int = 0  # pp: stages per pipeline; 0 = all workers
+    pipeline_microbatches: int = 4
+    pipeline_schedule: str = "1f1b"  # "1f1b" | "gpipe"
+    checkpoint_layout: str = "auto"  # "auto" | "gathered" | "sharded"
+    checkpoint_every_steps: int = 0  # also commit every N steps inside an epoch; 0: epochs only
+    checkpoint_every_seconds: float = 0.0  # also commit once this long since the last; 0: off
     data_layout: str = "arrays"  # how the splits are stored: integrations.shards.LAYOUTS
     task: str = "classification"  # the task type (integrations.problems): loss and metrics
     target_mean: float = 0.0  # regression: the targets train standardised by these
@@ -394,7 +401,7 @@ class EpochTrainer:
 
         from prefect_ml.integrations import devices
 
-        config, model, scaler = self.config, self.model, self.scaler
+        config, model = self.config, self.model
         devices.reset_peak_memory(self.device)
         started = time.perf_counter()
         model.train()
@@ -403,16 +410,7 @@ class EpochTrainer:
         loss_sum = torch.zeros((), device=self.device)  # summed on device: no host sync per step
         batches = self.train.batches(config.batch_size, order, self._on_device)
         for step, (features, targets) in enumerate(batches):
-            self.optimizer.zero_grad(set_to_none=True)
-            with precision_context(config.precision, self.device):
-                if self.hooked:
-                    loss = model(hooks.batch_of(self.network, features, targets), step).float()
-                else:
-                    loss = self.loss(model(features), targets)
-            scaler.scale(loss).backward()
-            scaler.step(self.optimizer)
-            scaler.update()
-            loss_sum += loss.detach() * len(targets)
+            loss_sum += self._train_step(step, features, targets) * len(targets)
         self.scheduler.step()
         train_seconds = time.perf_counter() - started
         val_batch = max(config.batch_size, 256)
@@ -457,6 +455,20 @@ class EpochTrainer:
             "peak_memory_mib": peak_memory / 2**20,  # the largest worker's
             "workers": self.world_size,  # elastic groups change size between restarts
         }
+
+    def _train_step(self, step: int, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One optimiser step on one batch; the batch's mean loss, detached, on the device."""
+        model, scaler = self.model, self.scaler
+        self.optimizer.zero_grad(set_to_none=True)
+        with precision_context(self.config.precision, self.device):
+            if self.hooked:
+                loss = model(hooks.batch_of(self.network, features, targets), step).float()
+            else:
+                loss = self.loss(model(features), targets)
+        scaler.scale(loss).backward()
+        scaler.step(self.optimizer)
+        scaler.update()
+        return loss.detach()
 
     def _model_validation(self, batch_size: int) -> dict[str, torch.Tensor]:
         """The metrics the model adds (its ``validation_step``, or ``compute_metrics`` of its

@@ -217,6 +217,13 @@ OPERATIONAL_FIELDS = {
     "memory_per_worker_gb",
     "worker_resources",
     "strategy",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "pipeline_microbatches",
+    "pipeline_schedule",
+    "checkpoint_layout",
+    "checkpoint_every_steps",
+    "checkpoint_every_seconds",
     "gradient_checkpointing",
     "collective_timeout_s",
     "elastic_resize_s",
@@ -291,11 +298,61 @@ class TrainingParams(_Section):
         description="Recompute activations in backward instead of keeping them: less memory, "
         "about one more forward per step.",
     )
-    strategy: Literal["ddp", "fsdp"] = Field(
+    strategy: Literal["ddp", "fsdp", "tp", "pp"] = Field(
         "ddp",
         title="Parallel strategy",
         description="ddp replicates the model on every worker; fsdp shards parameters, gradients "
-        "and optimiser state across workers (FSDP2).",
+        "and optimiser state across workers (FSDP2); tp splits each layer's weights across the "
+        "workers of a tensor-parallel group (DTensor); pp puts consecutive layers on the "
+        "stages of a pipeline (torch.distributed.pipelining).",
+    )
+    tensor_parallel_size: int = Field(
+        0,
+        ge=0,
+        title="Tensor-parallel size",
+        description="--strategy tp: workers per tensor-parallel group (0: all workers). Fewer "
+        "than the workers makes a 2-D mesh: the groups train data-parallel with FSDP.",
+    )
+    pipeline_parallel_size: int = Field(
+        0,
+        ge=0,
+        title="Pipeline stages",
+        description="--strategy pp: stages per pipeline, one worker each (0: all workers). "
+        "Fewer than the workers makes a 2-D mesh: the pipelines train data-parallel.",
+    )
+    pipeline_microbatches: int = Field(
+        4,
+        ge=1,
+        title="Pipeline microbatches",
+        description="--strategy pp: microbatches each batch is split into; at most the batch size.",
+    )
+    pipeline_schedule: Literal["1f1b", "gpipe"] = Field(
+        "1f1b",
+        title="Pipeline schedule",
+        description="--strategy pp: 1f1b (one forward, one backward: activations of at most "
+        "the stage count in flight) or gpipe (all forwards, then all backwards).",
+    )
+    checkpoint_layout: Literal["auto", "gathered", "sharded"] = Field(
+        "auto",
+        title="Checkpoint layout",
+        description="gathered: rank 0 gathers the whole state and writes it; sharded: every "
+        "worker writes its own shards, committed by one manifest once all are verified. auto: "
+        "sharded for fsdp, tp and pp, gathered for ddp.",
+    )
+    checkpoint_every_steps: int = Field(
+        0,
+        ge=0,
+        title="Checkpoint every N steps",
+        description="Also commit a checkpoint every N training steps inside an epoch (0: at "
+        "epoch ends only); a resumed run restarts at the step after it, in the same data order.",
+    )
+    checkpoint_every_seconds: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        title="Checkpoint every N seconds",
+        description="Also commit a checkpoint once this many seconds have passed since the last "
+        "one, at the next step (0: off).",
     )
     collective_timeout_s: int = Field(
         1800,
@@ -389,7 +446,40 @@ class TrainingParams(_Section):
             raise ValueError("precision fp16 needs a GPU: set --use-gpu, or use --precision bf16")
         if self.accelerator_type and not self.use_gpu:
             raise ValueError("accelerator_type places GPU workers: set --use-gpu as well")
+        self._check_mesh()
+        if self.checkpoint_layout == "gathered" and self.strategy == "pp":
+            raise ValueError(
+                "checkpoint_layout gathered: no worker of a pipeline holds the whole model; "
+                "use --checkpoint-layout sharded (or auto) with --strategy pp"
+            )
         return self
+
+    def _check_mesh(self) -> None:
+        """Tensor- and pipeline-parallel sizes against the strategy and the worker count."""
+        sizes = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
+        for strategy, field in sizes.items():
+            if getattr(self, field) and self.strategy != strategy:
+                raise ValueError(f"{field} applies to --strategy {strategy}; unset it or use it")
+        if self.strategy not in sizes:
+            return
+        if not isinstance(self.workers, int):
+            raise ValueError(
+                f"--strategy {self.strategy} needs a fixed worker count (its mesh is fixed), "
+                f"not the range {self.workers[0]}-{self.workers[1]}"
+            )
+        field = sizes[self.strategy]
+        size = getattr(self, field) or self.workers
+        if size < 2 or self.workers % size:
+            raise ValueError(
+                f"{field} {size} must be at least 2 and divide the {self.workers} workers "
+                f"(the rest of the mesh is data-parallel); use --workers {max(2, size)} or a "
+                f"{field.replace('_', '-')} that divides --workers"
+            )
+        if self.strategy == "pp" and self.pipeline_microbatches > self.batch_size:
+            raise ValueError(
+                f"pipeline_microbatches {self.pipeline_microbatches} exceeds the batch size "
+                f"{self.batch_size}: each microbatch needs a row; lower --pipeline-microbatches"
+            )
 
     @property
     def early_stopping_monitor(self) -> str:
