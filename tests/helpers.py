@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,29 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def wait_while_running(
+    process: subprocess.Popen[bytes],
+    log: Path,
+    condition: Callable[[], bool],
+    timeout: float,
+    what: str,
+) -> None:
+    """:func:`wait_for` ``condition`` while ``process`` runs; a process that exits first, or a
+    timeout, fails at once with the end of the process's ``log`` (what it was doing)."""
+    try:
+        wait_for(lambda: condition() or process.poll() is not None, timeout, what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the command's log ends:\n{_tail(log)}") from None
+    if not condition():
+        raise AssertionError(
+            f"the command exited ({process.returncode}) before {what}; its log ends:\n{_tail(log)}"
+        )
+
+
+def _tail(log: Path, characters: int = 4000) -> str:
+    return log.read_text(errors="replace")[-characters:] if log.exists() else "(no log)"
 
 
 def flow_run_artifacts(flow_run_id: str) -> dict[str, str]:

@@ -25,7 +25,7 @@ from prefect_ml.tasks.campaign import coordinator
 from prefect_ml.tasks.campaign.identity import CampaignIdentity
 from tests.conftest import REPO_ROOT
 from tests.e2e.test_resume_after_kill import _kill_tree
-from tests.helpers import wait_for
+from tests.helpers import wait_while_running
 from tests.tasks.test_campaign_coordinator import LateExecutor
 
 N_TRIALS = 8
@@ -115,7 +115,13 @@ def test_killed_campaign_resumes_to_exactly_n_trials(
     log = (tmp_path / "first.log").open("wb")
     first = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: _killable(home, "killed"), 400, "finished trials and one mid-way")
+        wait_while_running(
+            first,
+            tmp_path / "first.log",
+            lambda: _killable(home, "killed"),
+            400,
+            "finished trials and one mid-way",
+        )
     finally:
         _kill_tree(first)
     left_running = [t.number for t in _trials(home, "killed") if t.state == TrialState.RUNNING]
@@ -201,7 +207,13 @@ def test_issue_15_reproduction_resumes_with_pruned_trials_told_late(
         command, cwd=REPO_ROOT, env=_env(home), stdout=log, stderr=subprocess.STDOUT
     )
     try:
-        wait_for(lambda: _killable(home, "bar-resume", 1), 400, "2 finished trials")
+        wait_while_running(
+            first,
+            tmp_path / "first.log",
+            lambda: _killable(home, "bar-resume", 1),
+            400,
+            "2 finished trials",
+        )
     finally:
         _kill_tree(first)
     left_running = [t.number for t in _trials(home, "bar-resume") if t.state == TrialState.RUNNING]

@@ -17,7 +17,7 @@ from prefect_ml.integrations.leases import LeaseHeldError
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import TrainModelParams
 from tests.conftest import REPO_ROOT
-from tests.helpers import wait_for
+from tests.helpers import wait_while_running
 from tests.tasks.test_train import train_flow
 
 EPOCHS = 2
@@ -44,7 +44,9 @@ def test_second_driver_of_a_running_training_is_refused(
             command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
     try:
-        wait_for((tmp_path / "gate.waiting").exists, 300, "the first command to train")
+        wait_while_running(
+            first, log_path, (tmp_path / "gate.waiting").exists, 300, "the first command to train"
+        )
         params = TrainModelParams.model_validate(
             {
                 "model": {"model": MODEL, "model_options": options},

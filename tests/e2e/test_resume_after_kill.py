@@ -19,7 +19,7 @@ from prefect.settings import PREFECT_API_URL
 from prefect_ml.integrations import ray_training, tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
-from tests.helpers import committed_epochs, wait_for
+from tests.helpers import committed_epochs, wait_while_running
 
 EPOCHS = 5
 COMMAND = [
@@ -65,7 +65,13 @@ def test_killed_process_resumes_from_last_verified_checkpoint(
     first = subprocess.Popen(FIRST, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     storage_dir = home.home_dir / "storage"
     try:
-        wait_for(lambda: 2 in committed_epochs(storage_dir), 300, "the epoch-2 checkpoint")
+        wait_while_running(
+            first,
+            tmp_path / "first.log",
+            lambda: 2 in committed_epochs(storage_dir),
+            300,
+            "the epoch-2 checkpoint",
+        )
     finally:
         _kill_tree(first)
     killed_at = max(committed_epochs(storage_dir))
