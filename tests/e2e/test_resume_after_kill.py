@@ -42,7 +42,10 @@ SECOND = [*COMMAND, "--strategy", "ddp", "--workers", "1"]
 
 def _kill_tree(process: subprocess.Popen[bytes]) -> None:
     """SIGKILL the CLI and everything it started (its local Ray included), like a lost machine."""
-    root = psutil.Process(process.pid)
+    try:
+        root = psutil.Process(process.pid)
+    except psutil.NoSuchProcess:  # it exited already (and was reaped): nothing left to kill
+        return
     victims = [root, *root.children(recursive=True)]
     for victim in victims:
         try:
