@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -85,9 +85,12 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _wait_ready(url: str, body: dict[str, Any], timeout: float = 180) -> None:
+def _wait_ready(
+    url: str, body: dict[str, Any], check_alive: Callable[[], None], timeout: float = 180
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        check_alive()
         try:
             if httpx.post(url, json=body, timeout=5).status_code == 200:
                 return
@@ -135,9 +138,12 @@ def _wrk(url: str, body: dict[str, Any], connections: int, seconds: float) -> di
     }
 
 
-def load_curve(url: str, body: dict[str, Any], seconds: float) -> dict[int, dict[str, float]]:
-    """Each concurrency after a warm-up at that concurrency."""
-    _wait_ready(url, body)
+def load_curve(
+    url: str, body: dict[str, Any], seconds: float, check_alive: Callable[[], None] = lambda: None
+) -> dict[int, dict[str, float]]:
+    """Each concurrency after a warm-up at that concurrency, once ``url`` answers (a peer
+    server's ``check_alive`` raises if it exited meanwhile)."""
+    _wait_ready(url, body, check_alive)
     curve = {}
     for connections in CONCURRENCY:
         _wrk(url, body, connections, 2)
@@ -147,16 +153,31 @@ def load_curve(url: str, body: dict[str, Any], seconds: float) -> dict[int, dict
 
 
 @contextmanager
-def running(command: list[str], env: dict[str, str]) -> Iterator[None]:
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def running(command: list[str], env: dict[str, str]) -> Iterator[Callable[[], None]]:
+    """A peer server, with this interpreter's ``bin`` first on ``PATH`` as in an activated
+    venv (``mlflow models serve`` starts ``uvicorn`` by name); yields a check that raises at
+    once, with the server's stderr, if it has exited."""
+    path = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", os.defpath)])
+    stderr = tempfile.TemporaryFile()
+    process = subprocess.Popen(
+        command, env={**env, "PATH": path}, stdout=subprocess.DEVNULL, stderr=stderr
+    )
+
+    def check_alive() -> None:
+        if process.poll() is not None:
+            stderr.seek(0)
+            tail = stderr.read().decode(errors="replace")[-3000:]
+            raise RuntimeError(f"{command[:4]} exited ({process.returncode}):\n{tail}")
+
     try:
-        yield
+        yield check_alive
     finally:
         process.terminate()
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+        stderr.close()
 
 
 def measure(seconds: float) -> dict[str, Any]:
@@ -184,17 +205,20 @@ def measure(seconds: float) -> dict[str, Any]:
 
     port = _free_port()
     print("bare-fastapi", flush=True)
-    with running([sys.executable, __file__, "--bare-server", str(port), model_uri], env):
-        arms["bare-fastapi"] = load_curve(f"http://127.0.0.1:{port}/predict", flat_body, seconds)
+    bare = [sys.executable, __file__, "--bare-server", str(port), model_uri]
+    with running(bare, env) as alive:
+        arms["bare-fastapi"] = load_curve(
+            f"http://127.0.0.1:{port}/predict", flat_body, seconds, alive
+        )
 
     port = _free_port()
     print("mlflow-serve", flush=True)
     mlflow_body = {"inputs": np.asarray(row).reshape(1, *shape).tolist()}
     mlflow_command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri]
     local_only = ["--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)]
-    with running([*mlflow_command, *local_only], env):
+    with running([*mlflow_command, *local_only], env) as alive:
         arms["mlflow-serve"] = load_curve(
-            f"http://127.0.0.1:{port}/invocations", mlflow_body, seconds
+            f"http://127.0.0.1:{port}/invocations", mlflow_body, seconds, alive
         )
 
     port = _free_port()
