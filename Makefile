@@ -25,12 +25,13 @@ run: $(STAMP)
 # and the study-storage benchmark start clusters of their own on loopback (tests/postgres.py).
 postgresql:
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
-		(apt-get update -qq && apt-get install -y -qq postgresql)
+		(apt-get update -qq && apt-get install -y -qq --no-install-recommends postgresql)
 
 # The browser test drives the Prefect UI in Debian's Chromium (Playwright's own download is not
-# reachable from these machines).
+# reachable from these machines). Without recommends (systemd, udev, a terminal emulator), with
+# the one recommend it needs: a font, so that text has a size to click.
 test: $(STAMP) postgresql
-	test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium)
+	test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium fonts-liberation)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP) postgresql
@@ -43,7 +44,7 @@ bench: $(STAMP) postgresql
 	$(VENV)/bin/python benchmarks/predict.py
 	$(VENV)/bin/python benchmarks/precision.py
 	# The serving benchmark's load generator is wrk (Debian package).
-	command -v wrk >/dev/null || apt-get install -y wrk
+	command -v wrk >/dev/null || apt-get install -y -qq --no-install-recommends wrk
 	$(VENV)/bin/python benchmarks/serving.py
 
 # Kill the CLI, a checkpoint writer and Ray workers at random moments, rerun, check the invariants
