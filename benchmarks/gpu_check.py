@@ -225,13 +225,17 @@ def _train_and_resume(
     """Two epochs and a checkpoint, then a fresh trainer that resumes at epoch 3."""
     import torch.distributed as dist
 
+    from prefect_ml.integrations import distributed_checkpoint
+
     url = (
         root / f"{combo['strategy']}-{combo['precision']}-{combo['gradient_checkpointing']}"
     ).as_uri()
     trainer = _trainer(combo, url, shard, rank, world, device)
     epochs = [trainer.train_epoch(epoch) for epoch in (1, 2)]
     files = trainer.snapshot(2)  # a collective under FSDP: every rank calls it
-    if rank == 0:
+    if isinstance(files, distributed_checkpoint.ShardedSnapshot):  # every rank writes its part
+        distributed_checkpoint.commit_sharded(trainer.store, 2, files)
+    elif rank == 0:
         trainer.store.save(2, files)
     dist.barrier()
     resumed = _trainer(combo, url, shard, rank, world, device)

@@ -5,10 +5,16 @@ A checkpoint is a directory ``<root>/epoch-000007/`` holding data files and, wri
 a reader trusts a checkpoint only if the manifest exists and every hash matches, so a crash
 mid-write leaves an incomplete directory that readers skip, never a checkpoint that lies.
 
+A checkpoint taken inside an epoch (after 120 optimiser steps of epoch 7) is
+``<root>/epoch-000007-step-000120/``: it comes after epoch 6's end and before epoch 7's
+(:class:`CheckpointPosition`). ``epochs()`` lists epoch ends only (they hold the epoch's
+metrics); ``positions()`` and ``latest()`` see every checkpoint.
+
 A :class:`RetentionPolicy` bounds storage: after each commit, checkpoints that are neither among
-the last K nor the best are pruned. Pruning rewrites the manifest to list only the small files
-the policy keeps (the epoch's metrics), then deletes the rest, so the history stays verifiable
-while the weights go.
+the last K (mid-epoch ones counted) nor the best are pruned. Pruning rewrites the manifest to
+list only the small files the policy keeps (the epoch's metrics), then deletes the rest, so the
+history stays verifiable while the weights go. A pruned mid-epoch checkpoint goes whole: it has
+no history to keep.
 
 sha256 catches corruption, not forgery: whoever can write the storage can write a matching
 manifest. With ``PREFECT_ML_CHECKPOINT_KEY`` set, every manifest carries an HMAC-SHA256 of its
@@ -34,6 +40,7 @@ from prefect_ml.integrations.settings import get_settings
 MANIFEST = "MANIFEST.json"
 SIGNATURE = "hmac_sha256"
 _PREFIX = "epoch-"
+_STEP = "-step-"
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +69,67 @@ class RetentionPolicy:
 
 
 @dataclass(frozen=True)
+class CheckpointPosition:
+    """Where in training a checkpoint was taken: the end of ``epoch``, or (``step`` set) after
+    ``step`` optimiser steps of ``epoch``, before its end."""
+
+    epoch: int
+    step: int | None = None
+
+    def sort_key(self) -> tuple[int, float]:
+        """Training order: epoch 2's end, then epoch 3's steps, then epoch 3's end."""
+        return (self.epoch, float("inf") if self.step is None else self.step)
+
+    @property
+    def name(self) -> str:
+        """The checkpoint's directory name."""
+        name = f"{_PREFIX}{self.epoch:06d}"
+        return name if self.step is None else f"{name}{_STEP}{self.step:06d}"
+
+    @classmethod
+    def parse(cls, name: str) -> CheckpointPosition | None:
+        """The position a directory name encodes; None for any other name."""
+        if not name.startswith(_PREFIX):
+            return None
+        epoch, marker, step = name[len(_PREFIX) :].partition(_STEP)
+        if not epoch.isdigit() or (marker and not step.isdigit()):
+            return None
+        return cls(int(epoch), int(step) if step else None)
+
+
+@dataclass(frozen=True)
 class VerifiedCheckpoint:
-    """A checkpoint whose manifest verified; ``files`` are the exact bytes that were hashed."""
+    """A checkpoint whose manifest verified; ``files`` are the exact bytes that were hashed.
+
+    ``step`` is set for a mid-epoch checkpoint (``epoch`` is then the epoch in progress)."""
 
     epoch: int
     url: str
     files: dict[str, bytes]
+    step: int | None = None
+
+    @property
+    def position(self) -> CheckpointPosition:
+        return CheckpointPosition(self.epoch, self.step)
+
+    @property
+    def completed_epochs(self) -> int:
+        """Epochs fully trained when it was taken."""
+        return self.epoch if self.step is None else self.epoch - 1
 
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _upload(url: str, files: dict[str, bytes]) -> dict[str, dict[str, Any]]:
+    """Write ``files`` under ``url``; their manifest entries (sha256 and size), by name."""
+    # Hashing runs beside the uploads (hashlib releases the interpreter lock).
+    with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
+        digests = {name: hasher.submit(_sha256, data) for name, data in files.items()}
+        for name, data in files.items():
+            storage.write_bytes(storage.join(url, name), data)
+        return {n: {"sha256": digests[n].result(), "size": len(d)} for n, d in files.items()}
 
 
 def manifest_signature(manifest: dict[str, Any], key: bytes) -> str:
@@ -99,39 +157,112 @@ class CheckpointStore:
         self._key = key if key is not None else settings_key()
         # Manifests and metric values this store has seen: committed manifests change only
         # through this store's own ``prune``, so each is read at most once per store.
-        self._manifests: dict[int, dict[str, Any]] = {}
+        self._manifests: dict[CheckpointPosition, dict[str, Any]] = {}
         self._scores: dict[tuple[int, str], float | None] = {}
 
-    def url_for(self, epoch: int) -> str:
-        return storage.join(self.root_url, f"{_PREFIX}{epoch:06d}")
+    def url_for(self, epoch: int, step: int | None = None) -> str:
+        """The checkpoint of ``epoch``'s end, or of ``step`` steps into it."""
+        return storage.join(self.root_url, CheckpointPosition(epoch, step).name)
 
-    def save(self, epoch: int, files: dict[str, bytes]) -> str:
-        """Write ``files`` for ``epoch``, then the manifest; return the checkpoint URL."""
+    def save(self, epoch: int, files: dict[str, bytes], *, step: int | None = None) -> str:
+        """Write ``files`` for ``epoch`` (``step`` steps into it, if given), then the manifest;
+        return the checkpoint URL."""
         if MANIFEST in files:
             raise ValueError(f"{MANIFEST} is reserved for the commit marker")
-        url = self.url_for(epoch)
-        # Hashing runs beside the uploads (hashlib releases the interpreter lock).
-        with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
-            digests = {name: hasher.submit(_sha256, data) for name, data in files.items()}
-            for name, data in files.items():
-                storage.write_bytes(storage.join(url, name), data)
-            listed = {n: {"sha256": digests[n].result(), "size": len(d)} for n, d in files.items()}
-        self._write_manifest(url, {"epoch": epoch, "created_unix": time.time(), "files": listed})
+        if step is not None and step < 1:
+            raise ValueError(f"a mid-epoch checkpoint comes after step 1 or later, not {step}")
+        url = self.url_for(epoch, step)
+        listed = _upload(url, files)
+        position = {"epoch": epoch} if step is None else {"epoch": epoch, "step": step}
+        self._write_manifest(url, {**position, "created_unix": time.time(), "files": listed})
         return url
 
+    def upload(
+        self, epoch: int, files: dict[str, bytes], *, step: int | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """One writer's part of a checkpoint with several writers (a sharded one): write
+        ``files`` into the checkpoint's directory without committing it, and return their
+        manifest entries (sha256 and size) for :meth:`commit`.
+
+        Each rank uploads its own files, in parallel with the others; until the one
+        :meth:`commit` lists them they belong to no checkpoint.
+        """
+        if MANIFEST in files:
+            raise ValueError(f"{MANIFEST} is reserved for the commit marker")
+        return _upload(self.url_for(epoch, step), files)
+
+    def commit(
+        self,
+        epoch: int,
+        listings: list[dict[str, dict[str, Any]]],
+        files: dict[str, bytes],
+        *,
+        step: int | None = None,
+    ) -> str:
+        """Commit a checkpoint that several writers uploaded (the second phase of a two-phase
+        commit): check that every file of ``listings`` (one per writer, from :meth:`upload`)
+        is in place with its size, write the committer's own ``files``, then the manifest
+        naming them all; return the checkpoint URL.
+
+        Raises:
+            CheckpointError: a listed file is missing or has another size, or two writers
+                listed the same name; nothing is committed.
+        """
+        if MANIFEST in files:
+            raise ValueError(f"{MANIFEST} is reserved for the commit marker")
+        url = self.url_for(epoch, step)
+        listed: dict[str, dict[str, Any]] = {}
+        for writer, listing in enumerate(listings):
+            if clash := set(listing) & set(listed):
+                raise CheckpointError(
+                    f"writer {writer} of {url} listed {sorted(clash)}, which another writer "
+                    "also wrote: not committing it"
+                )
+            listed.update(listing)
+        present = storage.list_sizes(url)
+        for name, entry in listed.items():
+            if present.get(name) != entry["size"]:
+                found = "missing" if name not in present else f"{present[name]} bytes"
+                raise CheckpointError(
+                    f"{url}/{name} is {found}, not the {entry['size']} bytes its writer "
+                    "uploaded: not committing the checkpoint"
+                )
+        if clash := set(files) & set(listed):
+            raise CheckpointError(f"{url}: {sorted(clash)} written by a writer and the committer")
+        listed.update(_upload(url, files))
+        # Shards of an attempt that died before its commit (another worker count) would stay
+        # behind, named by no manifest, and outlive pruning.
+        for name in set(present) - set(listed) - {MANIFEST}:
+            storage.remove(storage.join(url, name))
+        position = {"epoch": epoch} if step is None else {"epoch": epoch, "step": step}
+        manifest = {
+            **position,
+            "created_unix": time.time(),
+            "files": listed,
+            "layout": "sharded",
+            "writers": len(listings),
+        }
+        self._write_manifest(url, manifest)
+        return url
+
+    def positions(self) -> list[CheckpointPosition]:
+        """Every checkpoint directory (epoch ends and mid-epoch), verified or not, in training
+        order."""
+        found = [CheckpointPosition.parse(name) for name in storage.list_names(self.root_url)]
+        return sorted((p for p in found if p is not None), key=CheckpointPosition.sort_key)
+
     def epochs(self) -> list[int]:
-        """Epochs that have a checkpoint directory, verified or not, ascending."""
-        found = []
-        for name in storage.list_names(self.root_url):
-            if name.startswith(_PREFIX) and name[len(_PREFIX) :].isdigit():
-                found.append(int(name[len(_PREFIX) :]))
-        return sorted(found)
+        """Epochs that have an end-of-epoch checkpoint directory, verified or not, ascending
+        (mid-epoch checkpoints hold no metrics: see ``positions``)."""
+        return [p.epoch for p in self.positions() if p.step is None]
 
     def _write_manifest(self, url: str, manifest: dict[str, Any]) -> None:
         if self._key is not None:
             manifest = {**manifest, SIGNATURE: manifest_signature(manifest, self._key)}
         storage.write_bytes(storage.join(url, MANIFEST), json.dumps(manifest, indent=1).encode())
-        self._manifests[int(manifest["epoch"])] = manifest
+        step = manifest.get("step")
+        position = CheckpointPosition(int(manifest["epoch"]), None if step is None else int(step))
+        self._manifests[position] = manifest
 
     def _manifest(self, url: str) -> dict[str, Any]:
         try:
@@ -168,9 +299,10 @@ class CheckpointStore:
             raise CheckpointError(f"{url}/{name} does not match its sha256 in the manifest")
         return data
 
-    def load(self, epoch: int) -> VerifiedCheckpoint:
-        """Read and verify one checkpoint; raise :class:`CheckpointError` if it does not verify."""
-        url = self.url_for(epoch)
+    def load(self, epoch: int, *, step: int | None = None) -> VerifiedCheckpoint:
+        """Read and verify one checkpoint (``epoch``'s end, or ``step`` steps into it); raise
+        :class:`CheckpointError` if it does not verify."""
+        url = self.url_for(epoch, step)
         manifest = self._manifest(url)
         if manifest.get("pruned"):
             raise CheckpointError(f"{url} was pruned by the retention policy (metrics only)")
@@ -178,7 +310,7 @@ class CheckpointStore:
         files = {
             name: self._verified_file(url, name, expected) for name, expected in listed.items()
         }
-        return VerifiedCheckpoint(epoch, url, files)
+        return VerifiedCheckpoint(epoch, url, files, step)
 
     def read_verified(self, epoch: int, name: str) -> bytes:
         """One file of a committed checkpoint, verified, without reading the others."""
@@ -189,24 +321,27 @@ class CheckpointStore:
         return self._verified_file(url, name, listed[name])
 
     def latest(self) -> VerifiedCheckpoint | None:
-        """The newest checkpoint that verifies; broken ones are skipped with a warning."""
-        for epoch in reversed(self.epochs()):
+        """The newest checkpoint that verifies, mid-epoch ones included; broken ones are
+        skipped with a warning."""
+        for position in reversed(self.positions()):
             try:
-                return self.load(epoch)
+                return self.load(position.epoch, step=position.step)
             except CheckpointError as exc:
                 logger.warning("Skipping checkpoint: %s; trying the previous one", exc)
         return None
 
-    def _committed(self) -> dict[int, dict[str, Any]]:
-        """Manifests of the committed checkpoints, by epoch (uncommitted ones are left alone)."""
+    def _committed(self) -> dict[CheckpointPosition, dict[str, Any]]:
+        """Manifests of the committed checkpoints, in training order (uncommitted ones are left
+        alone)."""
         manifests = {}
-        for epoch in self.epochs():
-            if epoch not in self._manifests:
+        for position in self.positions():
+            if position not in self._manifests:
                 try:
-                    self._manifests[epoch] = self._manifest(self.url_for(epoch))
+                    url = self.url_for(position.epoch, position.step)
+                    self._manifests[position] = self._manifest(url)
                 except CheckpointError:
                     continue
-            manifests[epoch] = self._manifests[epoch]
+            manifests[position] = self._manifests[position]
         return manifests
 
     def _score(self, epoch: int, policy: RetentionPolicy) -> float | None:
@@ -225,28 +360,41 @@ class CheckpointStore:
             return None
         sign = 1 if policy.mode == "min" else -1
         scored = {
-            epoch: score
-            for epoch, manifest in self._committed().items()
-            if not manifest.get("pruned") and (score := self._score(epoch, policy)) is not None
+            position.epoch: score
+            for position, manifest in self._committed().items()
+            if position.step is None  # only an epoch's end has its metrics
+            and not manifest.get("pruned")
+            and (score := self._score(position.epoch, policy)) is not None
         }
         return min(scored, key=lambda e: (sign * scored[e], -e)) if scored else None
 
     def prune(
         self, policy: RetentionPolicy, *, also_keep: frozenset[int] = frozenset()
     ) -> list[int]:
-        """Drop the weights of checkpoints the policy does not keep (nor ``also_keep``, e.g.
-        early stopping's best epoch); return their epochs.
+        """Drop the weights of checkpoints the policy does not keep (nor the epochs in
+        ``also_keep``, e.g. early stopping's best epoch); return the epochs whose weights went.
 
-        The manifest is rewritten first (listing only ``kept_files``), then the other files
-        are deleted, so a reader never finds a manifest that names a missing file.
+        ``keep_last`` counts mid-epoch checkpoints too. An epoch's end keeps its manifest,
+        rewritten first (listing only ``kept_files``), then the other files are deleted, so a
+        reader never finds a manifest that names a missing file. A mid-epoch checkpoint goes
+        whole, its manifest first.
         """
         manifests = self._committed()
-        keep = set(sorted(manifests)[-policy.keep_last :]) | {self.best_epoch(policy)} | also_keep
+        best = self.best_epoch(policy)
+        keep = set(list(manifests)[-policy.keep_last :]) | {
+            CheckpointPosition(epoch) for epoch in {best, *also_keep} if epoch is not None
+        }
         pruned = []
-        for epoch, manifest in manifests.items():
-            if epoch in keep or manifest.get("pruned"):
+        for position, manifest in manifests.items():
+            if position in keep or manifest.get("pruned"):
                 continue
-            url = self.url_for(epoch)
+            url = self.url_for(position.epoch, position.step)
+            if position.step is not None:
+                storage.remove(storage.join(url, MANIFEST))
+                storage.remove_folder(url)
+                self._manifests.pop(position, None)
+                continue
+            epoch = position.epoch
             files = manifest.get("files", {})
             kept = {name: files[name] for name in policy.kept_files if name in files}
             self._write_manifest(url, {**manifest, "files": kept, "pruned": True})

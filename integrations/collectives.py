@@ -76,6 +76,22 @@ def all_reduce(
     return tensor.tolist()  # type: ignore[no-any-return]
 
 
+def all_gather(values: Sequence[float | torch.Tensor], device: torch.device) -> list[list[float]]:
+    """Every worker's ``values`` (the same count on each), in rank order: one collective and
+    one host sync, whatever their number; ``[values]`` outside a process group."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.stack(
+        [torch.as_tensor(value, dtype=torch.float64, device=device) for value in values]
+    )
+    if not in_process_group():
+        return [tensor.tolist()]
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return torch.stack(gathered).tolist()  # type: ignore[no-any-return]
+
+
 def any_worker(flag: bool, device: torch.device) -> bool:
     """Whether ``flag`` is true on at least one worker; every worker gets the same answer."""
     return all_reduce([1.0 if flag else 0.0], device, op="max")[0] > 0

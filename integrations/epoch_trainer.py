@@ -1,25 +1,33 @@
 """One worker's training, a epoch at a time: the loop config, the data shard, the strategy
 (DDP, FSDP2), precision, the task's loss and metrics or the model's own hooks, and the
-checkpoint each epoch commits. Only torch and numpy: Ray Train workers
-(:mod:`integrations.ray_training`), campaign trials in one warm process and the GPU check run it.
+checkpoint each epoch commits (and, with a step or time cadence, the ones it commits inside an
+epoch, from which a resumed run continues at the next step). Only torch and numpy: Ray Train
+workers (:mod:`integrations.ray_training`), campaign trials in one warm process and the GPU
+check run it.
 
 The loop owns checkpointing through :class:`CheckpointStore` (atomic, verified) instead of Ray
 Train's checkpoints, so that a restarted worker group, a restarted process and a reader on
 another machine all resume from the same verified bytes. Rank 0 commits one checkpoint per
 epoch, its metrics included; the driver logs those metrics to MLflow once each.
 
-Checkpoints are ``torch.distributed.checkpoint`` (DCP) directories holding the unsharded
-model and optimiser state under their plain parameter names (``get_state_dict`` strips the DDP
-and FSDP wrappers). Loading goes through DCP into the current layout, so a checkpoint written
-by 2 FSDP workers restores into 3 DDP workers, into one campaign trial, or into a plain model
-for evaluation. Gathering the full state on rank 0 bounds a model by one host's memory, not by
-one device's.
+Checkpoints are ``torch.distributed.checkpoint`` (DCP) directories holding the model and
+optimiser state under their plain parameter names (``get_state_dict`` strips the DDP and FSDP
+wrappers), in one of two layouts (``training.checkpoint_layout``, resolved by
+``distributed_checkpoint.resolve_layout``): *gathered* (DDP, one process), where rank 0
+gathers the full state and commits it, or *sharded* (FSDP, TP, PP by default), where every
+rank writes its own shards and rank 0 commits the manifest that names them all, so no host
+ever holds the whole model. Loading goes through DCP into the current layout, so a checkpoint
+written by 2 FSDP workers restores into 3 DDP workers, into one campaign trial, or into a
+plain model for evaluation.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import dataclasses
 import json
+import math
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -32,20 +40,24 @@ from prefect_ml.integrations import (
     collectives,
     distributed_checkpoint,
     hooks,
+    model_parallel,
     problems,
     storage,
 )
 from prefect_ml.integrations.catalog import build_model, enable_gradient_checkpointing
 from prefect_ml.integrations.checkpoints import CheckpointStore, RetentionPolicy
+from prefect_ml.integrations.distributed_checkpoint import ShardedSnapshot
 from prefect_ml.integrations.early_stopping import EarlyStopping, History
 from prefect_ml.integrations.errors import CheckpointError, ConfigurationError
 from prefect_ml.integrations.shards import EpochOrder, Shard, epoch_seed, open_shard
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
 METRICS_FILE = "metrics.json"
 TRAINER_STATE_FILE = "trainer.json"  # epoch, seed, LR schedule and loss scale, as JSON
+# (a mid-epoch checkpoint adds its step and every rank's RNG state and running train loss)
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -112,6 +124,19 @@ class TrainLoopConfig:
         )
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a mid-epoch checkpoint left its epoch: ``step`` steps trained by ``world_size``
+    workers (``data_world_size`` model replicas reading their own shards), and each rank's
+    torch RNG state and running train-loss sum (rank order)."""
+
+    epoch: int
+    step: int
+    world_size: int
+    data_world_size: int
+    ranks: list[dict[str, Any]]
+
+
 def make_optimizer(name: str, params: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     import torch
 
@@ -141,18 +166,30 @@ def precision_context(precision: str, device: torch.device) -> Any:
 
 
 def apply_strategy(
-    model: torch.nn.Module, strategy: str, device: torch.device, prepare_ddp: Any
+    model: torch.nn.Module,
+    strategy: str,
+    device: torch.device,
+    prepare_ddp: Any,
+    *,
+    mesh: DeviceMesh | None = None,
 ) -> torch.nn.Module:
     """``model`` on ``device``, wrapped for data-parallel training by ``strategy``.
 
     ``fsdp`` shards every top-level child that holds parameters, then the root, with FSDP2's
     ``fully_shard`` over all workers (gloo on CPU, NCCL on GPUs); ``ddp`` uses ``prepare_ddp``
-    (Ray Train's ``prepare_model``). Outside a process group the model trains unwrapped.
+    (Ray Train's ``prepare_model``). ``tp`` and ``pp`` split the model over the ``(dp, tp|pp)``
+    ``mesh`` (:mod:`integrations.model_parallel`): tensor-parallel layers, or this rank's
+    pipeline stage, FSDP2-sharded over ``dp``. Outside a process group the model trains
+    unwrapped.
     """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return model.to(device)
+    if strategy == "tp" and mesh is not None:
+        return model_parallel.parallelize_tensors(model.to(device), mesh)
+    if strategy == "pp" and mesh is not None:
+        return model_parallel.pipeline_stage_module(model, mesh, device)
     if strategy == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -168,10 +205,14 @@ def apply_strategy(
 
 
 class EpochCommitter:
-    """Rank 0's background writer: commits each epoch's checkpoint while training carries on.
+    """The background writer: commits each epoch's checkpoint while training carries on.
 
-    The loop hands over the checkpoint's files as bytes. One commit is in flight at a time, so
-    commits stay in epoch order and memory stays bounded. After each commit the retention
+    Gathered checkpoints: rank 0's committer gets the checkpoint's files as bytes. Sharded
+    ones: every rank's committer gets its :class:`ShardedSnapshot`, writes its own shards, and
+    rank 0's commits them all (``distributed_checkpoint.commit_sharded``, whose collectives
+    run on the snapshot's checkpoint group). One commit is in flight at a time on each rank,
+    so commits stay in order, every rank's collectives come in the same order, and memory
+    stays bounded. After each commit the retention
     policy, if any, prunes the checkpoints it does not keep, except early stopping's best
     epoch (whose weights are the run's result). ``history`` holds the metrics of the epochs
     committed before this committer started (a resumed run's). Workers never write metrics
@@ -194,13 +235,15 @@ class EpochCommitter:
         self._early_stopping = early_stopping
         self._history = {epoch: dict(metrics) for epoch, metrics in (history or {}).items()}
         self.committed_epoch = 0  # the newest epoch this committer committed
+        # This epoch's mid-epoch commits so far, and the time they blocked the loop.
+        self.mid_epoch_checkpoints, self._mid_epoch_blocking = 0, 0.0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._in_flight: Future[str] | None = None
+        self._in_flight: Future[str | None] | None = None
 
     def submit(
         self,
         epoch: int,
-        files: dict[str, bytes],
+        files: dict[str, bytes] | ShardedSnapshot,
         metrics: dict[str, float],
         *,
         epoch_started: float,
@@ -211,18 +254,53 @@ class EpochCommitter:
         now = time.perf_counter()
         metrics = {
             **metrics,
-            # What checkpointing cost the loop: the snapshot plus waiting for the previous commit.
-            "checkpoint_blocking_seconds": now - blocked_since,
+            # What checkpointing cost the loop: the snapshots (this epoch's mid-epoch ones
+            # too) plus waiting for the previous commits.
+            "checkpoint_blocking_seconds": now - blocked_since + self._mid_epoch_blocking,
             "epoch_seconds": now - epoch_started,  # wall time of the whole epoch on rank 0
+            "mid_epoch_checkpoints": self.mid_epoch_checkpoints,  # by this worker group
         }
-        files = {**files, METRICS_FILE: json.dumps(metrics).encode()}
+        self.mid_epoch_checkpoints, self._mid_epoch_blocking = 0, 0.0
+        small = {METRICS_FILE: json.dumps(metrics).encode()}
+        if isinstance(files, ShardedSnapshot):
+            files = dataclasses.replace(files, files={**files.files, **small})
+        else:
+            files = {**files, **small}
         self._in_flight = self._executor.submit(self._commit, epoch, files, metrics)
 
-    def _commit(self, epoch: int, files: dict[str, bytes], metrics: dict[str, float]) -> str:
-        url = self._store.save(epoch, files)
+    def submit_step(
+        self,
+        epoch: int,
+        step: int,
+        files: dict[str, bytes] | ShardedSnapshot,
+        *,
+        blocked_since: float,
+    ) -> None:
+        """Queue a checkpoint taken ``step`` steps into ``epoch`` (no metrics: the epoch has
+        not ended); its blocking time counts in the epoch's ``checkpoint_blocking_seconds``."""
+        self.wait()
+        self._in_flight = self._executor.submit(self._commit, epoch, files, None, step)
+        self.mid_epoch_checkpoints += 1
+        self._mid_epoch_blocking += time.perf_counter() - blocked_since
+
+    def _commit(
+        self,
+        epoch: int,
+        files: dict[str, bytes] | ShardedSnapshot,
+        metrics: dict[str, float] | None,
+        step: int | None = None,
+    ) -> str | None:
+        if isinstance(files, ShardedSnapshot):  # None on ranks other than 0
+            url = distributed_checkpoint.commit_sharded(self._store, epoch, files, step=step)
+        else:
+            url = self._store.save(epoch, files, step=step)
+        if metrics is None:  # a mid-epoch checkpoint
+            if self._retention is not None and url is not None:
+                self._store.prune(self._retention, also_keep=self._pinned())
+            return url
         self.committed_epoch = epoch
         self._history[epoch] = metrics
-        if self._retention is not None:
+        if self._retention is not None and url is not None:  # rank 0 prunes
             self._store.prune(self._retention, also_keep=self._pinned())
         return url
 
@@ -255,7 +333,7 @@ class EpochCommitter:
 
 
 def evaluate_batches(
-    model: torch.nn.Module,
+    model: torch.nn.Module | model_parallel.Pipeline,
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
     device: torch.device,
     problem: problems.Problem,
@@ -270,7 +348,10 @@ def evaluate_batches(
     model.eval()
     with torch.no_grad():
         for features, targets in batches:
-            batch = problem.validation_sums(model(features), targets)
+            outputs = model(features)
+            if outputs is None:  # a pipeline stage before the last: the last one adds them
+                continue
+            batch = problem.validation_sums(outputs, targets)
             sums = [total + part for total, part in zip(sums, batch, strict=True)]
     return sums
 
@@ -298,6 +379,12 @@ class EpochTrainer:
         from prefect_ml.integrations import devices
 
         self.config, self.rank, self.world_size = config, rank, world_size
+        self.layout = model_parallel.MeshLayout.of(config, world_size)
+        # The ranks of one model replica (a tensor-parallel group, a pipeline) read the same
+        # shard in the same order; one of them reports the replica's metrics.
+        self.data_rank = self.layout.data_rank(rank)
+        self.data_world_size = self.layout.data_parallel
+        self.reports = self.layout.reports(rank)
         self.problem = problems.problem(config.task)
         self.device = device or torch.device("cpu")
         collectives.check_group_device(self.device)
@@ -316,12 +403,27 @@ class EpochTrainer:
         self.loss = hooks.loss_function(model, self.problem)
         self.extra_metrics = hooks.metrics_function(model)
         self.network = model  # what forward() runs: validation, evaluation and serving
+        self.pipeline: model_parallel.Pipeline | None = None  # pp: this rank's stage
         if self.hooked:  # DDP wraps the steps; checkpoints hold the network's own state
             self.model = apply_strategy(hooks.step_module(model), "ddp", self.device, prepare_model)
             self.state_module = model
         else:
-            self.model = apply_strategy(model, config.strategy, self.device, prepare_model)
+            model_parallel.check_precision(config)
+            mesh = self.layout.build(self.device) if self.layout.model_parallel > 1 else None
+            self.model = apply_strategy(
+                model, config.strategy, self.device, prepare_model, mesh=mesh
+            )
             self.network = self.state_module = self.model
+            if config.strategy == "pp" and mesh is not None:
+                self.pipeline = model_parallel.Pipeline(
+                    self.model,
+                    mesh,
+                    self.device,
+                    self.loss,
+                    microbatches=config.pipeline_microbatches,
+                    schedule=config.pipeline_schedule,
+                )
+        self.communication: model_parallel.Communication | None = None  # of one step, tp/pp
         self.optimizer = hooks.configured_optimizer(model) or make_optimizer(
             config.optimizer, self.model.parameters(), config.lr, config.weight_decay
         )
@@ -329,7 +431,15 @@ class EpochTrainer:
         # Loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's range.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16")
         self.store = CheckpointStore(config.checkpoint_url)
+        # Sharded checkpoints coordinate on a gloo group of their own (created here, by every
+        # rank in the same order); None for gathered ones.
+        self.checkpoint_group = (
+            distributed_checkpoint.checkpoint_group()
+            if self.checkpoint_layout == "sharded"
+            else None
+        )
         self.first_epoch = 1
+        self.resume: ResumePoint | None = None  # set by a mid-epoch checkpoint's restore
         self.peak_memory_kind = devices.peak_memory_kind(self.device)
         latest = self.store.latest()
         if latest is not None:
@@ -340,8 +450,8 @@ class EpochTrainer:
                 config.data_layout,
                 split,
                 tuple(config.input_shape),
-                rank,
-                world_size,
+                self.data_rank,
+                self.data_world_size,
             )
             for split in ("train", "val")
         }
@@ -349,6 +459,7 @@ class EpochTrainer:
         # The task's own validation pass (forward, the task's loss and metrics) is skipped when
         # the model's validation_step already returns every metric of it.
         self.task_validation = not self.hooked or not self._steps_cover_the_task()
+        self._last_checkpoint = time.perf_counter()  # the seconds cadence counts from here
 
     def _steps_cover_the_task(self) -> bool:
         """Whether the model's ``validation_step`` returns every validation metric of the
@@ -377,9 +488,39 @@ class EpochTrainer:
         )
 
     def _restore(self, files: dict[str, bytes]) -> None:
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        try:
+            self._load_state(files, flatten=True)
+        except CheckpointError:  # written before optimiser state was flattened per parameter
+            self._load_state(files, flatten=False)
+        trainer_state = json.loads(files[TRAINER_STATE_FILE])
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        if trainer_state.get("scaler"):
+            self.scaler.load_state_dict(trainer_state["scaler"])
+        epoch = int(trainer_state["epoch"])
+        if trainer_state.get("step") is None:
+            self.first_epoch = epoch + 1
+            return
+        self.first_epoch = epoch  # a mid-epoch checkpoint: that epoch continues
+        self.resume = ResumePoint(
+            epoch,
+            int(trainer_state["step"]),
+            int(trainer_state["world_size"]),
+            int(trainer_state.get("data_world_size", trainer_state["world_size"])),
+            trainer_state["ranks"],
+        )
 
-        model_state, optimizer_state = get_state_dict(self.state_module, self.optimizer)
+    def _load_state(self, files: dict[str, bytes], *, flatten: bool) -> None:
+        """The model and optimiser state of a checkpoint's DCP files, into this layout."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+            set_state_dict,
+        )
+
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        model_state, optimizer_state = get_state_dict(
+            self.state_module, self.optimizer, options=options
+        )
         distributed_checkpoint.load_files(
             files, {"model": model_state, "optimizer": optimizer_state}
         )
@@ -388,36 +529,41 @@ class EpochTrainer:
             self.optimizer,
             model_state_dict=model_state,
             optim_state_dict=optimizer_state,
+            options=options,
         )
-        trainer_state = json.loads(files[TRAINER_STATE_FILE])
-        self.scheduler.load_state_dict(trainer_state["scheduler"])
-        if trainer_state.get("scaler"):
-            self.scaler.load_state_dict(trainer_state["scaler"])
-        self.first_epoch = int(trainer_state["epoch"]) + 1
 
-    def train_epoch(self, epoch: int) -> dict[str, float]:
-        """Train one epoch, then evaluate; metrics are summed (memory: maxed) over all workers."""
-        import torch
+    def train_epoch(self, epoch: int, committer: EpochCommitter | None = None) -> dict[str, float]:
+        """Train one epoch, then evaluate; metrics are summed (memory: maxed) over all workers.
 
+        With a step or seconds cadence (``checkpoint_every_steps``/``_seconds``) every worker
+        snapshots inside the epoch when one is due, and rank 0 hands the files to ``committer``
+        (the other ranks pass None). An epoch a mid-epoch checkpoint was restored from
+        continues at the step after it.
+        """
         from prefect_ml.integrations import devices
 
         config, model = self.config, self.model
         devices.reset_peak_memory(self.device)
         started = time.perf_counter()
         model.train()
-        order = EpochOrder(config.seed, epoch, self.rank)
-        torch.manual_seed(order.worker_seed)
-        loss_sum = torch.zeros((), device=self.device)  # summed on device: no host sync per step
-        batches = self.train.batches(config.batch_size, order, self._on_device)
-        for step, (features, targets) in enumerate(batches):
+        order = EpochOrder(config.seed, epoch, self.data_rank)
+        first_step, loss_sum = self._epoch_start(epoch, order)  # loss summed on the device
+        steps = math.ceil(self.train.rows / config.batch_size)
+        batches = self.train.batches(config.batch_size, order, self._on_device, skip=first_step)
+        for step, (features, targets) in enumerate(batches, start=first_step):
             loss_sum += self._train_step(step, features, targets) * len(targets)
+            if step + 1 < steps and self._checkpoint_due(step + 1):  # the end commits anyway
+                blocked_since = time.perf_counter()
+                files = self.snapshot(epoch, step=step + 1, loss_sum=loss_sum)
+                if committer is not None:
+                    committer.submit_step(epoch, step + 1, files, blocked_since=blocked_since)
         self.scheduler.step()
         train_seconds = time.perf_counter() - started
         val_batch = max(config.batch_size, 256)
         with precision_context(config.precision, self.device):
             val_sums = (
                 evaluate_batches(
-                    self.network,
+                    self.pipeline or self.network,
                     self.val.batches(val_batch, None, self._on_device),
                     self.device,
                     self.problem,
@@ -426,21 +572,22 @@ class EpochTrainer:
                 else []
             )
             model_sums = self._model_validation(val_batch)
+        # One rank per model replica adds its rows and validation sums (its loss sum is its
+        # steps' losses: zero on the others, see _train_step), so the metrics are DDP's.
+        share = 1.0 if self.reports else 0.0
         train_rows, val_rows, seconds, *totals = collectives.all_reduce(
             [
-                self.train.rows,
-                self.val.rows,
+                self.train.rows * share,
+                self.val.rows * share,
                 train_seconds,
                 loss_sum,
-                *val_sums,
-                *model_sums.values(),
+                *(part * share for part in val_sums),
+                *(part * share for part in model_sums.values()),
             ],
             self.device,
         )
         model_metrics = dict(zip(model_sums, totals[1 + len(val_sums) :], strict=True))
-        peak_memory = collectives.all_reduce(
-            [devices.peak_memory_bytes(self.device)], self.device, op="max"
-        )[0]
+        per_rank = self._per_rank_metrics(train_seconds / max(1, steps - first_step))
         return {
             "train_loss": totals[0] / train_rows,
             **(
@@ -452,14 +599,107 @@ class EpochTrainer:
             ),
             **{name: total / val_rows for name, total in model_metrics.items()},
             "samples_per_second": train_rows / (seconds / self.world_size),
-            "peak_memory_mib": peak_memory / 2**20,  # the largest worker's
+            **per_rank,
             "workers": self.world_size,  # elastic groups change size between restarts
         }
 
+    def _per_rank_metrics(self, step_seconds: float) -> dict[str, float]:
+        """Each rank's peak memory and mean step time (one gather), the largest peak as
+        ``peak_memory_mib``, and under tp/pp what one step communicates: the collectives a
+        rank joins (the most of any rank) and the pipeline's point-to-point bytes (all ranks)."""
+        from prefect_ml.integrations import devices
+
+        sent = self.communication or model_parallel.Communication()
+        own = devices.peak_memory_bytes(self.device)
+        rows = collectives.all_gather(
+            [own, step_seconds, sent.collectives, sent.p2p_bytes], self.device
+        )
+        metrics = {"peak_memory_mib": max(row[0] for row in rows) / 2**20}  # the largest worker's
+        for rank, (peak, seconds, _, _) in enumerate(rows):
+            metrics[f"peak_memory_mib_rank{rank}"] = peak / 2**20
+            metrics[f"step_seconds_rank{rank}"] = seconds
+        if self.config.strategy in model_parallel.SIZE_FIELDS and self.layout.model_parallel > 1:
+            metrics["collectives_per_step"] = max(row[2] for row in rows)
+            metrics["p2p_bytes_per_step"] = sum(row[3] for row in rows)
+        return metrics
+
+    def _epoch_start(self, epoch: int, order: EpochOrder) -> tuple[int, torch.Tensor]:
+        """The step ``epoch`` starts at and its running train-loss sum, with torch's RNG set
+        to match: step 0, a zero sum and the epoch's seed, or where a restored mid-epoch
+        checkpoint left them.
+
+        With the worker count that wrote the checkpoint, each rank takes back its own RNG
+        state and loss sum: the epoch goes on exactly as it would have. With another count
+        the shards differ, so it starts at the step that covers the same share of the epoch's
+        samples, with the epoch's seed and the loss summed so far on rank 0.
+        """
+        import torch
+
+        resume, self.resume = self.resume, None
+        loss_sum = torch.zeros((), device=self.device)
+        if resume is None or resume.epoch != epoch:
+            torch.manual_seed(order.worker_seed)
+            return 0, loss_sum
+        layout = (resume.world_size, resume.data_world_size)
+        if layout != (self.world_size, self.data_world_size):
+            torch.manual_seed(order.worker_seed)
+            if self.rank == 0:
+                loss_sum += sum(float(rank["loss_sum"]) for rank in resume.ranks)
+            return resume.step * resume.data_world_size // self.data_world_size, loss_sum
+        state = resume.ranks[self.rank]
+        torch.set_rng_state(_tensor_of(state["rng"]))
+        if state.get("cuda_rng") and self.device.type == "cuda":
+            torch.cuda.set_rng_state(_tensor_of(state["cuda_rng"]), self.device)
+        loss_sum += float(state["loss_sum"])
+        return resume.step, loss_sum
+
+    def _checkpoint_due(self, steps_done: int) -> bool:
+        """Whether a checkpoint is due after ``steps_done`` steps of the epoch; the same answer
+        on every worker (a snapshot is a collective), from rank 0's clock for the seconds
+        cadence (one tiny all-reduce a step, only when that cadence is on)."""
+        config = self.config
+        every = config.checkpoint_every_steps
+        due = every > 0 and steps_done % every == 0
+        if config.checkpoint_every_seconds > 0:
+            elapsed = time.perf_counter() - self._last_checkpoint
+            late = self.rank == 0 and elapsed >= config.checkpoint_every_seconds
+            due = collectives.any_worker(late, self.device) or due
+        return due
+
+    def _rank_resume_state(self, loss_sum: torch.Tensor) -> dict[str, Any]:
+        """This rank's share of a mid-epoch checkpoint: torch's RNG states and its loss sum."""
+        import torch
+
+        cuda = self.device.type == "cuda"
+        return {
+            "rng": _text_of(torch.get_rng_state()),
+            "cuda_rng": _text_of(torch.cuda.get_rng_state(self.device)) if cuda else None,
+            "loss_sum": float(loss_sum),  # a float32 sum: exact as a Python float
+        }
+
     def _train_step(self, step: int, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One optimiser step on one batch; the batch's mean loss, detached, on the device."""
+        """One optimiser step on one batch; the batch's mean loss, detached, on the device
+        (zero on the ranks of a model replica that do not report it: see ``reports``).
+
+        Under tp and pp the trainer's first step is measured (:func:`model_parallel.measured`)
+        for the communication it reports."""
+        if self.communication is None and self.layout.model_parallel > 1:
+            with model_parallel.measured(self.pipeline) as measured:
+                loss = self._optimizer_step(step, features, targets)
+            self.communication = measured[0]
+            return loss
+        return self._optimizer_step(step, features, targets)
+
+    def _optimizer_step(
+        self, step: int, features: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
         model, scaler = self.model, self.scaler
         self.optimizer.zero_grad(set_to_none=True)
+        if self.pipeline is not None:  # forward and backward run inside the schedule
+            with precision_context(self.config.precision, self.device):
+                loss = self.pipeline.train_step(features, targets)
+            self.optimizer.step()
+            return loss
         with precision_context(self.config.precision, self.device):
             if self.hooked:
                 loss = model(hooks.batch_of(self.network, features, targets), step).float()
@@ -468,7 +708,7 @@ class EpochTrainer:
         scaler.scale(loss).backward()
         scaler.step(self.optimizer)
         scaler.update()
-        return loss.detach()
+        return loss.detach() if self.reports else loss.detach() * 0.0
 
     def _model_validation(self, batch_size: int) -> dict[str, torch.Tensor]:
         """The metrics the model adds (its ``validation_step``, or ``compute_metrics`` of its
@@ -489,43 +729,100 @@ class EpochTrainer:
                     metrics = hooks.checked_metrics(found, self.network)
                 else:
                     assert self.extra_metrics is not None
-                    found = self.extra_metrics(self.network(features), targets)
+                    outputs = (self.pipeline or self.network)(features)
+                    if outputs is None:  # a pipeline stage before the last
+                        continue
+                    found = self.extra_metrics(outputs, targets)
                     metrics = hooks.checked_metrics(found, self.network, "compute_metrics")
                 for name, value in metrics.items():
                     weighted = value * len(targets)
                     sums[name] = sums[name] + weighted if name in sums else weighted
         return sums
 
-    def snapshot(self, epoch: int) -> dict[str, bytes]:
-        """The training state after ``epoch`` as checkpoint files; empty on ranks other than 0.
+    @property
+    def checkpoint_layout(self) -> str:
+        """``"sharded"`` or ``"gathered"`` (``distributed_checkpoint.resolve_layout``)."""
+        import torch.distributed as dist
 
-        Every worker must call it: under FSDP, gathering the full state is a collective.
+        grouped = dist.is_available() and dist.is_initialized()
+        return distributed_checkpoint.resolve_layout(
+            self.config.checkpoint_layout,
+            "ddp" if self.hooked else self.config.strategy,
+            self.world_size if grouped else 1,
+        )
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this rank commits checkpoints (an :class:`EpochCommitter` of its own): rank 0,
+        and every rank when they are sharded."""
+        return self.rank == 0 or self.checkpoint_group is not None
+
+    def snapshot(
+        self, epoch: int, *, step: int | None = None, loss_sum: torch.Tensor | None = None
+    ) -> dict[str, bytes] | ShardedSnapshot:
+        """The training state after ``epoch`` (or after ``step`` steps of it, with the epoch's
+        running ``loss_sum``) as checkpoint files; empty on ranks other than 0. Sharded: every
+        rank's CPU copy of its own part, for its committer to write.
+
+        Every worker must call it: under FSDP, gathering the full state is a collective, and a
+        mid-epoch snapshot gathers every rank's RNG state and loss sum to rank 0.
         """
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        distributed = dist.is_available() and dist.is_initialized()
+        resume: dict[str, Any] = {}
+        if step is not None:
+            if loss_sum is None:
+                raise ValueError("a mid-epoch snapshot needs the epoch's running loss_sum")
+            gathered = collectives.gather_strings(json.dumps(self._rank_resume_state(loss_sum)))
+            ranks = [json.loads(rank) for rank in gathered]
+            resume = {
+                "step": step,
+                "world_size": self.world_size,
+                "data_world_size": self.data_world_size,
+                "ranks": ranks,
+            }
+        sharded = self.checkpoint_group is not None
+        full = dist.is_available() and dist.is_initialized() and not sharded  # gathered
         model_state, optimizer_state = get_state_dict(
             self.state_module,
             self.optimizer,
-            options=StateDictOptions(full_state_dict=distributed, cpu_offload=distributed),
+            # Flattened: every optimiser value (param groups too) under its parameter's name,
+            # so pipeline stages, which hold different parameters, never write the same key.
+            options=StateDictOptions(
+                full_state_dict=full, cpu_offload=full, flatten_optimizer_state_dict=True
+            ),
         )
-        if self.rank != 0:
+        self._last_checkpoint = time.perf_counter()  # the seconds cadence counts from here
+        if self.rank != 0 and not sharded:
             return {}
         state = {"model": model_state, "optimizer": optimizer_state}
-        files = distributed_checkpoint.to_files(state)
         trainer_state = {
             "epoch": epoch,
             "seed": self.config.seed,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            **resume,
         }
-        files[TRAINER_STATE_FILE] = json.dumps(trainer_state).encode()
-        return files
+        small = {TRAINER_STATE_FILE: json.dumps(trainer_state).encode()} if self.rank == 0 else {}
+        if self.checkpoint_group is not None:
+            return ShardedSnapshot.take(state, small, self.checkpoint_group)
+        return {**distributed_checkpoint.to_files(state), **small}
 
     def committed_metrics(self) -> dict[int, dict[str, float]]:
         """Metrics of every verified epoch before ``first_epoch`` (a resumed run's history)."""
         return committed_history(self.store, self.first_epoch - 1)
+
+
+def _text_of(state: torch.Tensor) -> str:
+    """An RNG state (a uint8 tensor) as base64 text, for JSON."""
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _tensor_of(text: str) -> torch.Tensor:
+    import torch
+
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
 def committed_history(store: CheckpointStore, last_epoch: int) -> dict[int, dict[str, float]]:

@@ -116,6 +116,13 @@ def check_contract(model: Any, *, strategy: str) -> None:
             f"{type(model).__name__} brings its own training_step, which FSDP cannot shard "
             "around; use --strategy ddp",
         )
+    if strategy in ("tp", "pp"):
+        raise ConfigurationError(
+            "training.strategy",
+            f"{type(model).__name__} brings its own training_step, and --strategy {strategy} "
+            "splits a forward, not a step; use --strategy ddp, or train the model with the "
+            "task's loss (compute_loss) instead of a training_step",
+        )
 
 
 def check_loss(loss: Any, model: Any, hook: str = "training_step") -> None:

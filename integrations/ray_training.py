@@ -37,8 +37,9 @@ def worker_nodes() -> list[str]:
 
 
 def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
-    """One Ray Train worker: resume from the newest verified checkpoint, then train epochs
-    until the last one, a stop request, or early stopping."""
+    """One Ray Train worker: resume from the newest verified checkpoint (mid-epoch ones at
+    the step after it), then train epochs until the last one, a stop request, or early
+    stopping; checkpoints every epoch and at the configured step or seconds cadence."""
     import ray.train
     import ray.train.torch
 
@@ -70,7 +71,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
         EpochCommitter(
             trainer.store, config.retention(), early_stopping=early_stopping, history=history
         )
-        if trainer.rank == 0
+        if trainer.writes_checkpoints  # rank 0; every rank when checkpoints are sharded
         else None
     )
     for epoch in range(trainer.first_epoch, config.epochs + 1):
@@ -79,11 +80,11 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
         if stopped_early(early_stopping, history, trainer.device):
             break
         started = time.perf_counter()
-        metrics = trainer.train_epoch(epoch)
+        metrics = trainer.train_epoch(epoch, committer)  # commits mid-epoch ones, if due
         history[epoch] = metrics  # all-reduced: the same values on every worker
         blocked_since = time.perf_counter()
-        # The snapshot (gathered to rank 0) is the only part that blocks; hashing and writing
-        # happen in the background.
+        # The snapshot (gathered to rank 0, or each rank's copy of its shards) is the only part
+        # that blocks; serialising, hashing and writing happen in the background.
         files = trainer.snapshot(epoch)
         if committer is not None:
             committer.submit(

@@ -102,9 +102,10 @@ class Shard(Protocol):
         ...
 
     def batches(
-        self, batch_size: int, order: EpochOrder | None, place: Placement
+        self, batch_size: int, order: EpochOrder | None, place: Placement, *, skip: int = 0
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Every row once, in batches on the device: shuffled for ``order``, else as stored."""
+        """Every row once, in batches on the device: shuffled for ``order``, else as stored;
+        the first ``skip`` batches of that order left out (a run resumed mid-epoch)."""
         ...
 
 
@@ -120,22 +121,23 @@ class ArrayShard:
         return self.features[:n], self.labels[:n]
 
     def batches(
-        self, batch_size: int, order: EpochOrder | None, place: Placement
+        self, batch_size: int, order: EpochOrder | None, place: Placement, *, skip: int = 0
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         import torch
 
         if self._placed is None:
             self._placed = place(self.features, self.labels)
         features, targets = self._placed
+        first = skip * batch_size  # skipped batches are never indexed
         if order is None:
-            for start in range(0, self.rows, batch_size):
+            for start in range(first, self.rows, batch_size):
                 yield features[start : start + batch_size], targets[start : start + batch_size]
             return
         # The order is drawn on the host (the same on every device) and indexes on the device: a
         # host index would be copied to the GPU, synchronously, twice per step.
         index = torch.from_numpy(np.random.default_rng(order.worker_seed).permutation(self.rows))
         index = index.to(features.device)
-        for start in range(0, self.rows, batch_size):
+        for start in range(first, self.rows, batch_size):
             step = index[start : start + batch_size]
             yield features[step], targets[step]
 
@@ -164,12 +166,12 @@ class StoredArrayShard(ArrayShard):
         return self._rows(self.start + min(n, self.rows))
 
     def batches(
-        self, batch_size: int, order: EpochOrder | None, place: Placement
+        self, batch_size: int, order: EpochOrder | None, place: Placement, *, skip: int = 0
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if not self._loaded:
             self.features, self.labels = self._rows(self.stop)
             self._loaded = True
-        return super().batches(batch_size, order, place)
+        return super().batches(batch_size, order, place, skip=skip)
 
 
 @dataclass(frozen=True)
@@ -311,13 +313,19 @@ class StreamedShard:
         return np.zeros((0, *self.sample_shape), np.float32), np.zeros(0)
 
     def batches(
-        self, batch_size: int, order: EpochOrder | None, place: Placement
+        self, batch_size: int, order: EpochOrder | None, place: Placement, *, skip: int = 0
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches of the epoch's shuffle windows. Skipped batches are still read (each
+        window's shuffle mixes rows carried over from the one before, so the window a resumed
+        run starts in depends on every window before it), but never placed on the device."""
         rng = np.random.default_rng(order.worker_seed) if order is not None else None
         delivered = 0
         for features, labels in self._windows(self.pieces(order), batch_size, rng):
             for start in range(0, len(labels), batch_size):
                 stop = start + batch_size
+                if skip > 0:
+                    skip -= 1
+                    continue
                 yield place(features[start:stop], labels[start:stop])
             delivered += len(labels)
         if delivered != self.rows:

@@ -330,6 +330,14 @@ def remove(url: str) -> None:
     fs.rm(path)
 
 
+def remove_folder(url: str) -> None:
+    """Delete everything under ``url`` and the folder itself; nothing if it does not exist."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(path)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
 def create_exclusive(url: str, data: bytes) -> bool:
     """Write ``data`` at ``url`` only if nothing is there; False if something already is.
 
@@ -397,6 +405,19 @@ def list_names(url: str) -> list[str]:
     if not fs.exists(path):
         return []
     return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False))
+
+
+def list_sizes(url: str) -> dict[str, int]:
+    """Sizes in bytes of the files directly under ``url``, by name; empty if it does not exist."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(path)  # another process may have written there since the last listing
+    if not fs.exists(path):
+        return {}
+    return {
+        entry["name"].rstrip("/").rsplit("/", 1)[-1]: int(entry["size"])
+        for entry in fs.ls(path, detail=True)
+        if entry["type"] == "file"
+    }
 
 
 def array_to_npy(array: np.ndarray) -> bytes:

@@ -126,7 +126,7 @@ class TrialWorker:
             raise PrefectMLError("advance() called with no trial started on this worker")
         self._epoch += 1
         started = time.perf_counter()
-        metrics = self._trainer.train_epoch(self._epoch)
+        metrics = self._trainer.train_epoch(self._epoch, self._committer)
         blocked_since = time.perf_counter()
         self._committer.submit(
             self._epoch,

@@ -16,7 +16,15 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from prefect_ml.integrations import catalog, epoch_trainer, hooks, ray_training, storage, tracking
+from prefect_ml.integrations import (
+    catalog,
+    epoch_trainer,
+    hooks,
+    model_parallel,
+    ray_training,
+    storage,
+    tracking,
+)
 from prefect_ml.integrations.checkpoints import CheckpointStore, VerifiedCheckpoint
 from prefect_ml.integrations.early_stopping import EarlyStopping, StopDecision
 from prefect_ml.integrations.errors import CheckpointError, PrefectMLError
@@ -224,6 +232,10 @@ def check_model(params: TrainingSections, data: PreparedData) -> None:
         model = build()
     if params.training.gradient_checkpointing:
         catalog.check_gradient_checkpointing(model)
+    training = params.training
+    if training.strategy in model_parallel.SIZE_FIELDS and isinstance(training.workers, int):
+        size = getattr(training, model_parallel.SIZE_FIELDS[training.strategy]) or training.workers
+        model_parallel.check_split(model, training.strategy, size)
     own = [
         name for name in ("compute_loss", "compute_metrics") if callable(getattr(model, name, None))
     ]
@@ -264,8 +276,9 @@ def training_end(
     epochs: int,
 ) -> TrainingEnd | None:
     """How the run whose newest verified checkpoint is ``final`` ended; None while it has
-    epochs left to train (early stopping decides from the committed epochs' metrics)."""
-    if final is None:
+    epochs left to train (early stopping decides from the committed epochs' metrics), as it
+    has when ``final`` was taken inside an epoch."""
+    if final is None or final.step is not None:
         return None
     history = epoch_trainer.committed_history(store, final.epoch) if early_stopping else {}
     stopped = early_stopping.decide(history) if early_stopping else None
@@ -374,9 +387,12 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
         logger.info("Aborted %d incomplete upload(s) left in %s", aborted, checkpoint_url)
     store = CheckpointStore(checkpoint_url)
     latest = store.latest()
-    resumed_from = latest.epoch if latest else 0
+    resumed_from = latest.completed_epochs if latest else 0  # a mid-epoch one: the epoch before
     if resumed:
-        logger.info("Resuming MLflow run %s from checkpoint epoch %d", run_id, resumed_from)
+        where = f"epoch {resumed_from}"
+        if latest is not None and latest.step is not None:
+            where = f"epoch {latest.epoch} step {latest.step}"
+        logger.info("Resuming MLflow run %s from checkpoint %s", run_id, where)
         tracking.set_tags(client, run_id, {RESUMED_FROM_TAG: str(resumed_from)})
     config = loop_config(
         params,

@@ -66,11 +66,11 @@ def flow_run_artifacts(flow_run_id: str) -> dict[str, str]:
 
 
 def committed_epochs(storage_dir: Path) -> list[int]:
-    """Epochs with a committed checkpoint (manifest written) anywhere under ``storage_dir``."""
-    return sorted(
-        int(manifest.parent.name.removeprefix("epoch-"))
-        for manifest in storage_dir.glob("checkpoints/*/*/epoch-*/MANIFEST.json")
-    )
+    """Epochs with a committed end-of-epoch checkpoint (manifest written) anywhere under
+    ``storage_dir``; mid-epoch checkpoints (``epoch-000003-step-000040``) are not counted."""
+    manifests = storage_dir.glob("checkpoints/*/*/epoch-*/MANIFEST.json")
+    epochs = (manifest.parent.name.removeprefix("epoch-") for manifest in manifests)
+    return sorted(int(epoch) for epoch in epochs if epoch.isdigit())
 
 
 def linked_venv(folder: Path, packages: Path) -> Path:

@@ -1,8 +1,10 @@
 """The whole process killed mid-training; the same command resumes from the last checkpoint.
 
 The first command is issue 7's done-when command (bf16, FSDP over 2 workers, gradient
-checkpointing through a user model's hook); the second resumes the same run on 1 DDP worker:
-the DCP checkpoint restores across strategy and worker count, and the model registers.
+checkpointing through a user model's hook), with sharded checkpoints every 4 steps as well as
+at epoch ends; the second resumes the same run on 1 DDP worker: the DCP checkpoint restores
+across strategy, layout and worker count (from inside an epoch if the kill came after a
+mid-epoch checkpoint), and the model registers.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ COMMAND = [
     str(EPOCHS),
     "--precision",
     "bf16",
+    "--checkpoint-every-steps",
+    "4",
 ]
 FIRST = [*COMMAND, "--strategy", "fsdp", "--gradient-checkpointing", "--workers", "2"]
 SECOND = [*COMMAND, "--strategy", "ddp", "--workers", "1"]
@@ -99,6 +103,8 @@ def test_killed_process_resumes_from_last_verified_checkpoint(
     assert run.data.tags[ray_training.WORLD_SIZE_TAG] == "1", "and finished on one worker"
     workers = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "workers")}
     assert workers[1] == 2 and workers[EPOCHS] == 1
+    mid_epoch = client.get_metric_history(run.info.run_id, "mid_epoch_checkpoints")
+    assert {m.step for m in mid_epoch if m.value > 0} == set(range(1, EPOCHS + 1))
     peaks = client.get_metric_history(run.info.run_id, "peak_memory_mib")
     assert len(peaks) == EPOCHS and all(p.value > 50 for p in peaks), "each worker's peak RSS"
     assert run.data.tags[ray_training.PEAK_MEMORY_TAG].startswith("peak process RSS")

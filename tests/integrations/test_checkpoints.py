@@ -225,3 +225,30 @@ def test_signed_checkpoints_stay_verifiable_after_pruning(
     fresh = CheckpointStore(store.root_url)
     assert json.loads(fresh.read_verified(1, METRICS_FILE))["val_loss"] == 0.5
     assert fresh.load(3).epoch == 3
+
+
+def test_mid_epoch_checkpoints_sort_between_epoch_ends_and_retention_counts_them(
+    store: CheckpointStore,
+) -> None:
+    from prefect_ml.integrations.checkpoints import CheckpointPosition as At
+
+    _save_with_loss(store, 1, 0.5)
+    for step in (5, 10):
+        store.save(2, {STATE_FILE: b"weights 2.%d" % step}, step=step)
+    latest = store.latest()
+    assert latest is not None and latest.position == At(2, 10) and latest.completed_epochs == 1
+    assert latest.files[STATE_FILE] == b"weights 2.10"
+    assert store.epochs() == [1], "metrics readers see epoch ends only"
+    _save_with_loss(store, 2, 0.4)
+    assert store.positions() == [At(1), At(2, 5), At(2, 10), At(2)]
+
+    assert store.prune(RetentionPolicy(keep_last=2, metric="val_loss")) == [1]
+    assert store.positions() == [At(1), At(2, 10), At(2)], "the step-5 checkpoint went whole"
+    assert storage.list_names(store.root_url) == [
+        "epoch-000001",
+        "epoch-000002",
+        "epoch-000002-step-000010",
+    ]
+    assert CheckpointStore(store.root_url).load(2, step=10).step == 10
+    with pytest.raises(ValueError, match="step 1 or later"):
+        store.save(3, {STATE_FILE: b"x"}, step=0)

@@ -24,6 +24,7 @@ from prefect_ml.integrations.epoch_trainer import (
     TrainLoopConfig,
 )
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.model_parallel import MeshLayout
 from prefect_ml.integrations.shards import ArrayShard, shard_bounds
 from tests.fixtures.user_code import blobs
 from tests.helpers import free_port
@@ -59,11 +60,13 @@ def _shards(rank: int, world_size: int) -> dict[str, ArrayShard]:
     return {"train": shard, "val": shard}
 
 
-def _full_state(trainer: EpochTrainer) -> dict[str, torch.Tensor]:
+def _full_state(trainer: EpochTrainer, *, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """The unsharded model state: on rank 0 (empty elsewhere), or on ``every_rank``."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     distributed = torch.distributed.is_initialized()
-    options = StateDictOptions(full_state_dict=distributed, cpu_offload=distributed)
+    offload = distributed and not every_rank
+    options = StateDictOptions(full_state_dict=distributed, cpu_offload=offload)
     state = get_model_state_dict(trainer.model, options=options)
     return {name: tensor.detach().clone() for name, tensor in state.items()}  # not live views
 
@@ -94,15 +97,17 @@ def _train_in_group(
 ) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
+    # A tensor-parallel group or a pipeline reads one shard (integrations.model_parallel).
+    trainer_layout = MeshLayout.of(config, world_size)
     trainer = EpochTrainer(
         config,
         rank=rank,
         world_size=world_size,
         prepare_model=DistributedDataParallel,
-        shards=_shards(rank, world_size),
+        shards=_shards(trainer_layout.data_rank(rank), trainer_layout.data_parallel),
     )
     restored = _full_state(trainer)
-    committer = EpochCommitter(trainer.store) if rank == 0 else None
+    committer = EpochCommitter(trainer.store) if trainer.writes_checkpoints else None
     history = []
     for epoch in range(trainer.first_epoch, trainer.first_epoch + epochs):
         metrics = trainer.train_epoch(epoch)
@@ -111,8 +116,11 @@ def _train_in_group(
         if committer is not None:
             committer.submit(epoch, files, metrics, epoch_started=0.0, blocked_since=0.0)
     final = _full_state(trainer)
+    # Every rank's own state as well: a pipeline stage holds only its layers.
+    torch.save(_full_state(trainer, every_rank=True), f"{out}.rank{rank}.pt")
     if committer is not None:
         committer.close()
+    if rank == 0:
         kind = type(trainer.model).__name__
         torch.save({"restored": restored, "final": final}, f"{out}.pt")
         report = {"first_epoch": trainer.first_epoch, "history": history, "wrapper": kind}
@@ -176,6 +184,35 @@ def test_checkpoints_are_distributed_checkpoint_directories(tmp_path: Path) -> N
     assert ".metadata" in files and any(name.endswith(".distcp") for name in files)
     state = json.loads(files[epoch_trainer.TRAINER_STATE_FILE])
     assert state["epoch"] == 1 and state["scaler"] is None
+
+
+def test_a_checkpoint_written_before_the_optimiser_state_was_flattened_still_resumes(
+    tmp_path: Path,
+) -> None:
+    """Checkpoints now hold the optimiser state flattened per parameter (pipeline stages hold
+    different parameters); one of the earlier nested form restores all the same."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from prefect_ml.integrations import distributed_checkpoint
+    from prefect_ml.integrations.checkpoints import CheckpointStore
+
+    url = tmp_path.as_uri()
+    trainer = EpochTrainer(_config(url), shards=_shards(0, 1))
+    trainer.train_epoch(1)
+    model_state, optimizer_state = get_state_dict(trainer.state_module, trainer.optimizer)
+    files = distributed_checkpoint.to_files({"model": model_state, "optimizer": optimizer_state})
+    trainer_state = {"epoch": 1, "seed": 3, "scheduler": trainer.scheduler.state_dict()}
+    files[epoch_trainer.TRAINER_STATE_FILE] = json.dumps(trainer_state).encode()
+    CheckpointStore(url).save(1, files)
+
+    resumed = EpochTrainer(_config(url), shards=_shards(0, 1))
+
+    assert resumed.first_epoch == 2
+    _assert_same_weights(_full_state(resumed), _full_state(trainer))
+    moments = [trainer.optimizer.state[p]["exp_avg"] for p in trainer.model.parameters()]
+    restored = [resumed.optimizer.state[p]["exp_avg"] for p in resumed.model.parameters()]
+    for before, after in zip(moments, restored, strict=True):
+        torch.testing.assert_close(before, after)
 
 
 def test_bf16_autocast_trains_on_cpu_and_reports_peak_memory(tmp_path: Path) -> None:
