@@ -9,6 +9,7 @@ from prefect_ml.flows.sweep import hpo_campaign
 from prefect_ml.flows.train import TrainingOutcome, training_chain
 from prefect_ml.tasks.params import PipelineParams, section_options, with_trial_values
 from prefect_ml.tasks.placement import check_placement
+from prefect_ml.tasks.report import published_timeline
 from prefect_ml.tasks.serve import ServingResult, serve
 
 __all__ = ["PipelineOutcome", "ml_pipeline"]
@@ -29,17 +30,20 @@ def ml_pipeline(params: PipelineParams = PipelineParams()) -> PipelineOutcome:  
         params: The data, model, training and registry sections; add a sweep section to search
             hyperparameters first, and a serving section to serve the result.
     """
-    if params.sweep is not None:
-        check_placement(params)  # the final training and serving too, not after the campaign
-        result = hpo_campaign(params.campaign())
-        best = result.best[0]  # with several objectives: the Pareto trial best on the first
-        get_run_logger().info(
-            "Training the final model with trial %d's values: %s", best.number, best.params
-        )
-        params = with_trial_values(params, best.params)
-    outcome = training_chain(params)
-    served = None
-    if params.serving is not None:
-        registry = params.registry
-        served = serve(registry.model_name, alias=registry.alias, **section_options(params.serving))
-    return PipelineOutcome(**dict(outcome), serving=served)
+    with published_timeline("ml-pipeline"):
+        if params.sweep is not None:
+            check_placement(params)  # the final training and serving too, not after the campaign
+            result = hpo_campaign(params.campaign())
+            best = result.best[0]  # with several objectives: the Pareto trial best on the first
+            get_run_logger().info(
+                "Training the final model with trial %d's values: %s", best.number, best.params
+            )
+            params = with_trial_values(params, best.params)
+        outcome = training_chain(params)
+        served = None
+        if params.serving is not None:
+            registry = params.registry
+            served = serve(
+                registry.model_name, alias=registry.alias, **section_options(params.serving)
+            )
+        return PipelineOutcome(**dict(outcome), serving=served)

@@ -7,6 +7,7 @@ from prefect import flow
 
 from prefect_ml.tasks.params import PredictParams, section_options
 from prefect_ml.tasks.predict import PredictionResult, score_dataset
+from prefect_ml.tasks.report import published_timeline
 
 __all__ = ["batch_predict"]
 
@@ -20,4 +21,5 @@ def batch_predict(params: PredictParams = PredictParams()) -> PredictionResult: 
         params: Which registered version, which files, where the predictions go, and how the
             scoring actors run.
     """
-    return score_dataset(**section_options(params))
+    with published_timeline("batch-predict"):
+        return score_dataset(**section_options(params))

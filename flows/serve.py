@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from prefect_ml.tasks.params import ServeModelParams, section_options
+from prefect_ml.tasks.report import published_timeline
 from prefect_ml.tasks.serve import ServingResult, serve
 
 __all__ = ["serve_model"]
@@ -18,9 +19,10 @@ def serve_model(params: ServeModelParams = ServeModelParams()) -> ServingResult:
     Args:
         params: Which registered version to serve, and how (address, batching, replicas).
     """
-    return serve(
-        params.model_name,
-        alias=params.alias,
-        version=params.model_version,
-        **section_options(params.serving),
-    )
+    with published_timeline("serve-model"):
+        return serve(
+            params.model_name,
+            alias=params.alias,
+            version=params.model_version,
+            **section_options(params.serving),
+        )

@@ -7,6 +7,7 @@ from prefect import flow
 from prefect_ml.flows.train import prepared_data
 from prefect_ml.tasks.params import CampaignParams, section_options
 from prefect_ml.tasks.quotas import tenant_tags
+from prefect_ml.tasks.report import published_timeline
 from prefect_ml.tasks.sweep import CampaignResult, campaign
 
 __all__ = ["hpo_campaign"]
@@ -20,10 +21,11 @@ def hpo_campaign(params: CampaignParams = CampaignParams()) -> CampaignResult:  
         params: The data and model, the fixed training values, and the sweep: search space,
             objectives, sampler, pruner and budget.
     """
-    data = prepared_data(params)
-    with tenant_tags():  # the tenant's quota counts its Ray-occupying tasks
-        return campaign(
-            data,
-            experiment=params.experiment,
-            **section_options(params.model, params.training, params.sweep),
-        )
+    with published_timeline("hpo-campaign"):
+        data = prepared_data(params)
+        with tenant_tags():  # the tenant's quota counts its Ray-occupying tasks
+            return campaign(
+                data,
+                experiment=params.experiment,
+                **section_options(params.model, params.training, params.sweep),
+            )

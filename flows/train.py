@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel
 
-from prefect_ml.integrations import storage
+from prefect_ml.integrations import storage, timeline
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.data import PreparedData, inspect_data, preprocess
 from prefect_ml.tasks.evaluate import Evaluation, evaluate
@@ -13,6 +13,7 @@ from prefect_ml.tasks.params import TrainingSections, TrainModelParams, section_
 from prefect_ml.tasks.placement import check_placement
 from prefect_ml.tasks.quotas import apply_ray_slots, tenant_tags
 from prefect_ml.tasks.register import Registration, register
+from prefect_ml.tasks.report import published_timeline
 from prefect_ml.tasks.reuse import reuse_finished
 from prefect_ml.tasks.train import TrainResult, train, training_lease
 
@@ -38,7 +39,9 @@ def prepared_data(params: TrainingSections) -> PreparedData:
     check_placement(params)
     apply_ray_slots(settings)
     inspect_data(params)
-    return preprocess(**section_options(params.data))
+    data = preprocess(**section_options(params.data))
+    timeline.mark("data ready")
+    return data
 
 
 def training_chain(params: TrainModelParams) -> TrainingOutcome:
@@ -64,7 +67,9 @@ def training_chain(params: TrainModelParams) -> TrainingOutcome:
                 experiment=params.experiment,
                 **section_options(params.model, params.training),
             )
+        timeline.mark("trained")
         evaluation = evaluate(trained)
+        timeline.mark("evaluated")
         lease.ensure_held()
         registration = register(
             trained,
@@ -73,6 +78,7 @@ def training_chain(params: TrainModelParams) -> TrainingOutcome:
             alias=registry.alias,
             **registry.promotion(data.problem),
         )
+        timeline.mark("registered")
     return TrainingOutcome(
         data=data, trained=trained, evaluation=evaluation, registration=registration
     )
@@ -85,4 +91,5 @@ def train_model(params: TrainModelParams = TrainModelParams()) -> TrainingOutcom
     Args:
         params: The data, model, training and registry sections.
     """
-    return training_chain(params)
+    with published_timeline("train-model"):
+        return training_chain(params)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prefect_ml.integrations import code_shipping, node_probe, tls
+from prefect_ml.integrations import code_shipping, node_probe, timeline, tls
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
 from prefect_ml.integrations.prefect_server import run_logger
 from prefect_ml.integrations.settings import PrefectMLSettings, worker_environment
@@ -58,6 +58,7 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
                 f"could not start or reach {where}: {exc}. Check PREFECT_ML_RAY_ADDRESS "
                 "(unset it to start a local Ray) and that `ray status` works."
             ) from exc
+        timeline.mark("Ray connected" if settings.ray_address else "local Ray started")
     try:
         yield dict(ray.cluster_resources())
     finally:

@@ -27,6 +27,8 @@ STARTED_AT_TAG = "prefect_ml.worker_group_started_at_epoch"
 WORLD_SIZE_TAG = "prefect_ml.worker_group_size"  # workers of the latest group (elastic runs vary)
 PEAK_MEMORY_TAG = "prefect_ml.peak_memory"  # what the peak_memory_mib metric measures
 WORKER_NODES_TAG = "prefect_ml.worker_nodes"  # each rank's node address, latest group, by rank
+# When the latest group's workers had built the model, restored and opened their data (unix s).
+WORKER_GROUP_READY_TAG = "prefect_ml.worker_group_ready_unix"
 
 
 def worker_nodes() -> list[str]:
@@ -62,6 +64,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
                 WORLD_SIZE_TAG: str(trainer.world_size),
                 PEAK_MEMORY_TAG: trainer.peak_memory_kind,
                 WORKER_NODES_TAG: ",".join(nodes),
+                WORKER_GROUP_READY_TAG: str(time.time()),
             },
         )
     early_stopping = config.early_stopping()

@@ -23,6 +23,7 @@ from prefect_ml.integrations import (
     model_parallel,
     ray_training,
     storage,
+    timeline,
     tracking,
 )
 from prefect_ml.integrations.checkpoints import CheckpointStore, VerifiedCheckpoint
@@ -121,6 +122,7 @@ class EpochRecorder:
         self._run_id, self._epochs = run_id, epochs
         self._store = CheckpointStore(checkpoint_url)
         self._logged = set(tracking.logged_epochs(self._client, run_id))
+        self._recorded_any = False  # whether this recorder logged an epoch yet
         self._logger = get_run_logger()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -167,6 +169,9 @@ class EpochRecorder:
             tracking.log_epoch(
                 self._client, self._run_id, epoch, metrics, self._store.url_for(epoch)
             )
+            if not self._recorded_any:
+                timeline.mark(f"epoch {epoch} committed (seen by the driver's 1 s poll)")
+                self._recorded_any = True
             self._logged.add(epoch)
             line = (
                 f"train_loss {metrics['train_loss']:.4f}  "
@@ -429,6 +434,8 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
                         collective_timeout_s=params.training.collective_timeout_s,
                         elastic_resize_s=params.training.elastic_resize_s,
                     )
+                    timeline.mark("training workers done")
+                    mark_worker_group_ready(client, run_id)
             except Exception as exc:
                 lease.ensure_held()  # the run is the new driver's to mark
                 tracking.finish_run(client, run_id, status="FAILED")
@@ -458,6 +465,13 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
         logger.info("Early stopping ended run %s at %s", run_id, result.early_stopped)
     tracking.set_tags(client, run_id, end_tags)
     return result
+
+
+def mark_worker_group_ready(client: Any, run_id: str) -> None:
+    """Put on the timeline when the latest worker group had built its model and opened its
+    data (rank 0 stamps the run when it starts its epochs)."""
+    if ready := client.get_run(run_id).data.tags.get(ray_training.WORKER_GROUP_READY_TAG):
+        timeline.mark("training worker group ready (model built, data opened)", at=float(ready))
 
 
 def trained_model(trained: TrainResult) -> torch.nn.Module:

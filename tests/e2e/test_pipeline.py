@@ -27,6 +27,12 @@ from tests.helpers import flow_run_artifacts, free_port, wait_for
 from tests.s3 import TEST_BUCKET, MotoS3
 
 
+def _timeline(markdown: str) -> list[tuple[str, float]]:
+    """The (moment, seconds since the process started) rows of a timeline artifact."""
+    rows = [line.strip("|").split("|") for line in markdown.splitlines() if line.startswith("| ")]
+    return [(cells[0].strip(), float(cells[1])) for cells in rows[1:]]  # after the header
+
+
 def _predict_with_mlflow_models_serve(home: PrefectMLSettings, images: np.ndarray) -> np.ndarray:
     """``mlflow models serve -m models:/digits-classifier@champion``, as the README says."""
     port = free_port()
@@ -114,6 +120,21 @@ def test_pipeline_registers_promotes_and_then_keeps_the_better_champion(
     version_link = "/#/models/digits-classifier/versions/1"
     assert version_link in published["registered-model"]
     assert version_link in published["training-summary"]
+    moments = _timeline(published["timeline"])
+    names = [name for name, _at in moments]
+    assert names[0] == "flow run started (Prefect API ready)" and names[-1] == "flow run ends"
+    steps = [
+        "data ready",
+        "training worker group ready (model built, data opened)",
+        "epoch 1 committed (seen by the driver's 1 s poll)",
+        "training workers done",
+        "trained",
+        "evaluated",
+        "registered",
+    ]
+    assert [name for name in names if name in steps] == steps, names
+    times = [at for _name, at in moments]
+    assert times == sorted(times) and times[0] > 0, "seconds since the process started"
 
     # The registered model takes raw features (standardisation included) and serves as is.
     mlflow.set_tracking_uri(home.resolved_tracking_uri)
