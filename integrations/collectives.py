@@ -10,7 +10,7 @@ worker's device. Outside a process group the functions compute the one-worker an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from prefect_ml.integrations.errors import ConfigurationError
 
@@ -107,3 +107,14 @@ def gather_strings(value: str) -> list[str]:
     gathered: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return [str(item) for item in gathered]
+
+
+def gather_to_first(value: Any, group: Any) -> list[Any] | None:
+    """Every rank's ``value`` (any picklable object) on rank 0 of ``group``, in rank order;
+    None on the other ranks. Objects travel pickled on the CPU: ``group`` is a gloo group
+    (the checkpoint group of ``integrations.distributed_checkpoint``)."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(value, gathered, group=group, group_dst=0)
+    return gathered

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from prefect_ml.integrations import collectives
 from prefect_ml.integrations.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -283,8 +284,7 @@ def commit_sharded(
         listing = store.upload(epoch, shards, step=step)
     except Exception as exc:  # told to the coordinator, then raised here
         listing = f"{type(exc).__name__}: {exc}"
-    listings: list[Any] | None = [None] * dist.get_world_size(group) if coordinator else None
-    dist.gather_object(listing, listings, group=group, group_dst=0)
+    listings = collectives.gather_to_first(listing, group)
     if isinstance(listing, str):
         raise CheckpointError(f"could not upload this rank's shards of epoch {epoch}: {listing}")
     if listings is None:
