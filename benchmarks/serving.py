@@ -10,7 +10,10 @@ arm runs one server process or replica and answers one digit per request; the lo
 * ``mlflow-serve``: ``mlflow models serve -m models:/<name>/<version> --env-manager local`` with
   its defaults (1 worker), ``POST /invocations`` with the same row shaped as the signature wants;
 * ``ours``: ``serve_model`` with one replica (1 CPU), batching off;
-* ``ours+batching``: the same with ``@serve.batch`` (max 32 requests, 2 ms wait).
+* ``ours+batching``: the same with adaptive batching (``integrations/adaptive_batching.py``, the
+  defaults: up to 32 requests per model call, no wait);
+* ``ours+batching, replica port``: the same replica asked on its own HTTP port (Ray's direct
+  ingress), past HAProxy: what the HAProxy hop costs.
 
 Throughput (requests/s), p50 and p99 latency (wrk's own percentiles), and errors (non-2xx and
 socket errors) per arm and concurrency 1, 8, 32. Needs ``wrk`` (``apt-get install -y wrk``).
@@ -139,15 +142,25 @@ def _wrk(url: str, body: dict[str, Any], connections: int, seconds: float) -> di
 
 
 def load_curve(
-    url: str, body: dict[str, Any], seconds: float, check_alive: Callable[[], None] = lambda: None
+    url: str,
+    body: dict[str, Any],
+    seconds: float,
+    check_alive: Callable[[], None] = lambda: None,
+    batch_counts: Callable[[], dict[str, int]] | None = None,
 ) -> dict[int, dict[str, float]]:
     """Each concurrency after a warm-up at that concurrency, once ``url`` answers (a peer
-    server's ``check_alive`` raises if it exited meanwhile)."""
+    server's ``check_alive`` raises if it exited meanwhile); with ``batch_counts`` (the
+    replica's model calls and requests so far), the mean batch size of each point too."""
     _wait_ready(url, body, check_alive)
     curve = {}
     for connections in CONCURRENCY:
         _wrk(url, body, connections, 2)
+        before = batch_counts() if batch_counts else None
         curve[connections] = _wrk(url, body, connections, seconds)
+        if batch_counts and before:
+            after = batch_counts()
+            calls = max(after["batches"] - before["batches"], 1)
+            curve[connections]["mean_batch"] = (after["requests"] - before["requests"]) / calls
         print(f"  c={connections}: {curve[connections]}", flush=True)
     return curve
 
@@ -178,6 +191,24 @@ def running(command: list[str], env: dict[str, str]) -> Iterator[Callable[[], No
         except subprocess.TimeoutExpired:
             process.kill()
         stderr.close()
+
+
+def _replica_port(timeout: float = 60) -> int:
+    """The HTTP port of the one replica up (Ray's direct ingress listens on 30000-31000), once
+    a rolled-out replica has stopped listening."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ports = {
+            c.laddr.port
+            for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and 30000 <= c.laddr.port <= 31000
+        }
+        if len(ports) == 1:
+            return ports.pop()
+        time.sleep(0.5)
+    raise RuntimeError(f"not exactly one replica port after {timeout:.0f}s: {sorted(ports)}")
 
 
 def measure(seconds: float) -> dict[str, Any]:
@@ -222,12 +253,23 @@ def measure(seconds: float) -> dict[str, Any]:
         )
 
     port = _free_port()
+
+    def batch_counts() -> dict[str, int]:
+        counts: dict[str, int] = httpx.get(f"http://127.0.0.1:{port}/metadata").json()["batching"]
+        return counts
+
     with ray_session(settings):
         for arm, batching in (("ours", False), ("ours+batching", True)):
             print(arm, flush=True)
             serving = {"port": port, "batching": batching, "replica_cpus": 1.0}
             serve_model(ServeModelParams(model_version=version, serving=serving))
-            arms[arm] = load_curve(f"http://127.0.0.1:{port}/predict", flat_body, seconds)
+            counts = batch_counts if batching else None
+            url = f"http://127.0.0.1:{port}/predict"
+            arms[arm] = load_curve(url, flat_body, seconds, batch_counts=counts)
+        arm = "ours+batching, replica port"
+        print(arm, flush=True)
+        replica = f"http://127.0.0.1:{_replica_port()}/predict"
+        arms[arm] = load_curve(replica, flat_body, seconds, batch_counts=batch_counts)
     return {"model_uri": model_uri, "arms": arms}
 
 
@@ -249,10 +291,20 @@ def markdown(report: dict[str, Any]) -> str:
         "ours / mlflow-serve, throughput": ("ours", "mlflow-serve", "rps"),
         "ours+batching / bare-fastapi, p99": ("ours+batching", "bare-fastapi", "p99_ms"),
         "ours / bare-fastapi, p99": ("ours", "bare-fastapi", "p99_ms"),
+        "ours+batching, replica port / bare-fastapi, p99": (
+            "ours+batching, replica port",
+            "bare-fastapi",
+            "p99_ms",
+        ),
     }
     for label, (mine, peer, key) in ratios.items():
         cells = [f"{arms[mine][c][key] / arms[peer][c][key]:.2f}x" for c in arms[mine]]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "| requests per model call | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
+    for arm, curve in arms.items():
+        if all("mean_batch" in row for row in curve.values()):
+            cells = [f"{row['mean_batch']:.1f}" for row in curve.values()]
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ import hmac
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple, cast
@@ -29,6 +30,7 @@ from ray import serve
 from ray.serve import Deployment
 
 from prefect_ml.integrations import canary, tracking
+from prefect_ml.integrations.adaptive_batching import AdaptiveBatcher
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
 from prefect_ml.integrations.inference import InferencePrecision, Predictor, serving_device
 from prefect_ml.integrations.resources import ResourceRequest, placeable
@@ -119,7 +121,7 @@ class ReplicaOptions(BaseModel):
     token_sha256: str | None = None
     batching: bool = True
     max_batch_size: int = 32
-    batch_wait_timeout_s: float = 0.005
+    batch_wait_timeout_s: float = 0.0  # under load only, see AdaptiveBatcher
     torch_threads: int = 1
     request_timeout_s: float = 30.0  # for the whole body to arrive
     gpus: float = 0.0  # what the replica reserved: > 0 computes on its GPU
@@ -300,7 +302,8 @@ api = FastAPI(
 @serve.deployment(name=DEPLOYMENT_NAME, max_surge_percent=100)
 @serve.ingress(api)
 class ModelServer:
-    """One replica: the model version in memory, a request validator and a batcher."""
+    """One replica: the model version in memory, a request validator and a batcher per
+    version (the serving one and, during a rollout, the canary)."""
 
     def __init__(self, served: dict[str, Any], options: dict[str, Any]) -> None:
         import torch
@@ -309,11 +312,10 @@ class ModelServer:
         self.limits = ReplicaOptions.model_validate(options)
         torch.set_num_threads(self.limits.torch_threads)
         self.stable = load_version(self.served, self.limits)
-        for batched in (self.forward_batch, self.canary_batch):
-            batched.set_max_batch_size(self.limits.max_batch_size)  # type: ignore[attr-defined]
-            batched.set_batch_wait_timeout_s(  # type: ignore[attr-defined]
-                self.limits.batch_wait_timeout_s
-            )
+        self.batchers = {
+            "stable": self._batcher("stable", lambda: self.stable),
+            "canary": self._batcher("canary", lambda: self.canary.predictor),
+        }
         context = serve.get_replica_context()
         self.canary = canary.CanaryRoute(
             context.app_name, context.replica_id.unique_id, self._load_canary
@@ -343,15 +345,17 @@ class ModelServer:
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
-    async def forward_batch(self, matrices: list[np.ndarray]) -> list[np.ndarray]:
-        """Requests that arrive together go through the model as one matrix."""
-        return _batched(self.stable, matrices)
-
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
-    async def canary_batch(self, matrices: list[np.ndarray]) -> list[np.ndarray]:
-        """The same, for the requests a canary rollout gives the new version."""
-        return _batched(self.canary.predictor, matrices)
+    def _batcher(
+        self, role: str, version: Callable[[], LoadedVersion | None]
+    ) -> AdaptiveBatcher[np.ndarray, np.ndarray]:
+        """Requests that queue while ``role``'s model runs go through it as one matrix; the
+        version is read when the batch runs (a canary can be dropped while its batch waits)."""
+        return AdaptiveBatcher(
+            lambda matrices: _batched(version(), matrices),
+            max_batch_size=self.limits.max_batch_size,
+            max_wait_s=self.limits.batch_wait_timeout_s,
+            name=f"{role}-batch",
+        )
 
     @api.get("/healthz", summary="Liveness: the replica is up and its model is loaded")
     async def healthz(self, request: Request) -> dict[str, Any]:
@@ -384,6 +388,8 @@ class ModelServer:
                 "enabled": self.limits.batching,
                 "max_batch_size": self.limits.max_batch_size,
                 "batch_wait_timeout_s": self.limits.batch_wait_timeout_s,
+                # this replica's, since it started: how well requests share model calls
+                **asdict(self.batchers["stable"].stats),
             },
             "device": asdict(self.stable.predictor.describe()),
             "input_example": {"inputs": self.stable.input_example},
@@ -443,8 +449,7 @@ class ModelServer:
         started = time.perf_counter()
         try:
             if self.limits.batching:
-                batch = self.canary_batch if role == "canary" else self.forward_batch
-                outputs = await batch(matrix)
+                outputs = await self.batchers[role].submit(matrix)
             else:
                 outputs = version.predictor.outputs(matrix)
             served = version.served

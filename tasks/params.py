@@ -900,17 +900,21 @@ class ServingParams(_Section):
         "/", pattern=r"^/", title="Route prefix", description="URL path the application serves."
     )
     batching: bool = Field(
-        True, title="Dynamic batching", description="Run concurrent requests as one model call."
+        True,
+        title="Adaptive batching",
+        description="Requests that arrive while the model runs go through it together in the "
+        "next call; a request that finds the model idle runs at once.",
     )
     max_batch_size: int = Field(
         32, ge=1, title="Max batch size", description="Requests merged into one model call."
     )
     batch_wait_timeout_s: float = Field(
-        0.002,
+        0.0,
         ge=0,
         le=1,
-        title="Batch wait (s)",
-        description="How long a batch waits for more requests before it runs.",
+        title="Batch wait under load (s)",
+        description="How long a batch that formed while the model was busy, but is not full, "
+        "may wait for more requests (0: never; an idle model never waits).",
     )
     min_replicas: int = Field(1, ge=1, title="Min replicas", description="Replicas always up.")
     max_replicas: int = Field(
