@@ -11,7 +11,11 @@ training loop does, with ``distributed_checkpoint.to_files`` (its DCP data file 
 repeat; median of the repeats after an untimed warm-up of every arm):
 
 * ``ours-store``: ``CheckpointStore.save`` / ``.load`` (the data file plus ``MANIFEST.json``;
-  sha256 computed on save and verified on load);
+  sha256 computed on save and verified on load). The loading store wrote the checkpoint, so it
+  knows the file names and reads the manifest beside the data;
+* ``ours-store-cold``: the same save, loaded by a new ``CheckpointStore``, as a resuming
+  process loads it: the manifest first (its signature would be checked before any file is
+  read), then the files;
 * ``ours-raw``: ``storage.write_bytes`` / ``storage.read_bytes`` (the same transfers, no manifest
   or hashing);
 * ``boto3``: ``upload_file`` / ``download_file`` with the default ``TransferConfig``, from and to a
@@ -64,7 +68,7 @@ if TYPE_CHECKING:
 BUCKET = "prefect-ml-bench"
 THROUGHPUT_TARGET = 0.9  # our store's MB/s over boto3's, upload and download
 BLOCKED_TARGET = 0.25  # async blocked seconds per checkpoint over sync's
-ARMS = ("ours-store", "ours-raw", "boto3", "boto3-memory", "s3fs")
+ARMS = ("ours-store", "ours-store-cold", "ours-raw", "boto3", "boto3-memory", "s3fs")
 TENSORS = 4  # the state dict's float32 tensors, of equal size
 MB = 10**6
 STATE_FILE = "__0_0.distcp"  # the data file of a one-writer DCP checkpoint
@@ -173,7 +177,7 @@ class Transfers:
         from prefect_ml.integrations import storage
 
         key = f"transfers/{arm}/state.pt"
-        if arm == "ours-store":
+        if arm in ("ours-store", "ours-store-cold"):
             self.store.save(1, {STATE_FILE: self.payload})
         elif arm == "ours-raw":
             storage.write_bytes(f"s3://{BUCKET}/{key}", self.payload)
@@ -184,13 +188,16 @@ class Transfers:
         else:
             self.s3fs.put_file(str(self.source), f"{BUCKET}/{key}")
 
-    def download(self, arm: str) -> bytes | None:
+    def download(self, arm: str) -> bytes | bytearray | None:
         """The bytes (in-memory arms) or None (the others wrote ``self.target``)."""
         from prefect_ml.integrations import storage
+        from prefect_ml.integrations.checkpoints import CheckpointStore
 
         key = f"transfers/{arm}/state.pt"
         if arm == "ours-store":
             return self.store.load(1).files[STATE_FILE]
+        if arm == "ours-store-cold":
+            return CheckpointStore(self.store.root_url).load(1).files[STATE_FILE]
         if arm == "ours-raw":
             return storage.read_bytes(f"s3://{BUCKET}/{key}")
         if arm == "boto3":
@@ -203,7 +210,7 @@ class Transfers:
             self.s3fs.get_file(f"{BUCKET}/{key}", str(self.target))
         return None
 
-    def check(self, downloaded: bytes | None) -> None:
+    def check(self, downloaded: bytes | bytearray | None) -> None:
         """Untimed: what came back is what went up."""
         data = self.target.read_bytes() if downloaded is None else downloaded
         if data != self.payload:

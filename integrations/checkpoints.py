@@ -99,13 +99,14 @@ class CheckpointPosition:
 
 @dataclass(frozen=True)
 class VerifiedCheckpoint:
-    """A checkpoint whose manifest verified; ``files`` are the exact bytes that were hashed.
+    """A checkpoint whose manifest verified; ``files`` are the exact bytes that were hashed
+    (``bytearray`` where they were read from S3 in parts, not copied).
 
     ``step`` is set for a mid-epoch checkpoint (``epoch`` is then the epoch in progress)."""
 
     epoch: int
     url: str
-    files: dict[str, bytes]
+    files: dict[str, bytes | bytearray]
     step: int | None = None
 
     @property
@@ -289,36 +290,75 @@ class CheckpointStore:
                 "with another PREFECT_ML_CHECKPOINT_KEY; refusing it"
             )
 
+    def _verified_files(
+        self, position: CheckpointPosition, names: list[str] | None
+    ) -> dict[str, bytes | bytearray]:
+        """Files ``names`` of a committed checkpoint (all it lists when None, refused if it was
+        pruned), read together and each verified against the manifest.
+
+        When this store has the manifest already (it wrote or read it before), the files' names
+        are known: the manifest is read again beside them, and must still be the one this store
+        verified; if it was removed or replaced since, everything is read again as a new store
+        would: the manifest first, its signature checked before any file is read.
+        """
+        url = self.url_for(position.epoch, position.step)
+        cached = self._manifests.get(position)
+        if cached is not None:
+            try:
+                listed = self._names(url, cached, names)
+                (current, _sha256), *read = self._read(url, [MANIFEST, *listed])
+                unchanged = json.loads(current) == cached
+            except (CheckpointError, ValueError):
+                unchanged = False
+            if unchanged:
+                return self._checked(url, cached, listed, read)
+            self._manifests.pop(position, None)
+        manifest = self._manifest(url)
+        listed = self._names(url, manifest, names)
+        files = self._checked(url, manifest, listed, self._read(url, listed))
+        self._manifests[position] = manifest
+        return files
+
     @staticmethod
-    def _verified_file(url: str, name: str, expected: dict[str, Any]) -> bytes:
+    def _names(url: str, manifest: dict[str, Any], names: list[str] | None) -> list[str]:
+        if names is None and manifest.get("pruned"):
+            raise CheckpointError(f"{url} was pruned by the retention policy (metrics only)")
+        listed = manifest.get("files", {})
+        if unlisted := [name for name in names or () if name not in listed]:
+            raise CheckpointError(f"{url} has no {unlisted[0]} in its manifest")
+        return list(listed) if names is None else names
+
+    @staticmethod
+    def _read(url: str, names: list[str]) -> list[tuple[bytes | bytearray, str]]:
         try:
-            data, sha256 = storage.read_bytes_and_sha256(storage.join(url, name))
+            return storage.read_all_and_sha256([storage.join(url, name) for name in names])
         except FileNotFoundError as exc:
+            name = str(exc.filename).removeprefix(f"{url}/")
             raise CheckpointError(f"{url}/{name} is listed in the manifest but missing") from exc
-        if len(data) != expected["size"] or sha256 != expected["sha256"]:
-            raise CheckpointError(f"{url}/{name} does not match its sha256 in the manifest")
-        return data
+
+    @staticmethod
+    def _checked(
+        url: str,
+        manifest: dict[str, Any],
+        names: list[str],
+        read: list[tuple[bytes | bytearray, str]],
+    ) -> dict[str, bytes | bytearray]:
+        listed = manifest.get("files", {})
+        for name, (data, sha256) in zip(names, read, strict=True):
+            if len(data) != listed[name]["size"] or sha256 != listed[name]["sha256"]:
+                raise CheckpointError(f"{url}/{name} does not match its sha256 in the manifest")
+        return {name: data for name, (data, _sha256) in zip(names, read, strict=True)}
 
     def load(self, epoch: int, *, step: int | None = None) -> VerifiedCheckpoint:
         """Read and verify one checkpoint (``epoch``'s end, or ``step`` steps into it); raise
-        :class:`CheckpointError` if it does not verify."""
-        url = self.url_for(epoch, step)
-        manifest = self._manifest(url)
-        if manifest.get("pruned"):
-            raise CheckpointError(f"{url} was pruned by the retention policy (metrics only)")
-        listed = manifest.get("files", {})
-        files = {
-            name: self._verified_file(url, name, expected) for name, expected in listed.items()
-        }
-        return VerifiedCheckpoint(epoch, url, files, step)
+        :class:`CheckpointError` if it does not verify. Its files are read in parallel, each
+        hashed while it downloads."""
+        files = self._verified_files(CheckpointPosition(epoch, step), None)
+        return VerifiedCheckpoint(epoch, self.url_for(epoch, step), files, step)
 
-    def read_verified(self, epoch: int, name: str) -> bytes:
+    def read_verified(self, epoch: int, name: str) -> bytes | bytearray:
         """One file of a committed checkpoint, verified, without reading the others."""
-        url = self.url_for(epoch)
-        listed = self._manifest(url).get("files", {})
-        if name not in listed:
-            raise CheckpointError(f"{url} has no {name} in its manifest")
-        return self._verified_file(url, name, listed[name])
+        return self._verified_files(CheckpointPosition(epoch), [name])[name]
 
     def latest(self) -> VerifiedCheckpoint | None:
         """The newest checkpoint that verifies, mid-epoch ones included; broken ones are

@@ -23,7 +23,7 @@ import os
 import pickle
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -298,7 +298,7 @@ def commit_sharded(
     return store.commit(epoch, listings, {**metadata, **snapshot.files}, step=step)
 
 
-def load_files(files: dict[str, bytes], state: dict[str, Any]) -> None:
+def load_files(files: Mapping[str, bytes | bytearray], state: dict[str, Any]) -> None:
     """Load a DCP checkpoint's files into ``state`` in place, resharding to its layout.
 
     ``state`` is the template of the current layout (sharded DTensors under FSDP, plain tensors

@@ -29,7 +29,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -487,7 +487,7 @@ class EpochTrainer:
             torch.from_numpy(targets).to(self.device),
         )
 
-    def _restore(self, files: dict[str, bytes]) -> None:
+    def _restore(self, files: Mapping[str, bytes | bytearray]) -> None:
         try:
             self._load_state(files, flatten=True)
         except CheckpointError:  # written before optimiser state was flattened per parameter
@@ -509,7 +509,7 @@ class EpochTrainer:
             trainer_state["ranks"],
         )
 
-    def _load_state(self, files: dict[str, bytes], *, flatten: bool) -> None:
+    def _load_state(self, files: Mapping[str, bytes | bytearray], *, flatten: bool) -> None:
         """The model and optimiser state of a checkpoint's DCP files, into this layout."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

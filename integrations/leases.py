@@ -118,7 +118,7 @@ class LeaseRecord:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> LeaseRecord:
+    def from_bytes(cls, data: bytes | bytearray) -> LeaseRecord:
         return cls(**json.loads(data))
 
     def left_by_this_process(self) -> bool:

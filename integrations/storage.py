@@ -11,12 +11,13 @@ keys are refused. S3 is configured the standard AWS way: ``AWS_ENDPOINT_URL_S3``
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -284,30 +285,51 @@ def write_bytes(url: str, data: bytes) -> None:
     handle.close()
 
 
-def read_bytes(url: str) -> bytes:
-    """The whole object; on S3 large objects are fetched as parallel ranged GETs."""
-    return read_bytes_and_sha256(url, digest=False)[0]
+def read_bytes(url: str) -> bytes | bytearray:
+    """The whole object (on S3 a ``bytearray``: the buffer its parts were read into)."""
+    return read_all_and_sha256([url], digest=False)[0][0]
 
 
-def read_bytes_and_sha256(url: str, digest: bool = True) -> tuple[bytes, str]:
-    """The whole object and its sha256 hex digest; on S3 a large object is hashed part by part
-    while the rest is still downloading."""
-    fs, path = filesystem(url)
-    hasher = hashlib.sha256() if digest else None
-    data = None
-    if _is_s3(url):
-        info = fs.info(path)  # FileNotFoundError for a missing key, as every filesystem raises
-        if info["size"] >= 2 * S3_PART_SIZE:
-            bucket, _, key = path.partition("/")
-            s3 = s3_transfer.client(s3_options())
-            data = s3_transfer.download(
-                s3, bucket, key, info["size"], info["ETag"], S3_PART_SIZE, S3_CONCURRENCY, hasher
-            )
-    if data is None:
-        data = fs.cat_file(path)
-        if hasher is not None:
-            hasher.update(data)
-    return data, hasher.hexdigest() if hasher is not None else ""
+def read_bytes_and_sha256(url: str) -> tuple[bytes | bytearray, str]:
+    """The whole object and its sha256 hex digest; see :func:`read_all_and_sha256`."""
+    return read_all_and_sha256([url])[0]
+
+
+def read_all_and_sha256(
+    urls: Sequence[str], *, digest: bool = True
+) -> list[tuple[bytes | bytearray, str]]:
+    """Each object of ``urls`` whole, with its sha256 hex digest ("" without ``digest``).
+
+    On S3 the reads overlap, ``S3_CONCURRENCY`` GETs in flight, with no HEAD: each object's
+    size comes with its first part, a one-part object is one GET, and a large one is read in
+    ``S3_PART_SIZE`` ranges into one ``bytearray``, hashed part by part while the rest is
+    still downloading (:func:`s3_transfer.download`).
+
+    Raises:
+        FileNotFoundError: an object does not exist; its ``filename`` is that URL.
+    """
+    hashers = [hashlib.sha256() if digest else None for _ in urls]
+    contents: list[bytes | bytearray]
+    if all(_is_s3(url) for url in urls):
+        objects = [_bucket_and_key(url) for url in urls]
+        s3 = s3_transfer.client(s3_options())
+        contents = list(s3_transfer.download(s3, objects, S3_PART_SIZE, S3_CONCURRENCY, hashers))
+    else:
+        contents = []
+        for url, hasher in zip(urls, hashers, strict=True):
+            fs, path = filesystem(url)
+            try:
+                contents.append(fs.cat_file(path))
+            except FileNotFoundError as exc:
+                raise FileNotFoundError(errno.ENOENT, "No such object", url) from exc
+            if hasher is not None:
+                hasher.update(contents[-1])
+    return [(c, h.hexdigest() if h else "") for c, h in zip(contents, hashers, strict=True)]
+
+
+def _bucket_and_key(url: str) -> tuple[str, str]:
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    return bucket, key
 
 
 @contextlib.contextmanager

@@ -64,11 +64,15 @@ class MotoS3:
 
 class FaultyProxy:
     """HTTP proxy to ``target_port`` that answers ``rate`` of the requests with a 503 SlowDown
-    or a TCP reset (half each) instead of forwarding them."""
+    or a TCP reset (half each) instead of forwarding them, and cuts the bodies of the first
+    ``cut_bodies`` GET answers: the headers promise every byte, half of them come, then a reset.
+    ``received`` lists what reached the server: each forwarded request's method, path (no
+    query) and ``Range`` header."""
 
-    def __init__(self, target_port: int, rate: float, seed: int = 0) -> None:
-        self.target_port, self.rate = target_port, rate
+    def __init__(self, target_port: int, rate: float, seed: int = 0, cut_bodies: int = 0) -> None:
+        self.target_port, self.rate, self.cut_bodies = target_port, rate, cut_bodies
         self.forwarded = self.slow_downs = self.resets = 0
+        self.received: list[tuple[str, str, str | None]] = []
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -84,7 +88,12 @@ class FaultyProxy:
         self._server.shutdown()
         self._server.server_close()
 
-    def _fault(self) -> str | None:
+    def _cut(self) -> bool:
+        with self._lock:
+            self.cut_bodies -= 1
+            return self.cut_bodies >= 0
+
+    def _fault(self, request: tuple[str, str, str | None]) -> str | None:
         with self._lock:
             draw = self._random.random()
             if draw < self.rate / 2:
@@ -94,6 +103,7 @@ class FaultyProxy:
                 self.resets += 1
                 return "reset"
             self.forwarded += 1
+            self.received.append(request)
             return None
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -118,13 +128,10 @@ class FaultyProxy:
 
             def _proxy(self) -> None:
                 body = self._body()
-                fault = proxy._fault()
-                if fault == "reset":  # RST instead of FIN: the client sees "connection reset"
-                    self.connection.setsockopt(
-                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
-                    )
-                    self.close_connection = True
-                    self.connection.close()
+                path = self.path.split("?", 1)[0]
+                fault = proxy._fault((self.command, path, self.headers.get("Range")))
+                if fault == "reset":
+                    self._reset()
                     return
                 if fault == "slow-down":
                     self._reply(503, {"Content-Type": "application/xml"}, _SLOW_DOWN)
@@ -143,18 +150,33 @@ class FaultyProxy:
                     if self.command != "HEAD":
                         dropped.add("content-length")
                     passed = {k: v for k, v in response.getheaders() if k.lower() not in dropped}
-                    self._reply(response.status, passed, payload)
+                    data = self.command == "GET" and response.status < 300 and len(payload) > 1
+                    self._reply(response.status, passed, payload, cut=data and proxy._cut())
                 finally:
                     upstream.close()
 
-            def _reply(self, status: int, headers: dict[str, str], payload: bytes) -> None:
+            def _reset(self) -> None:
+                """RST instead of FIN: the client sees "connection reset"."""
+                self.connection.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+                self.close_connection = True
+                self.connection.close()
+
+            def _reply(
+                self, status: int, headers: dict[str, str], payload: bytes, cut: bool = False
+            ) -> None:
                 self.send_response(status)
                 for key, value in headers.items():
                     self.send_header(key, value)
                 if not any(key.lower() == "content-length" for key in headers):
                     self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
-                if self.command != "HEAD":
+                if cut:
+                    self.wfile.write(payload[: len(payload) // 2])
+                    self.wfile.flush()
+                    self._reset()
+                elif self.command != "HEAD":
                     self.wfile.write(payload)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _proxy
