@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel
 
-from prefect_ml.integrations import serving, storage, streaming, tabular_files
+from prefect_ml.integrations import served_models, storage, streaming, tabular_files
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.inference import InferencePrecision
 
@@ -89,7 +89,9 @@ class PredictionManifest(BaseModel):
         return self.rows / self.seconds if self.seconds > 0 else 0.0
 
 
-def scoring_columns(file: tabular_files.SourceFile, served: serving.ServedModel) -> ScoringColumns:
+def scoring_columns(
+    file: tabular_files.SourceFile, served: served_models.ServedModel
+) -> ScoringColumns:
     """The feature and passthrough columns of ``file`` for ``served``.
 
     Raises:
@@ -131,7 +133,7 @@ def scoring_columns(file: tabular_files.SourceFile, served: serving.ServedModel)
     return ScoringColumns(features, passthrough)
 
 
-def fingerprint(files: list[tabular_files.SourceFile], served: serving.ServedModel) -> str:
+def fingerprint(files: list[tabular_files.SourceFile], served: served_models.ServedModel) -> str:
     """The identity of a scoring: the input files (URL, size, version) and the model version."""
     identity = {
         "files": tabular_files.files_digest(files),
@@ -162,7 +164,7 @@ def scored_table(
     import pyarrow as pa
 
     columns: dict[str, Any] = {name: batch.column(name) for name in passthrough}
-    columns[PREDICTION] = pa.array(serving.labelled_outputs(outputs, class_names, task))
+    columns[PREDICTION] = pa.array(served_models.labelled_outputs(outputs, class_names, task))
     if task != "regression":
         flat = pa.array(outputs.astype(np.float32).reshape(-1))
         fixed = pa.FixedSizeListArray.from_arrays(flat, outputs.shape[1])
@@ -184,13 +186,13 @@ class BatchScorer:
         import torch
 
         torch.set_num_threads(threads)
-        self.served = serving.ServedModel.model_validate(served)
+        self.served = served_models.ServedModel.model_validate(served)
         self.columns = ScoringColumns(**columns)
-        self.predictor, _ = serving.load_predictor(self.served, gpus, precision)
+        self.predictor, _ = served_models.load_predictor(self.served, gpus, precision)
 
     def __call__(self, batch: pyarrow.Table) -> pyarrow.Table:
         matrix = feature_matrix(batch, self.columns.features)
-        bad = serving.non_finite_rows(matrix)
+        bad = served_models.non_finite_rows(matrix)
         if bad:
             row = {name: batch.column(name)[bad[0]].as_py() for name in self.columns.features}
             raise ConfigurationError(
@@ -199,7 +201,7 @@ class BatchScorer:
                 "fill or drop them",
             )
         outputs = self.predictor.outputs(matrix)
-        if bad := serving.non_finite_rows(outputs):
+        if bad := served_models.non_finite_rows(outputs):
             raise ConfigurationError(
                 "model_version",
                 f"{self.served.name} v{self.served.version} returned non-finite outputs for "
@@ -242,7 +244,7 @@ def clear_output(output_url: str) -> None:
 def score(
     input_url: str,
     files: list[tabular_files.SourceFile],
-    served: serving.ServedModel,
+    served: served_models.ServedModel,
     columns: ScoringColumns,
     output_url: str,
     options: ScoringOptions,

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple, cast
+from typing import Annotated, Any, NamedTuple, cast
 
 import numpy as np
 from fastapi import FastAPI, HTTPException, Request
@@ -29,11 +29,18 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
 from ray import serve
 from ray.serve import Deployment
 
-from prefect_ml.integrations import canary, tracking
+from prefect_ml.integrations import canary
 from prefect_ml.integrations.adaptive_batching import AdaptiveBatcher
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
-from prefect_ml.integrations.inference import InferencePrecision, Predictor, serving_device
+from prefect_ml.integrations.inference import InferencePrecision, Predictor
 from prefect_ml.integrations.resources import ResourceRequest, placeable
+from prefect_ml.integrations.served_models import (
+    ModelIdentity,
+    ServedModel,
+    labelled_outputs,
+    load_predictor,
+    non_finite_rows,
+)
 from prefect_ml.integrations.settings import check_port_free
 
 DEPLOYMENT_NAME = "ModelServer"
@@ -64,12 +71,6 @@ class PredictRequest(BaseModel):
     )
 
 
-class ModelIdentity(BaseModel):
-    name: str
-    version: str
-    run_id: str
-
-
 class PredictResponse(BaseModel):
     predictions: list[str] | list[float] = Field(
         description="Per row: the predicted class, or for a regression model the value."
@@ -78,39 +79,6 @@ class PredictResponse(BaseModel):
         None, description="Classification: per row, the probability of each class."
     )
     model: ModelIdentity
-
-
-class ServedModel(BaseModel):
-    """One registered model version and what a replica needs to load and check inputs for it."""
-
-    name: str
-    version: str
-    run_id: str
-    tracking_uri: str
-    sample_shape: list[int]
-    feature_names: list[str] | None = None
-    class_names: list[str] | None = None
-    dataset_fingerprint: str | None = None
-    task: Literal["classification", "regression"] = "classification"
-    input_dtype: Literal["float32", "float64"] = "float32"
-
-    @property
-    def uri(self) -> str:
-        return f"models:/{self.name}/{self.version}"
-
-    @property
-    def width(self) -> int:
-        return int(np.prod(self.sample_shape))
-
-    def identity(self) -> dict[str, Any]:
-        return ModelIdentity(name=self.name, version=self.version, run_id=self.run_id).model_dump()
-
-    def io_schema(self) -> dict[str, Any]:
-        """What requests and answers look like: two versions with the same schema can share
-        an endpoint."""
-        return self.model_dump(
-            include={"sample_shape", "feature_names", "class_names", "task", "input_dtype"}
-        )
 
 
 class ReplicaOptions(BaseModel):
@@ -201,51 +169,6 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     except TimeoutError:
         _problem(408, f"the request body did not arrive within {timeout_s:g} s")
     return b"".join(chunks)
-
-
-def load_predictor(
-    served: ServedModel, gpus: float = 0.0, precision: InferencePrecision = "fp32"
-) -> tuple[Predictor, str]:
-    """The version's model (pt2 only, see :func:`tracking.load_pt2_model`) in eval mode on
-    the device that ``gpus`` reserved, and the folder it was downloaded to."""
-    import mlflow
-    import torch
-
-    mlflow.set_tracking_uri(served.tracking_uri)
-    mlflow.set_registry_uri(served.tracking_uri)
-    local = mlflow.artifacts.download_artifacts(served.uri)
-    loaded = tracking.load_pt2_model(local, what=f"{served.name} v{served.version}")
-    if isinstance(loaded, torch.export.ExportedProgram):
-        loaded = loaded.module()
-    try:
-        loaded.eval()
-    except NotImplementedError:
-        pass  # MLflow 3's default pt2 format: an exported module, fixed in eval mode already
-    predictor = Predictor(
-        loaded,
-        served.sample_shape,
-        serving_device(gpus, torch.cuda.is_available()),
-        precision,
-        task=served.task,
-        input_dtype=served.input_dtype,
-    )
-    return predictor, local
-
-
-def non_finite_rows(values: np.ndarray) -> list[int]:
-    """The indices of the rows of ``values`` holding NaN or infinity."""
-    return np.flatnonzero(~np.isfinite(values).all(axis=1)).tolist()
-
-
-def labelled_outputs(
-    outputs: np.ndarray, class_names: list[str] | None, task: str = "classification"
-) -> np.ndarray:
-    """Per row what the model predicts: the class name (a string array) for classification,
-    the value (float64) for regression."""
-    if task == "regression":
-        return outputs[:, 0].astype(np.float64)
-    names = np.asarray(class_names if class_names else [str(i) for i in range(outputs.shape[1])])
-    return names[outputs.argmax(axis=1)]
 
 
 def predictions_body(

@@ -11,7 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from prefect_ml.integrations import alerts, canary, serving, tracking
+from prefect_ml.integrations import alerts, canary, served_models, serving, tracking
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
 
 __all__ = ["CanaryReport", "publish_canary", "record_verdict", "run_canary"]
@@ -45,7 +45,9 @@ def _row(role: str, version: str, stats: canary.VersionStats, task: str) -> dict
     }
 
 
-def _check_comparable(stable: serving.ServedModel, candidate: serving.ServedModel) -> None:
+def _check_comparable(
+    stable: served_models.ServedModel, candidate: served_models.ServedModel
+) -> None:
     if stable.io_schema() != candidate.io_schema():
         raise ConfigurationError(
             "serving.canary_share",
@@ -56,8 +58,8 @@ def _check_comparable(stable: serving.ServedModel, candidate: serving.ServedMode
 
 
 def run_canary(
-    stable: serving.ServedModel,
-    candidate: serving.ServedModel,
+    stable: served_models.ServedModel,
+    candidate: served_models.ServedModel,
     policy: canary.CanaryPolicy,
     app_name: str,
 ) -> CanaryReport:

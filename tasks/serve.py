@@ -16,7 +16,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import serving, tls, tracking
+from prefect_ml.integrations import served_models, serving, tls, tracking
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import cluster_nodes
@@ -89,12 +89,12 @@ def _json_tag(version: ModelVersion, key: str) -> list[str] | None:
 
 def resolve_served_model(
     model_name: str, alias: str, model_version: str | None
-) -> serving.ServedModel:
+) -> served_models.ServedModel:
     """The version to serve and its input schema, or a ConfigurationError before any deploy."""
     tracking_uri = get_settings().resolved_tracking_uri
     client = tracking.client_for(tracking_uri)
     version = tracking.registered_version(client, model_name, alias=alias, version=model_version)
-    return serving.ServedModel(
+    return served_models.ServedModel(
         name=str(version.name),  # the registry's own name: in the tenant's namespace
         version=str(version.version),
         run_id=str(version.run_id),
@@ -201,7 +201,7 @@ def _endpoint_client(token: str | None, certificate: Path | None) -> httpx.Clien
 
 def serving_now(
     params: ServingParams, url: str, token: str | None, certificate: Path | None
-) -> serving.ServedModel | None:
+) -> served_models.ServedModel | None:
     """The version the application serves now, or None when it is not deployed."""
     if not serving.running_replicas(params.app_name):
         return None
@@ -318,7 +318,10 @@ def serve_registered_model(
 
 
 def record_served(
-    served: serving.ServedModel, replaced: serving.ServedModel | None, app_name: str, url: str
+    served: served_models.ServedModel,
+    replaced: served_models.ServedModel | None,
+    app_name: str,
+    url: str,
 ) -> None:
     """Lineage: ``served`` is served at ``url`` from now on; ``replaced`` was until now."""
     client = tracking.client_for(served.tracking_uri)
