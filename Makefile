@@ -4,6 +4,8 @@ VENV    := .venv
 PYTHON  ?= python3
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
+# `make bench BENCH_ARGS=--quick`: every benchmark's smoke run (results/*.quick.json, not committed)
+BENCH_ARGS ?=
 
 .PHONY: install run test bench chaos lint clean postgresql
 
@@ -35,17 +37,18 @@ test: $(STAMP) postgresql
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP) postgresql
-	$(VENV)/bin/python benchmarks/training.py
-	$(VENV)/bin/python benchmarks/sweep.py
-	$(VENV)/bin/python benchmarks/study_storage.py
-	$(VENV)/bin/python benchmarks/cluster.py
-	$(VENV)/bin/python benchmarks/checkpoints.py
-	$(VENV)/bin/python benchmarks/data.py
-	$(VENV)/bin/python benchmarks/predict.py
-	$(VENV)/bin/python benchmarks/precision.py
+	$(VENV)/bin/python benchmarks/training.py $(BENCH_ARGS)
+	$(VENV)/bin/python benchmarks/sweep.py $(BENCH_ARGS)
+	$(VENV)/bin/python benchmarks/study_storage.py $(BENCH_ARGS)
+	$(VENV)/bin/python benchmarks/cluster.py $(BENCH_ARGS)
+	$(VENV)/bin/python benchmarks/checkpoints.py $(BENCH_ARGS)
+	$(VENV)/bin/python benchmarks/sharded_checkpoints.py $(BENCH_ARGS)
+	$(VENV)/bin/python benchmarks/data.py $(BENCH_ARGS)
+	$(VENV)/bin/python benchmarks/predict.py $(BENCH_ARGS)
+	$(VENV)/bin/python benchmarks/precision.py $(BENCH_ARGS)
 	# The serving benchmark's load generator is wrk (Debian package).
 	command -v wrk >/dev/null || apt-get install -y -qq --no-install-recommends wrk
-	$(VENV)/bin/python benchmarks/serving.py
+	$(VENV)/bin/python benchmarks/serving.py $(BENCH_ARGS)
 
 # Kill the CLI, a checkpoint writer and Ray workers at random moments, rerun, check the invariants
 # (RELIABILITY.md). About 3 hours on 2 cores; CHAOS_ARGS="--kills 5 --seed N" for a short one.

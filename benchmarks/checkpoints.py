@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 # Run as a script, ``benchmarks/`` is on sys.path but the repository is not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS_DIR, embedded_home, save_report  # noqa: E402
+from benchmarks.common import embedded_home, results_path, save_report  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -472,8 +472,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--moto-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.sizes = QUICK if args.quick else FULL
-    name = "checkpoints.quick.json" if args.quick else "checkpoints.json"
-    args.output = args.output or RESULTS_DIR / name
+    args.output = args.output or results_path("checkpoints", args.quick)
     return args
 
 

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 # Run as a script, ``benchmarks/`` is on sys.path but the repository is not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS_DIR, embedded_home, save_report  # noqa: E402
+from benchmarks.common import embedded_home, results_path, save_report  # noqa: E402
 
 if TYPE_CHECKING:
     from prefect_ml.tasks.campaign.results import CampaignResult
@@ -875,9 +875,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="smoke run: fewer epochs and trials")
     parser.add_argument("--output", type=Path, help="JSON results [results/cluster.json]")
     args = parser.parse_args(argv)
-    name = "cluster.quick.json" if args.quick else "cluster.json"
     report = run_benchmark(QUICK if args.quick else FULL, args.quick)
-    save_report(report, args.output or RESULTS_DIR / name, markdown(report))
+    save_report(report, args.output or results_path("cluster", args.quick), markdown(report))
     return report
 
 

@@ -47,6 +47,12 @@ def embedded_home() -> Iterator[tuple[Path, PrefectMLSettings]]:
         yield Path(tmp), prepare_process_environment()
 
 
+def results_path(name: str, quick: bool) -> Path:
+    """Where a benchmark's raw results go: a smoke run (``--quick``) never replaces a full run's,
+    and is not committed."""
+    return RESULTS_DIR / (f"{name}.quick.json" if quick else f"{name}.json")
+
+
 def save_report(report: dict[str, Any], output: Path, table: str) -> None:
     """Write the raw JSON results and print the markdown table."""
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,7 @@ from typing import Any
 
 # Run as a script, ``benchmarks/`` is on sys.path but the repository is not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS_DIR, embedded_home, save_report  # noqa: E402
+from benchmarks.common import embedded_home, results_path, save_report  # noqa: E402
 
 FEATURES = 256
 CLASSES = 10
@@ -286,8 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes = [20, 60]
-    name = "data.quick.json" if args.quick else "data.json"
-    args.output = args.output or RESULTS_DIR / name
+    args.output = args.output or results_path("data", args.quick)
     return args
 
 

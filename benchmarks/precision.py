@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any
 
 # Run as a script, ``benchmarks/`` is on sys.path but the repository is not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS_DIR, embedded_home, save_report  # noqa: E402
+from benchmarks.common import embedded_home, results_path, save_report  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -960,8 +960,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--child-output", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    name = "precision.quick.json" if args.quick else "precision.json"
-    args.output = args.output or RESULTS_DIR / name
+    args.output = args.output or results_path("precision", args.quick)
     return args
 
 

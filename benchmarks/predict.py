@@ -48,7 +48,7 @@ from typing import Any
 
 # Run as a script, ``benchmarks/`` is on sys.path but the repository is not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS_DIR, embedded_home, save_report  # noqa: E402
+from benchmarks.common import embedded_home, results_path, save_report  # noqa: E402
 
 FEATURES = 32
 CLASSES = 10
@@ -378,8 +378,7 @@ def main() -> None:
             for s in scorings
         },
     }
-    name = "predict.quick.json" if args.quick else "predict.json"
-    save_report(report, RESULTS_DIR / name, markdown(report))
+    save_report(report, results_path("predict", args.quick), markdown(report))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from pydantic import BaseModel
 
 # Run as a script, ``benchmarks/`` is on sys.path but the repository is not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS_DIR, embedded_home, save_report  # noqa: E402
+from benchmarks.common import embedded_home, results_path, save_report  # noqa: E402
 
 CONCURRENCY = (1, 8, 32)
 MODEL_NAME = "digits-classifier"
@@ -312,7 +312,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 s per point instead of 10 s")
     parser.add_argument("--bare-server", nargs=2, metavar=("PORT", "MODEL_URI"), help="internal")
-    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "serving.json")
+    parser.add_argument("--output", type=Path, help="JSON results [results/serving.json]")
     args = parser.parse_args()
     if args.bare_server:
         bare_server(int(args.bare_server[0]), args.bare_server[1])
@@ -320,7 +320,7 @@ def main() -> None:
     with embedded_home():
         report = measure(3 if args.quick else 10)
     report["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}"
-    save_report(report, args.output, markdown(report))
+    save_report(report, args.output or results_path("serving", args.quick), markdown(report))
 
 
 if __name__ == "__main__":

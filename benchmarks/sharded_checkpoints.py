@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.checkpoints import BUCKET, MB, s3_endpoint  # noqa: E402
-from benchmarks.common import RESULTS_DIR, embedded_home, save_report  # noqa: E402
+from benchmarks.common import embedded_home, results_path, save_report  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -294,8 +294,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     sizes, ranks, repeats = QUICK if args.quick else FULL
     args.plan = (args.sizes or sizes, args.ranks or ranks, args.repeats or repeats)
-    name = "sharded_checkpoints.quick.json" if args.quick else "sharded_checkpoints.json"
-    args.output = args.output or RESULTS_DIR / name
+    args.output = args.output or results_path("sharded_checkpoints", args.quick)
     return args
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 # Run as a script, ``benchmarks/`` is on sys.path but the repository is not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS_DIR, save_report  # noqa: E402
+from benchmarks.common import results_path, save_report  # noqa: E402
 
 WORKERS = (1, 8, 64)
 QUICK_WORKERS = (1, 4)
@@ -171,11 +171,11 @@ def run_benchmark(workers: tuple[int, ...]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 and 4 writers: a smoke run")
-    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "study_storage.json")
+    parser.add_argument("--output", type=Path, help="JSON results [results/study_storage.json]")
     args = parser.parse_args(argv)
     report = run_benchmark(QUICK_WORKERS if args.quick else WORKERS)
     report["quick"] = args.quick
-    save_report(report, args.output, markdown(report))
+    save_report(report, args.output or results_path("study_storage", args.quick), markdown(report))
     return report
 
 
