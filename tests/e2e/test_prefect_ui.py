@@ -437,11 +437,13 @@ def test_a_training_submitted_from_the_ui_form_completes_and_registers_a_model(
             set_form_value(page, ["Training", "Workers"], 1)
             set_form_value(page, ["Model", "Hidden units"], 16)
             set_form_value(page, ["Training", "Epochs"], 0)
+            values = {"training": {"workers": 1, "epochs": 0}, "model": {"hidden": 16}}
             refused = r"(?s)params\.training\.epochs.*minimum of 1"
             with pytest.raises(RuntimeError, match=refused):
-                submit_run(page)  # refused by the server; the form stays, values kept
+                submit_run(page, {"params": values})  # refused; the form stays, values kept
             set_form_value(page, ["Training", "Epochs"], 1)
-            flow_run_id = submit_run(page)
+            values["training"]["epochs"] = 1
+            flow_run_id = submit_run(page, {"params": values})
             wait_for_state(page, "Completed", timeout_s=300)
         browser.close()
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from playwright.sync_api import Error as PlaywrightError
@@ -30,6 +31,28 @@ _DEPLOYMENT_RUNS_TAB_URL = re.compile(r"/deployments/deployment/[^/?]+\?tab=")
 _FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
 _LOGIN_URL = re.compile(r"/login(\?|$)")
 _TERMINAL_STATES = {"Completed", "Failed", "Crashed", "Cancelled", "TimedOut"}
+# The custom-run form's values as its Vue components hold them (the props of its SchemaInput),
+# found by walking the mounted component tree from the app's root; null before it renders.
+_FORM_VALUES = """() => {
+  const pending = [document.querySelector('#app')._vnode];
+  while (pending.length) {
+    const vnode = pending.pop();
+    if (!vnode || typeof vnode !== 'object') continue;
+    const component = vnode.component;
+    if (component && component.type.__name === 'SchemaInput') return component.props.values;
+    if (component) pending.push(component.subTree);
+    if (vnode.suspense) pending.push(vnode.suspense.activeBranch);
+    if (Array.isArray(vnode.children)) pending.push(...vnode.children);
+  }
+  return null;
+}"""
+_FORM_HOLDS = f"""expected => {{
+  const holds = (have, want) => want !== null && typeof want === 'object'
+    ? have !== null && typeof have === 'object'
+      && Object.entries(want).every(([key, value]) => holds(have[key], value))
+    : have === want;
+  return holds(({_FORM_VALUES})(), expected);
+}}"""
 
 
 @contextmanager
@@ -103,11 +126,22 @@ def set_form_value(page: Page, labels: Sequence[str], value: str | float | bool)
     page.get_by_role("option", name=str(value), exact=True).click()
 
 
-def submit_run(page: Page) -> str:
-    """Submit the form, open the new run from the confirmation toast, return its flow-run id.
+def submit_run(page: Page, parameters: Mapping[str, Any]) -> str:
+    """Submit the form once its values hold ``parameters`` (the values set, nested as the
+    flow's parameters: ``{"params": {"training": {"epochs": 1}}}``), open the new run from the
+    confirmation toast, return its flow-run id.
+
+    The form takes an input's value into its values only after a 10 ms debounce in each nested
+    object (the UI's SchemaFormProperties): a Submit clicked sooner sends the values from
+    before, so this waits until the form's own values hold ``parameters``.
 
     Raises ``RuntimeError`` with the UI's message if the server rejects the parameters.
     """
+    try:
+        page.wait_for_function(_FORM_HOLDS, arg=parameters)
+    except PlaywrightError:
+        shown = page.evaluate(_FORM_VALUES)
+        raise AssertionError(f"the form's values never held {parameters}: {shown}") from None
     page.get_by_role("button", name="Submit", exact=True).click()
     # The toast is rendered twice, stacked; the last copy is on top and receives the click.
     view_run = page.get_by_role("button", name="View run").last

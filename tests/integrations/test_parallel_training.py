@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +73,16 @@ def _full_state(trainer: EpochTrainer, *, every_rank: bool = False) -> dict[str,
     return {name: tensor.detach().clone() for name, tensor in state.items()}  # not live views
 
 
-def _group_worker(
-    rank: int, world_size: int, port: int, config: TrainLoopConfig, epochs: int, out: str
-) -> None:
-    """One member of a gloo group: restore, train ``epochs`` more epochs, commit each."""
-    import gc
+def _in_group(rank: int, world_size: int, port: int, work: Callable[..., None], *args: Any) -> None:
+    """``work(rank, world_size, *args)`` as one member of a gloo group, which it then leaves.
 
+    Destroying the group does not always free it: DDP keeps it alive (torch holds it from C++),
+    FSDP's device meshes too, and with it gloo's worker threads. One that releases a finished
+    collective's tensor while the interpreter shuts down takes the GIL then, and aborts the
+    process ("terminate called without an active exception"). So a worker that succeeded ends
+    without the interpreter's shutdown, as a forked multiprocessing child does; one that failed
+    ends the usual way, its traceback reported.
+    """
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -84,17 +90,18 @@ def _group_worker(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        _train_in_group(rank, world_size, config, epochs, out)
+        work(rank, world_size, *args)
     finally:
-        # FSDP's device meshes hold process groups: freed after the group is destroyed (at
-        # interpreter exit), gloo's threads abort the process now and then.
-        gc.collect()
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _train_in_group(
     rank: int, world_size: int, config: TrainLoopConfig, epochs: int, out: str
 ) -> None:
+    """Restore, train ``epochs`` more epochs, commit each."""
     from torch.nn.parallel import DistributedDataParallel
 
     # A tensor-parallel group or a pipeline reads one shard (integrations.model_parallel).
@@ -109,17 +116,19 @@ def _train_in_group(
     restored = _full_state(trainer)
     committer = EpochCommitter(trainer.store) if trainer.writes_checkpoints else None
     history = []
-    for epoch in range(trainer.first_epoch, trainer.first_epoch + epochs):
-        metrics = trainer.train_epoch(epoch)
-        files = trainer.snapshot(epoch)
-        history.append(metrics)
+    try:
+        for epoch in range(trainer.first_epoch, trainer.first_epoch + epochs):
+            metrics = trainer.train_epoch(epoch)
+            files = trainer.snapshot(epoch)
+            history.append(metrics)
+            if committer is not None:
+                committer.submit(epoch, files, metrics, epoch_started=0.0, blocked_since=0.0)
+        final = _full_state(trainer)
+        # Every rank's own state as well: a pipeline stage holds only its layers.
+        torch.save(_full_state(trainer, every_rank=True), f"{out}.rank{rank}.pt")
+    finally:  # its thread commits on the checkpoint group: done before the groups go
         if committer is not None:
-            committer.submit(epoch, files, metrics, epoch_started=0.0, blocked_since=0.0)
-    final = _full_state(trainer)
-    # Every rank's own state as well: a pipeline stage holds only its layers.
-    torch.save(_full_state(trainer, every_rank=True), f"{out}.rank{rank}.pt")
-    if committer is not None:
-        committer.close()
+            committer.close()
     if rank == 0:
         kind = type(trainer.model).__name__
         torch.save({"restored": restored, "final": final}, f"{out}.pt")
@@ -131,8 +140,8 @@ def _run_group(
     world_size: int, config: TrainLoopConfig, epochs: int, out: Path
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     mp.start_processes(
-        _group_worker,
-        args=(world_size, free_port(), config, epochs, str(out)),
+        _in_group,
+        args=(world_size, free_port(), _train_in_group, config, epochs, str(out)),
         nprocs=world_size,
         start_method="spawn",
     )
@@ -176,6 +185,28 @@ def test_fsdp_trains_like_ddp_and_its_checkpoint_restores_under_other_layouts(
     )
     assert epoch == 3
     _assert_same_weights(model.state_dict(), resumed_state["final"])
+
+
+def _collectives_in_flight(rank: int, world_size: int) -> None:
+    """What ends a DDP worker at its worst: the group kept alive by DDP, and collectives whose
+    work gloo's threads still hold when the worker returns."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel(torch.nn.Linear(2, 2))
+    for _ in range(20):
+        dist.all_reduce(torch.ones(1000), async_op=True)
+
+
+def test_a_group_worker_ends_cleanly_with_gloo_work_in_flight() -> None:
+    """Ended by the interpreter's shutdown, such a worker aborted almost every time (SIGABRT,
+    "terminate called without an active exception"), as DDP workers did now and then."""
+    mp.start_processes(
+        _in_group,
+        args=(2, free_port(), _collectives_in_flight),
+        nprocs=2,
+        start_method="spawn",
+    )
 
 
 def test_checkpoints_are_distributed_checkpoint_directories(tmp_path: Path) -> None:
