@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 WORKERS = 2
 THROUGHPUT_TARGET = 0.9  # steady-state samples/s of c over b
 CHECKPOINT_TARGET = 0.05  # seconds the loop is blocked by checkpoints over epoch seconds (c)
+# Steady samples/s of c over b-lean (issue 24): what our per-epoch work may cost.
+LEAN_TARGETS = {"digits-mlp": 0.9, "synthetic-mlp": 0.95}
 
 Report = Literal["epoch", "final"] | None
 # The modes in the order they run; a and b are the plain loop, reporting to Ray like this.
@@ -322,6 +324,7 @@ def run_ours(params: TrainModelParams, data: PreparedData, mode: str) -> Measure
     def history(key: str) -> list[Any]:
         return sorted(client.get_metric_history(result.run_id, key), key=lambda m: m.step)
 
+    weights = [int(m.step) for m in history("checkpoint_weights") if m.value]
     workers = params.training.worker_range[1]
     per_worker = data.rows["train"] // workers
     samples = per_worker * workers
@@ -335,7 +338,14 @@ def run_ours(params: TrainModelParams, data: PreparedData, mode: str) -> Measure
         train_seconds=[samples / m.value for m in history("samples_per_second")[1:]],
         end_to_end_seconds=wall,
         checkpoint_blocking_seconds=[m.value for m in history("checkpoint_blocking_seconds")[1:]],
-        extra={"flow_seconds": flow_wall, "run_id": result.run_id, "workers": WORKERS},
+        extra={
+            "flow_seconds": flow_wall,
+            "run_id": result.run_id,
+            "workers": WORKERS,
+            # Epochs that committed their weights at their end (the checkpoint budget's choice;
+            # the others committed their metrics only).
+            "epochs_with_weights": weights,
+        },
     )
 
 
@@ -400,17 +410,27 @@ def markdown(measured: dict[str, dict[str, Measurement]]) -> str:
     """The two tables of BENCHMARKS.md: ratios first, then the measurements behind them."""
     lines = [
         "| workload | throughput c/b | c/b-lean | c/a | wall c/b | c/b-lean | c/a "
-        "| c checkpoint share | targets (>= 0.9x b, <= 5%) | hooked d/c (>= 0.95x) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| c checkpoint share | c epochs with weights "
+        "| targets (>= 0.9x b, b-lean as issue 24, <= 5%) | hooked d/c (>= 0.95x) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, modes in measured.items():
-        r, share = ratios(modes), modes["c-ours"].checkpoint_share or 0.0
-        met = r["throughput_c_over_b"] >= THROUGHPUT_TARGET and share <= CHECKPOINT_TARGET
+        ours = modes["c-ours"]
+        r, share = ratios(modes), ours.checkpoint_share or 0.0
+        lean = LEAN_TARGETS.get(name, THROUGHPUT_TARGET)
+        met = (
+            r["throughput_c_over_b"] >= THROUGHPUT_TARGET
+            and r["throughput_c_over_b_lean"] >= lean
+            and share <= CHECKPOINT_TARGET
+        )
+        weights = ours.extra.get("epochs_with_weights")
+        committed = "n/a" if weights is None else f"{len(weights)} of {len(ours.epoch_seconds) + 1}"
         lines.append(
             f"| {name} | {r['throughput_c_over_b']:.2f}x | {r['throughput_c_over_b_lean']:.2f}x "
             f"| {r['throughput_c_over_a']:.2f}x | {r['wall_c_over_b']:.2f}x "
             f"| {r['wall_c_over_b_lean']:.2f}x | {r['wall_c_over_a']:.2f}x | {share:.1%} "
-            f"| {'met' if met else 'missed'} | {_hooked_cell(r)} |"
+            f"| {committed} | {'met' if met else 'missed'} (b-lean >= {lean}x) "
+            f"| {_hooked_cell(r)} |"
         )
     lines += [
         "",
@@ -470,7 +490,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             for name, params in params_by_name.items()
         }
         load_before = os.getloadavg()
-        ray.init(num_cpus=WORKERS, include_dashboard=True, dashboard_host="127.0.0.1")
+        # A Ray of its own (as the other benchmarks), never a cluster another process started.
+        ray.init(
+            address="local", num_cpus=WORKERS, include_dashboard=True, dashboard_host="127.0.0.1"
+        )
         try:
             # One untimed fit first, so no mode pays the process's first-Ray-Train costs.
             first = next(iter(params_by_name))

@@ -14,7 +14,9 @@ A :class:`RetentionPolicy` bounds storage: after each commit, checkpoints that a
 the last K (mid-epoch ones counted) nor the best are pruned. Pruning rewrites the manifest to
 list only the small files the policy keeps (the epoch's metrics), then deletes the rest, so the
 history stays verifiable while the weights go. A pruned mid-epoch checkpoint goes whole: it has
-no history to keep.
+no history to keep. An epoch's end can also be committed with its metrics only (``save(...,
+metrics_only=True)``: an epoch the training loop's checkpoint budget did not spend a commit of
+its weights on); it reads like a pruned one, and ``latest()`` passes over it.
 
 sha256 catches corruption, not forgery: whoever can write the storage can write a matching
 manifest. With ``PREFECT_ML_CHECKPOINT_KEY`` set, every manifest carries an HMAC-SHA256 of its
@@ -97,6 +99,10 @@ class CheckpointPosition:
         return cls(int(epoch), int(step) if step else None)
 
 
+class MetricsOnlyCheckpoint(CheckpointError):
+    """The checkpoint holds an epoch's metrics but no weights (pruned, or committed so)."""
+
+
 @dataclass(frozen=True)
 class VerifiedCheckpoint:
     """A checkpoint whose manifest verified; ``files`` are the exact bytes that were hashed
@@ -165,9 +171,18 @@ class CheckpointStore:
         """The checkpoint of ``epoch``'s end, or of ``step`` steps into it."""
         return storage.join(self.root_url, CheckpointPosition(epoch, step).name)
 
-    def save(self, epoch: int, files: dict[str, bytes], *, step: int | None = None) -> str:
+    def save(
+        self,
+        epoch: int,
+        files: dict[str, bytes],
+        *,
+        step: int | None = None,
+        metrics_only: bool = False,
+    ) -> str:
         """Write ``files`` for ``epoch`` (``step`` steps into it, if given), then the manifest;
-        return the checkpoint URL."""
+        return the checkpoint URL. ``metrics_only``: ``files`` are the epoch's history without
+        weights, committed as a pruned checkpoint is (no resume point; a later ``save`` of the
+        same epoch with its weights replaces it)."""
         if MANIFEST in files:
             raise ValueError(f"{MANIFEST} is reserved for the commit marker")
         if step is not None and step < 1:
@@ -175,7 +190,8 @@ class CheckpointStore:
         url = self.url_for(epoch, step)
         listed = _upload(url, files)
         position = {"epoch": epoch} if step is None else {"epoch": epoch, "step": step}
-        self._write_manifest(url, {**position, "created_unix": time.time(), "files": listed})
+        manifest = {**position, "created_unix": time.time(), "files": listed}
+        self._write_manifest(url, {**manifest, "pruned": True} if metrics_only else manifest)
         return url
 
     def upload(
@@ -322,7 +338,7 @@ class CheckpointStore:
     @staticmethod
     def _names(url: str, manifest: dict[str, Any], names: list[str] | None) -> list[str]:
         if names is None and manifest.get("pruned"):
-            raise CheckpointError(f"{url} was pruned by the retention policy (metrics only)")
+            raise MetricsOnlyCheckpoint(f"{url} holds metrics only (pruned, or not committed)")
         listed = manifest.get("files", {})
         if unlisted := [name for name in names or () if name not in listed]:
             raise CheckpointError(f"{url} has no {unlisted[0]} in its manifest")
@@ -362,10 +378,12 @@ class CheckpointStore:
 
     def latest(self) -> VerifiedCheckpoint | None:
         """The newest checkpoint that verifies, mid-epoch ones included; broken ones are
-        skipped with a warning."""
+        skipped with a warning, metrics-only ones without."""
         for position in reversed(self.positions()):
             try:
                 return self.load(position.epoch, step=position.step)
+            except MetricsOnlyCheckpoint:
+                continue
             except CheckpointError as exc:
                 logger.warning("Skipping checkpoint: %s; trying the previous one", exc)
         return None
@@ -414,14 +432,16 @@ class CheckpointStore:
         """Drop the weights of checkpoints the policy does not keep (nor the epochs in
         ``also_keep``, e.g. early stopping's best epoch); return the epochs whose weights went.
 
-        ``keep_last`` counts mid-epoch checkpoints too. An epoch's end keeps its manifest,
+        ``keep_last`` counts mid-epoch checkpoints too, and only checkpoints with weights (a
+        metrics-only epoch is no resume point). An epoch's end keeps its manifest,
         rewritten first (listing only ``kept_files``), then the other files are deleted, so a
         reader never finds a manifest that names a missing file. A mid-epoch checkpoint goes
         whole, its manifest first.
         """
         manifests = self._committed()
         best = self.best_epoch(policy)
-        keep = set(list(manifests)[-policy.keep_last :]) | {
+        weighted = [position for position, found in manifests.items() if not found.get("pruned")]
+        keep = set(weighted[-policy.keep_last :]) | {
             CheckpointPosition(epoch) for epoch in {best, *also_keep} if epoch is not None
         }
         pruned = []

@@ -1,14 +1,17 @@
 """One worker's training, a epoch at a time: the loop config, the data shard, the strategy
 (DDP, FSDP2), precision, the task's loss and metrics or the model's own hooks, and the
 checkpoint each epoch commits (and, with a step or time cadence, the ones it commits inside an
-epoch, from which a resumed run continues at the next step). Only torch and numpy: Ray Train
-workers (:mod:`integrations.ray_training`), campaign trials in one warm process and the GPU
-check run it.
+epoch, from which a resumed run continues at the next step); :func:`train_epochs` is a worker
+group's loop, with the checkpoint budget that bounds what commits cost it. Only torch and
+numpy: Ray Train workers (:mod:`integrations.ray_training`), campaign trials in one warm
+process and the GPU check run it.
 
 The loop owns checkpointing through :class:`CheckpointStore` (atomic, verified) instead of Ray
 Train's checkpoints, so that a restarted worker group, a restarted process and a reader on
 another machine all resume from the same verified bytes. Rank 0 commits one checkpoint per
-epoch, its metrics included; the driver logs those metrics to MLflow once each.
+epoch, its metrics included; the driver logs those metrics to MLflow once each. Under the
+checkpoint budget (``checkpoint_budget``, a share of training time) an epoch whose weights do not
+fit commits its metrics only: a resumed run then replays it from the last epoch with weights.
 
 Checkpoints are ``torch.distributed.checkpoint`` (DCP) directories holding the model and
 optimiser state under their plain parameter names (``get_state_dict`` strips the DDP and FSDP
@@ -93,6 +96,9 @@ class TrainLoopConfig:
     checkpoint_layout: str = "auto"  # "auto" | "gathered" | "sharded"
     checkpoint_every_steps: int = 0  # also commit every N steps inside an epoch; 0: epochs only
     checkpoint_every_seconds: float = 0.0  # also commit once this long since the last; 0: off
+    # Most of rank 0's training time that checkpoints may block it for: an epoch commits its
+    # weights only within it (a group's first and the last always); 0: every epoch's weights.
+    checkpoint_budget: float = 0.05
     data_layout: str = "arrays"  # how the splits are stored: integrations.shards.LAYOUTS
     task: str = "classification"  # the task type (integrations.problems): loss and metrics
     target_mean: float = 0.0  # regression: the targets train standardised by these
@@ -109,6 +115,16 @@ class TrainLoopConfig:
         return EarlyStopping.for_metric(
             self.early_stopping_metric, self.early_stopping_patience, self.early_stopping_min_delta
         )
+
+    def best_tracker(self) -> EarlyStopping | None:
+        """What picks the epoch whose weights the run must keep besides the last: early
+        stopping's best (evaluated and registered), else the best-checkpoint metric's (one
+        patient enough never to stop the run); None when neither is on."""
+        if stopping := self.early_stopping():
+            return stopping
+        if self.best_checkpoint_metric == "none" or self.keep_checkpoints < 1:
+            return None
+        return EarlyStopping.for_metric(self.best_checkpoint_metric, max(1, self.epochs))
 
     def retention(self) -> RetentionPolicy | None:
         if self.keep_checkpoints < 1:
@@ -135,6 +151,57 @@ class ResumePoint:
     world_size: int
     data_world_size: int
     ranks: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class StagedSnapshot:
+    """A gathered snapshot as a CPU copy of the state, serialised (``files``) only when it is
+    committed: in the committer's thread, or never (a best epoch that a better one replaced)."""
+
+    state: dict[str, Any]
+    small: dict[str, bytes]  # the trainer state, as written
+
+    def files(self) -> dict[str, bytes]:
+        return {**distributed_checkpoint.to_files(self.state), **self.small}
+
+
+Snapshot = dict[str, bytes] | StagedSnapshot | ShardedSnapshot
+
+
+@dataclass
+class CheckpointBudget:
+    """Whether the next epoch's weights fit in ``fraction`` of the training time (rank 0's).
+
+    ``spend`` adds what checkpoints blocked the loop (snapshots, waits for the committer,
+    mid-epoch checkpoints); an epoch commits its weights when what was spent plus the cost of
+    the last such commit stays within ``fraction`` of the time since ``started``. So the share
+    tends to ``fraction`` from below whatever an epoch lasts: every epoch when commits are
+    cheap, every k-th when an epoch is shorter than a commit over ``fraction``.
+    """
+
+    fraction: float
+    started: float  # time.perf_counter() when the worker group started training
+    spent: float = 0.0
+    commit_seconds: float | None = None  # the last commit of weights; None: none yet
+
+    def due(self, now: float) -> bool:
+        if self.fraction <= 0 or self.commit_seconds is None:
+            return True
+        return self.spent + self.commit_seconds <= self.fraction * (now - self.started)
+
+    def spend(self, seconds: float, *, weights: bool) -> None:
+        self.spent += seconds
+        if weights:
+            self.commit_seconds = seconds
+
+
+@dataclass(frozen=True)
+class EpochOutcome:
+    """One epoch's metrics and what the workers agreed with them (one collective)."""
+
+    metrics: dict[str, float]
+    stop_requested: bool  # the run's stop file exists (on some worker)
+    commit_due: bool  # rank 0's checkpoint budget has room for this epoch's weights
 
 
 def make_optimizer(name: str, params: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -207,18 +274,20 @@ def apply_strategy(
 class EpochCommitter:
     """The background writer: commits each epoch's checkpoint while training carries on.
 
-    Gathered checkpoints: rank 0's committer gets the checkpoint's files as bytes. Sharded
+    Gathered checkpoints: rank 0's committer gets the checkpoint's files as bytes, or a CPU
+    copy of the state that it serialises (:class:`StagedSnapshot`). Sharded
     ones: every rank's committer gets its :class:`ShardedSnapshot`, writes its own shards, and
     rank 0's commits them all (``distributed_checkpoint.commit_sharded``, whose collectives
     run on the snapshot's checkpoint group). One commit is in flight at a time on each rank,
     so commits stay in order, every rank's collectives come in the same order, and memory
-    stays bounded. After each commit the retention
-    policy, if any, prunes the checkpoints it does not keep, except early stopping's best
-    epoch (whose weights are the run's result). ``history`` holds the metrics of the epochs
-    committed before this committer started (a resumed run's). Workers never write metrics
-    anywhere else: the driver turns committed checkpoints into MLflow history (see
-    ``tasks.train.EpochRecorder``), which keeps MLflow's client work off the training
-    process's interpreter lock.
+    stays bounded. An epoch submitted without files commits its metrics only (the checkpoint
+    budget's, see :func:`train_epochs`); :meth:`submit_weights` adds its weights later. After
+    each commit of weights the retention policy, if any, prunes the checkpoints it does not
+    keep, except early stopping's best epoch (whose weights are the run's result). ``history``
+    holds the metrics of the epochs committed before this committer started (a resumed run's).
+    Workers never write metrics anywhere else: the driver turns committed checkpoints into
+    MLflow history (see ``tasks.train.EpochRecorder``), which keeps MLflow's client work off
+    the training process's interpreter lock.
     """
 
     def __init__(
@@ -239,40 +308,60 @@ class EpochCommitter:
         self.mid_epoch_checkpoints, self._mid_epoch_blocking = 0, 0.0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._in_flight: Future[str | None] | None = None
+        # The metrics files of epochs committed without weights, for a later commit of them.
+        self._metrics_only: dict[int, dict[str, bytes]] = {}
 
     def submit(
         self,
         epoch: int,
-        files: dict[str, bytes] | ShardedSnapshot,
+        files: Snapshot | None,
         metrics: dict[str, float],
         *,
         epoch_started: float,
         blocked_since: float,
-    ) -> None:
-        """Queue one epoch; the loop was blocked from ``blocked_since`` until this returns."""
+    ) -> float:
+        """Queue one epoch (``files`` None: its metrics only, no resume point); the loop was
+        blocked from ``blocked_since`` until this returns. Returns what checkpointing blocked
+        the loop for this epoch (its ``checkpoint_blocking_seconds``)."""
         self.wait()
         now = time.perf_counter()
+        # What checkpointing cost the loop: the snapshots (this epoch's mid-epoch ones too)
+        # plus waiting for the previous commits.
+        blocking = now - blocked_since + self._mid_epoch_blocking
         metrics = {
             **metrics,
-            # What checkpointing cost the loop: the snapshots (this epoch's mid-epoch ones
-            # too) plus waiting for the previous commits.
-            "checkpoint_blocking_seconds": now - blocked_since + self._mid_epoch_blocking,
+            "checkpoint_blocking_seconds": blocking,
             "epoch_seconds": now - epoch_started,  # wall time of the whole epoch on rank 0
             "mid_epoch_checkpoints": self.mid_epoch_checkpoints,  # by this worker group
+            "checkpoint_weights": float(files is not None),  # 0: metrics only (the budget's)
         }
         self.mid_epoch_checkpoints, self._mid_epoch_blocking = 0, 0.0
         small = {METRICS_FILE: json.dumps(metrics).encode()}
-        if isinstance(files, ShardedSnapshot):
-            files = dataclasses.replace(files, files={**files.files, **small})
+        if files is None:
+            self._metrics_only[epoch] = small
+            self._in_flight = self._executor.submit(
+                self._commit, epoch, small, metrics, metrics_only=True
+            )
         else:
-            files = {**files, **small}
-        self._in_flight = self._executor.submit(self._commit, epoch, files, metrics)
+            self._in_flight = self._executor.submit(
+                self._commit, epoch, _with_files(files, small), metrics
+            )
+        return blocking
+
+    def submit_weights(self, epoch: int, files: Snapshot) -> None:
+        """Queue the weights of ``epoch``, whose metrics were committed alone before (a best
+        epoch kept in memory), beside those same metrics."""
+        self.wait()
+        small = self._metrics_only.pop(epoch, {})  # none on ranks that commit no metrics
+        self._in_flight = self._executor.submit(
+            self._commit, epoch, _with_files(files, small), None
+        )
 
     def submit_step(
         self,
         epoch: int,
         step: int,
-        files: dict[str, bytes] | ShardedSnapshot,
+        files: Snapshot,
         *,
         blocked_since: float,
     ) -> None:
@@ -286,21 +375,22 @@ class EpochCommitter:
     def _commit(
         self,
         epoch: int,
-        files: dict[str, bytes] | ShardedSnapshot,
-        metrics: dict[str, float] | None,
+        files: Snapshot,
+        metrics: dict[str, float] | None,  # None: a mid-epoch checkpoint, or a best epoch's
         step: int | None = None,
+        metrics_only: bool = False,
     ) -> str | None:
+        if isinstance(files, StagedSnapshot):
+            files = files.files()
         if isinstance(files, ShardedSnapshot):  # None on ranks other than 0
             url = distributed_checkpoint.commit_sharded(self._store, epoch, files, step=step)
         else:
-            url = self._store.save(epoch, files, step=step)
-        if metrics is None:  # a mid-epoch checkpoint
-            if self._retention is not None and url is not None:
-                self._store.prune(self._retention, also_keep=self._pinned())
-            return url
-        self.committed_epoch = epoch
-        self._history[epoch] = metrics
-        if self._retention is not None and url is not None:  # rank 0 prunes
+            url = self._store.save(epoch, files, step=step, metrics_only=metrics_only)
+        if metrics is not None:
+            self._history[epoch] = metrics
+            if not metrics_only:
+                self.committed_epoch = epoch
+        if self._retention is not None and url is not None and not metrics_only:  # rank 0
             self._store.prune(self._retention, also_keep=self._pinned())
         return url
 
@@ -330,6 +420,15 @@ class EpochCommitter:
     def close(self) -> None:
         self.wait()
         self._executor.shutdown()
+
+
+def _with_files(files: Snapshot, small: dict[str, bytes]) -> Snapshot:
+    """``files`` with the small files ``small`` added (the coordinator's, when sharded)."""
+    if isinstance(files, ShardedSnapshot):
+        return dataclasses.replace(files, files={**files.files, **small})
+    if isinstance(files, StagedSnapshot):
+        return dataclasses.replace(files, small={**files.small, **small})
+    return {**files, **small}
 
 
 def evaluate_batches(
@@ -533,7 +632,18 @@ class EpochTrainer:
         )
 
     def train_epoch(self, epoch: int, committer: EpochCommitter | None = None) -> dict[str, float]:
-        """Train one epoch, then evaluate; metrics are summed (memory: maxed) over all workers.
+        """Train one epoch, then evaluate: its metrics (see :meth:`run_epoch`)."""
+        return self.run_epoch(epoch, committer).metrics
+
+    def run_epoch(
+        self,
+        epoch: int,
+        committer: EpochCommitter | None = None,
+        budget: CheckpointBudget | None = None,
+    ) -> EpochOutcome:
+        """Train one epoch, then evaluate; metrics are summed (memory: maxed) over all workers,
+        in one collective that also tells every worker whether a stop was requested and
+        whether rank 0's ``budget`` has room for this epoch's weights (always, without one).
 
         With a step or seconds cadence (``checkpoint_every_steps``/``_seconds``) every worker
         snapshots inside the epoch when one is due, and rank 0 hands the files to ``committer``
@@ -575,20 +685,35 @@ class EpochTrainer:
         # One rank per model replica adds its rows and validation sums (its loss sum is its
         # steps' losses: zero on the others, see _train_step), so the metrics are DDP's.
         share = 1.0 if self.reports else 0.0
-        train_rows, val_rows, seconds, *totals = collectives.all_reduce(
+        summed: list[float | torch.Tensor] = [
+            self.train.rows * share,
+            self.val.rows * share,
+            train_seconds,
+            loss_sum,
+            *(part * share for part in val_sums),
+            *(part * share for part in model_sums.values()),
+        ]
+        # The epoch's one collective: the sums above, each rank's own numbers, and what the
+        # workers must agree on (a stop request anywhere; rank 0's checkpoint budget).
+        sent = self.communication or model_parallel.Communication()
+        stop = bool(config.stop_url) and storage.exists(config.stop_url)
+        due = self.rank == 0 and (budget is None or budget.due(time.perf_counter()))
+        rows = collectives.all_gather(
             [
-                self.train.rows * share,
-                self.val.rows * share,
-                train_seconds,
-                loss_sum,
-                *(part * share for part in val_sums),
-                *(part * share for part in model_sums.values()),
+                *summed,
+                devices.peak_memory_bytes(self.device),
+                train_seconds / max(1, steps - first_step),
+                sent.collectives,
+                sent.p2p_bytes,
+                float(stop),
+                float(due),
             ],
             self.device,
         )
+        columns = zip(*(row[: len(summed)] for row in rows), strict=True)
+        train_rows, val_rows, seconds, *totals = [sum(column) for column in columns]
         model_metrics = dict(zip(model_sums, totals[1 + len(val_sums) :], strict=True))
-        per_rank = self._per_rank_metrics(train_seconds / max(1, steps - first_step))
-        return {
+        metrics = {
             "train_loss": totals[0] / train_rows,
             **(
                 self.problem.validation_metrics(
@@ -599,21 +724,20 @@ class EpochTrainer:
             ),
             **{name: total / val_rows for name, total in model_metrics.items()},
             "samples_per_second": train_rows / (seconds / self.world_size),
-            **per_rank,
+            **self._per_rank_metrics([row[len(summed) : len(summed) + 4] for row in rows]),
             "workers": self.world_size,  # elastic groups change size between restarts
         }
-
-    def _per_rank_metrics(self, step_seconds: float) -> dict[str, float]:
-        """Each rank's peak memory and mean step time (one gather), the largest peak as
-        ``peak_memory_mib``, and under tp/pp what one step communicates: the collectives a
-        rank joins (the most of any rank) and the pipeline's point-to-point bytes (all ranks)."""
-        from prefect_ml.integrations import devices
-
-        sent = self.communication or model_parallel.Communication()
-        own = devices.peak_memory_bytes(self.device)
-        rows = collectives.all_gather(
-            [own, step_seconds, sent.collectives, sent.p2p_bytes], self.device
+        return EpochOutcome(
+            metrics,
+            stop_requested=any(row[-2] > 0 for row in rows),
+            commit_due=rows[0][-1] > 0,
         )
+
+    def _per_rank_metrics(self, rows: list[list[float]]) -> dict[str, float]:
+        """From each rank's peak memory, mean step time and what one step communicated (rank
+        order): the largest peak as ``peak_memory_mib``, each rank's peak and step time, and
+        under tp/pp the collectives a rank joins (the most of any rank) and the pipeline's
+        point-to-point bytes (all ranks)."""
         metrics = {"peak_memory_mib": max(row[0] for row in rows) / 2**20}  # the largest worker's
         for rank, (peak, seconds, _, _) in enumerate(rows):
             metrics[f"peak_memory_mib_rank{rank}"] = peak / 2**20
@@ -758,11 +882,17 @@ class EpochTrainer:
         return self.rank == 0 or self.checkpoint_group is not None
 
     def snapshot(
-        self, epoch: int, *, step: int | None = None, loss_sum: torch.Tensor | None = None
-    ) -> dict[str, bytes] | ShardedSnapshot:
+        self,
+        epoch: int,
+        *,
+        step: int | None = None,
+        loss_sum: torch.Tensor | None = None,
+        staged: bool = False,
+    ) -> Snapshot:
         """The training state after ``epoch`` (or after ``step`` steps of it, with the epoch's
         running ``loss_sum``) as checkpoint files; empty on ranks other than 0. Sharded: every
-        rank's CPU copy of its own part, for its committer to write.
+        rank's CPU copy of its own part, for its committer to write; ``staged`` takes a gathered
+        one as a CPU copy too (:class:`StagedSnapshot`), serialised when it is committed.
 
         Every worker must call it: under FSDP, gathering the full state is a collective, and a
         mid-epoch snapshot gathers every rank's RNG state and loss sum to rank 0.
@@ -807,6 +937,10 @@ class EpochTrainer:
         small = {TRAINER_STATE_FILE: json.dumps(trainer_state).encode()} if self.rank == 0 else {}
         if self.checkpoint_group is not None:
             return ShardedSnapshot.take(state, small, self.checkpoint_group)
+        if staged:
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+            return StagedSnapshot(BlockingAsyncStager().stage(state), small)
         return {**distributed_checkpoint.to_files(state), **small}
 
     def committed_metrics(self) -> dict[int, dict[str, float]]:
@@ -866,6 +1000,79 @@ def stopped_early(
     if early_stopping is None:
         return False
     return collectives.any_worker(early_stopping.decide(history) is not None, device)
+
+
+def train_epochs(trainer: EpochTrainer) -> None:
+    """A worker group's training: epochs from ``trainer.first_epoch`` until the last one, a stop
+    request or early stopping, each committing a checkpoint.
+
+    An epoch commits its weights when rank 0's :class:`CheckpointBudget` has room for them
+    (``checkpoint_budget``), and the last epoch trained always does; any other commits its
+    metrics only, so every epoch's metrics reach MLflow, and a run resumed after it replays it
+    from the last epoch with weights, in the same data order. The best epoch (of
+    ``config.best_tracker()``) keeps its weights as a CPU copy until the next commit of
+    weights, which commits it first: a run that fails before that replays it too. Every rank
+    takes the same branch: the budget's answer, the stop request and the metrics all come from
+    the epoch's one collective (:meth:`EpochTrainer.run_epoch`).
+    """
+    config = trainer.config
+    early_stopping, tracker = config.early_stopping(), config.best_tracker()
+    # A resumed group decides from the committed epochs' metrics, as the first group would have.
+    history = trainer.committed_metrics() if tracker else {}
+    committer = (
+        EpochCommitter(
+            trainer.store, config.retention(), early_stopping=early_stopping, history=history
+        )
+        if trainer.writes_checkpoints  # rank 0; every rank when checkpoints are sharded
+        else None
+    )
+    stopped = stop_requested(config.stop_url, trainer.device) or stopped_early(
+        early_stopping, history, trainer.device
+    )
+    budget = CheckpointBudget(config.checkpoint_budget, started=time.perf_counter())
+    best: tuple[int, Snapshot] | None = None  # a best epoch committed without its weights
+    for epoch in range(config.epochs + 1 if stopped else trainer.first_epoch, config.epochs + 1):
+        started = time.perf_counter()
+        outcome = trainer.run_epoch(epoch, committer, budget)
+        history[epoch] = outcome.metrics  # from the collective: the same on every worker
+        last = (
+            epoch == config.epochs
+            or outcome.stop_requested
+            or (early_stopping is not None and early_stopping.decide(history) is not None)
+        )
+        weights = outcome.commit_due or last
+        best_epoch = tracker.best(history) if tracker else None
+        new_best = best_epoch is not None and best_epoch.epoch == epoch
+        if new_best:
+            best = None  # a better epoch came: its weights are kept instead
+        blocked_since = time.perf_counter()
+        if weights and best is not None:
+            if committer is not None:
+                committer.submit_weights(*best)
+            best = None
+        # The snapshot (rank 0's CPU copy of the state, or each rank's of its shards; every
+        # worker takes it) is the only part that blocks: serialising, hashing and writing
+        # happen in the background.
+        files = None
+        if weights or new_best:
+            snapshot = trainer.snapshot(epoch, staged=True)
+            if weights:
+                files = snapshot
+            else:
+                best = (epoch, snapshot)
+        if committer is not None and (weights or trainer.rank == 0):
+            blocking = committer.submit(
+                epoch,
+                files,
+                outcome.metrics,
+                epoch_started=started,
+                blocked_since=blocked_since,
+            )
+            budget.spend(blocking, weights=weights)
+        if last:
+            break
+    if committer is not None:
+        committer.close()
 
 
 def load_trained_model(

@@ -11,13 +11,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from prefect_ml.integrations import collectives, storage, tracking
-from prefect_ml.integrations.epoch_trainer import (
-    EpochCommitter,
-    EpochTrainer,
-    TrainLoopConfig,
-    stop_requested,
-    stopped_early,
-)
+from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig, train_epochs
 
 if TYPE_CHECKING:
     from prefect_ml.integrations.resources import ResourceRequest
@@ -41,7 +35,8 @@ def worker_nodes() -> list[str]:
 def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
     """One Ray Train worker: resume from the newest verified checkpoint (mid-epoch ones at
     the step after it), then train epochs until the last one, a stop request, or early
-    stopping; checkpoints every epoch and at the configured step or seconds cadence."""
+    stopping (``epoch_trainer.train_epochs``: checkpoints every epoch within the checkpoint
+    budget, and at the configured step or seconds cadence)."""
     import ray.train
     import ray.train.torch
 
@@ -67,34 +62,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
                 WORKER_GROUP_READY_TAG: str(time.time()),
             },
         )
-    early_stopping = config.early_stopping()
-    # A resumed group decides from the committed epochs' metrics, as the first group would have.
-    history = trainer.committed_metrics() if early_stopping else {}
-    committer = (
-        EpochCommitter(
-            trainer.store, config.retention(), early_stopping=early_stopping, history=history
-        )
-        if trainer.writes_checkpoints  # rank 0; every rank when checkpoints are sharded
-        else None
-    )
-    for epoch in range(trainer.first_epoch, config.epochs + 1):
-        if stop_requested(config.stop_url, trainer.device):
-            break
-        if stopped_early(early_stopping, history, trainer.device):
-            break
-        started = time.perf_counter()
-        metrics = trainer.train_epoch(epoch, committer)  # commits mid-epoch ones, if due
-        history[epoch] = metrics  # all-reduced: the same values on every worker
-        blocked_since = time.perf_counter()
-        # The snapshot (gathered to rank 0, or each rank's copy of its shards) is the only part
-        # that blocks; serialising, hashing and writing happen in the background.
-        files = trainer.snapshot(epoch)
-        if committer is not None:
-            committer.submit(
-                epoch, files, metrics, epoch_started=started, blocked_since=blocked_since
-            )
-    if committer is not None:
-        committer.close()
+    train_epochs(trainer)  # checkpoints every epoch within the checkpoint budget
     # Per-epoch metrics travel in the checkpoints. Ray Train v2's report() blocks until its
     # controller polls (every 2 s), which would dominate short epochs: Ray gets one final report.
     ray.train.report({"epoch": config.epochs})

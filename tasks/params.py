@@ -224,6 +224,7 @@ OPERATIONAL_FIELDS = {
     "checkpoint_layout",
     "checkpoint_every_steps",
     "checkpoint_every_seconds",
+    "checkpoint_budget",
     "gradient_checkpointing",
     "collective_timeout_s",
     "elastic_resize_s",
@@ -353,6 +354,19 @@ class TrainingParams(_Section):
         title="Checkpoint every N seconds",
         description="Also commit a checkpoint once this many seconds have passed since the last "
         "one, at the next step (0: off).",
+    )
+    checkpoint_budget: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        title="Checkpoint budget",
+        description="Most of the training time that checkpoints may block it for (0.05: 5%): an "
+        "epoch commits its weights only while that holds (a worker group's first and the last "
+        "always); "
+        "the others commit their metrics only (all reach MLflow) and a resumed run replays "
+        "them from the last epoch with weights. The best epoch's weights are kept. 0: every "
+        "epoch commits its weights.",
     )
     collective_timeout_s: int = Field(
         1800,

@@ -85,6 +85,9 @@ from prefect_ml.tasks.params import (
         ),
         ({"training": {"early_stopping_patience": -1}}, "training.early_stopping_patience", "0"),
         ({"training": {"early_stopping_min_delta": -1}}, "training.early_stopping_min_delta", "0"),
+        ({"training": {"checkpoint_budget": 1.5}}, "training.checkpoint_budget", "less than or"),
+        ({"training": {"checkpoint_budget": -0.1}}, "training.checkpoint_budget", "greater than"),
+        ({"training": {"checkpoint_budget": "nan"}}, "training.checkpoint_budget", "finite"),
     ],
 )
 def test_invalid_parameters_name_the_field(given: dict[str, Any], field: str, message: str) -> None:
