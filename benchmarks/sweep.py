@@ -439,7 +439,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         load_before = os.getloadavg()
         env_vars = {"PYTHONPATH": os.pathsep.join(sys.path)}
-        ray.init(num_cpus=CONCURRENCY, include_dashboard=False, runtime_env={"env_vars": env_vars})
+        # "local": a new Ray of its own, never one a ``ray start`` left behind on this machine.
+        ray.init(
+            address="local",
+            num_cpus=CONCURRENCY,
+            include_dashboard=False,
+            runtime_env={"env_vars": env_vars},
+        )
         try:
             ray_tune_overhead(work, CONCURRENCY, CONCURRENCY)  # untimed: start Tune's workers
             ours_overhead(work, CONCURRENCY, CONCURRENCY)  # untimed: start Prefect's API

@@ -4,9 +4,10 @@ The coordinator is the study's only writer, so the storage has one writer howeve
 run trials. It sees a :class:`~integrations.trial_pool.TrialPool` (slots and outcomes, not Ray)
 and an MLflow :class:`~integrations.tracking.TrackingWriter`, so it runs as well on a fake pool
 and an in-memory study. Asking for the next trial and telling a finished one take tens of
-milliseconds; one background thread (the *study writer*) does them in order, so a free worker
-gets its next trial at once. What that thread tells is a :class:`TrialEnd` fixed when the trial
-ended: nothing it reads is changed afterwards by the loop.
+milliseconds; one background thread (the *study writer*) does them in order, and asks for one
+trial per slot ahead of time, so a free worker gets its next trial at once, even when every
+slot finishes at the same moment. What that thread tells is a :class:`TrialEnd` fixed when the
+trial ended: nothing it reads is changed afterwards by the loop.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -133,7 +135,8 @@ class Coordinator:
         self.closed: set[int] = set()  # slots whose lost worker could not be replaced
         self.study_writer = study_writer or new_study_writer()
         self.study_writes: list[Future[TrialEnd]] = []
-        self.spare: Future[Asked] | None = None  # the next trial, asked while workers are busy
+        # The next trials, asked while the workers are busy: one per open slot at most.
+        self.spares: deque[Future[Asked]] = deque()
 
     # --- before the loop ------------------------------------------------------------------
     def recover(self) -> list[int]:
@@ -200,20 +203,20 @@ class Coordinator:
             if self._can_start(deadline):
                 self._dispatch(pool, slot, writer)
         while self.running:
+            self._ask_ahead(pool.size - len(self.closed), deadline)
             for slot, outcome in pool.wait(WAIT_S):
                 self._on_outcome(pool, slot, outcome, deadline, writer)
-            if self.spare is None and self._can_start(deadline):
-                self.spare = self.study_writer.submit(self._ask)
             progress(False)
             check()
-        self._discard_spare()
+        self._discard_spares()
         pool.finish()
         progress(True)
 
-    def _can_start(self, deadline: float | None, finishing: int = 0) -> bool:
-        """Whether another trial may start; ``finishing`` trials are about to be recorded."""
+    def _can_start(self, deadline: float | None, pending: int = 0) -> bool:
+        """Whether another trial may start; ``pending`` trials count too: ones about to be
+        recorded, or asked ahead."""
         tally, budget = self.tally, self.rules.budget
-        if budget is not None and tally.finished + finishing + len(self.running) >= budget:
+        if budget is not None and tally.finished + pending + len(self.running) >= budget:
             return False
         if deadline is not None and time.monotonic() >= deadline:
             return False
@@ -226,23 +229,28 @@ class Coordinator:
         spec, mlflow_params = self.plan(trial)
         return Asked(trial, spec, mlflow_params)
 
+    def _ask_ahead(self, open_slots: int, deadline: float | None) -> None:
+        """Queue asks on the study writer until each open slot has a next trial waiting (as
+        far as the budget goes): slots whose trials end together (trials of one length) then
+        find theirs ready, rather than one waiting for the other's tell and ask."""
+        while len(self.spares) < open_slots and self._can_start(deadline, len(self.spares)):
+            self.spares.append(self.study_writer.submit(self._ask))
+
     def _dispatch(self, pool: TrialPool, slot: int, writer: TrackingWriter) -> None:
-        """Start the next trial on ``slot``: the one asked ahead of time, if any."""
-        asked = self.spare.result() if self.spare else self._ask()
-        self.spare = None
+        """Start the next trial on ``slot``: the oldest one asked ahead of time, if any."""
+        asked = self.spares.popleft().result() if self.spares else self._ask()
         pool.begin(slot, asked.spec)
         self.running[slot] = RunningTrial(asked.trial, asked.spec.loop.checkpoint_url)
         writer.trial_started(asked.trial.number, asked.mlflow_params)
 
-    def _discard_spare(self) -> None:
-        """A trial asked ahead but never started (timeout, target, failures): not counted."""
+    def _discard_spares(self) -> None:
+        """Trials asked ahead but never started (timeout, target, failures): not counted."""
         from optuna.trial import TrialState
 
-        if self.spare is not None:
-            trial = self.spare.result().trial
+        while self.spares:
+            trial = self.spares.popleft().result().trial
             trial.set_user_attr(studies.NOT_STARTED_ATTR, True)
             self.study.tell(trial, state=TrialState.FAIL)
-            self.spare = None
 
     def _on_outcome(
         self,
@@ -272,7 +280,7 @@ class Coordinator:
             return
         # The slot is free: it gets the next trial before this one is recorded, unless a
         # failure has to be counted first (failures in a row can stop the campaign).
-        early = verdict in ("complete", "prune") and self._can_start(deadline, finishing=1)
+        early = verdict in ("complete", "prune") and self._can_start(deadline, pending=1)
         if early:
             self._dispatch(pool, slot, writer)
         if verdict == "retry" and studies.requeue(self.study, running.trial):

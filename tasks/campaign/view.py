@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextvars
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from prefect.artifacts import (
@@ -23,7 +25,12 @@ LEADERBOARD_INTERVAL_S = 3.0
 
 
 class CampaignView:
-    """The live view: a rich progress bar here, progress and leaderboard artifacts in Prefect."""
+    """The live view: a rich progress bar here, progress and leaderboard artifacts in Prefect.
+
+    The artifacts are written by a thread of their own (in the caller's Prefect context, so
+    they belong to its run): reading the study and calling Prefect's API take tens of
+    milliseconds, which the coordinator's loop would otherwise spend with a worker idle.
+    """
 
     def __init__(
         self,
@@ -47,6 +54,8 @@ class CampaignView:
             0.0, key=f"campaign-{slug(campaign)}-progress", description=f"campaign {campaign}"
         )
         self._last_leaderboard = 0.0
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="campaign-view")
+        self._published: Future[None] | None = None  # the latest artifacts' write
 
     def __enter__(self) -> CampaignView:
         self._progress.start()
@@ -54,9 +63,12 @@ class CampaignView:
 
     def __exit__(self, *exc_info: object) -> None:
         self._progress.stop()
+        self._publisher.shutdown(wait=True)
 
     def show(self, *, force: bool) -> None:
-        """The bar now; the artifacts at most every few seconds unless ``force``."""
+        """The bar now; the artifacts at most every few seconds (skipped while the last write is
+        still going), written in the background, unless ``force``: then they are written before
+        this returns. A failed write raises here, at the next call that writes."""
         tally = self.tally
         best = "-" if tally.best is None else f"{tally.best:.4f}"
         status = (
@@ -64,13 +76,21 @@ class CampaignView:
         )
         self._progress.update(self._bar, completed=tally.finished, status=status)
         now = time.monotonic()
-        if not force and now - self._last_leaderboard < LEADERBOARD_INTERVAL_S:
+        busy = self._published is not None and not self._published.done()
+        if not force and (busy or now - self._last_leaderboard < LEADERBOARD_INTERVAL_S):
             return
         self._last_leaderboard = now
+        if self._published is not None:
+            self._published.result()
+        context = contextvars.copy_context()
+        self._published = self._publisher.submit(context.run, self._publish, tally.finished)
+        if force:
+            self._published.result()
+
+    def _publish(self, finished: int) -> None:
+        """The progress artifact at ``finished`` trials, and the leaderboard."""
         if self.total:
-            update_progress_artifact(
-                self._artifact_id, min(100.0, 100.0 * tally.finished / self.total)
-            )
+            update_progress_artifact(self._artifact_id, min(100.0, 100.0 * finished / self.total))
         rows, links = self._rows(), self._links()
         if rows:
             create_table_artifact(

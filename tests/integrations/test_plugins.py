@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from prefect_ml.integrations import plugins
 from prefect_ml.integrations.catalog import load_dataset, resolve_dataset, resolve_model
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.storage import check_data_url
@@ -105,6 +107,22 @@ def test_plugins_come_from_entry_points_by_name_or_by_value(site: Path) -> None:
     assert resolve_model("wine-net").__name__ == "build"
     with pytest.raises(ConfigurationError, match="is not allowed"):
         resolve_dataset("wine_plugin:unregistered")
+
+
+def test_a_plugin_installed_after_the_plugins_were_read_is_found(site: Path) -> None:
+    """The entry points are kept between reads (a warm trial worker resolves a model per
+    trial), but not past an install: a new ``.dist-info`` folder changes its folder."""
+    assert sorted(plugins.registered(plugins.MODEL_GROUP)) == ["wine-net"]
+    before = site.stat().st_mtime_ns
+    info = site / "late_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: late-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[prefect_ml.models]\nlate-net = wine_plugin:build\n")
+    if site.stat().st_mtime_ns == before:  # within one tick of the file system's clock
+        os.utime(site, ns=(before + 1, before + 1))
+
+    assert sorted(plugins.registered(plugins.MODEL_GROUP)) == ["late-net", "wine-net"]
+    assert resolve_model("late-net").__name__ == "build"
 
 
 def test_unknown_names_list_the_plugins(site: Path) -> None:

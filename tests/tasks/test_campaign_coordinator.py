@@ -9,6 +9,7 @@ real Optuna and the writer is the real MLflow writer on SQLite.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
@@ -232,6 +233,39 @@ def test_the_budget_is_exactly_n_trials_and_each_has_a_finished_mlflow_run(
     runs = tracking.trial_runs(writer.client, writer.experiment_id, writer.parent_run_id)
     assert sorted(runs) == [0, 1, 2, 3, 4]
     assert {run.info.status for run in runs.values()} == {"FINISHED"}
+
+
+class TogetherPool(FakePool):
+    """Every slot's call comes back in the same wait: trials of one length end together."""
+
+    def wait(self, timeout: float) -> list[tuple[int, Outcome]]:
+        together = list(self.ready)
+        self.ready.clear()
+        return together
+
+
+def test_slots_that_finish_together_each_find_their_next_trial_asked_ahead(
+    tmp_path: Path, writer: TrackingWriter
+) -> None:
+    """Only the first trial of each slot is asked by the loop itself; every later one was
+    asked by the study writer while the workers trained, so no slot waits for another's tell
+    and ask."""
+    study = study_of()
+    campaign = coordinator(study, tmp_path, budget=7)
+    spec_of = campaign.plan
+    asked_on: dict[int, str] = {}  # trial number -> the thread that asked for it
+
+    def recording_plan(trial: optuna.trial.Trial) -> tuple[TrialSpec, dict[str, Any]]:
+        asked_on[trial.number] = threading.current_thread().name
+        return spec_of(trial)
+
+    campaign.plan = recording_plan
+    campaign.run(TogetherPool(2), writer)
+
+    assert [t.state for t in started(study)] == [TrialState.COMPLETE] * 7
+    assert all(t.state.is_finished() for t in study.trials)
+    loop = threading.current_thread().name
+    assert [n for n, thread in asked_on.items() if thread == loop] == [0, 1]
 
 
 def test_a_pruned_trial_is_told_pruned_without_values_however_late_the_study_writer(
