@@ -46,6 +46,7 @@ bench: $(STAMP) postgresql
 	$(VENV)/bin/python benchmarks/data.py $(BENCH_ARGS)
 	$(VENV)/bin/python benchmarks/predict.py $(BENCH_ARGS)
 	$(VENV)/bin/python benchmarks/precision.py $(BENCH_ARGS)
+	$(VENV)/bin/python benchmarks/startup.py $(BENCH_ARGS)
 	# The serving benchmark's load generator is wrk (Debian package).
 	command -v wrk >/dev/null || apt-get install -y -qq --no-install-recommends wrk
 	$(VENV)/bin/python benchmarks/serving.py $(BENCH_ARGS)

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from prefect_ml.integrations import alerts, prefect_server, storage
+from prefect_ml.integrations import alerts, prefect_server, storage, timeline
 from prefect_ml.integrations.errors import ConfigurationError, PrefectMLError
 from prefect_ml.integrations.settings import (
     get_settings,
@@ -242,7 +242,7 @@ def print_campaign(result: Any) -> None:
     console.print(f"  optuna-dashboard {settings.resolved_optuna_storage}")
 
 
-def _run_flow(flow_name: str, params: BaseModel) -> Any:
+def _flow(flow_name: str) -> Any:
     if flow_name == "ml_pipeline":
         from prefect_ml.flows.pipeline import ml_pipeline as flow_fn
     elif flow_name == "hpo_campaign":
@@ -253,15 +253,25 @@ def _run_flow(flow_name: str, params: BaseModel) -> Any:
         from prefect_ml.flows.predict import batch_predict as flow_fn  # type: ignore[assignment]
     else:
         from prefect_ml.flows.train import train_model as flow_fn  # type: ignore[assignment]
+    return flow_fn
+
+
+def _run_flow(flow_name: str, params: BaseModel) -> Any:
     from prefect_ml.integrations.ray_cluster import ray_session
 
     settings = get_settings()
-    with contextlib.ExitStack() as stack:
+    with timeline.start_up(), contextlib.ExitStack() as stack:
+        timeline.mark("parameters checked")
         stack.enter_context(_clear_errors())
         if settings.s3_credentials_block:  # exported before a local Ray starts: workers see them
             storage.apply_credentials_block(settings.s3_credentials_block)
         # One Ray for the whole run: the flow-start resource check and every step share it.
         stack.enter_context(ray_session(settings))
+        # Prefect's API (when it is ephemeral) starts here rather than in the flow run, so the
+        # timeline shows its share. Started beside Ray in a thread, it took as long as both in
+        # turn on 2 cores (BENCHMARKS.md, start-up), and delayed a failed Ray start's error.
+        prefect_server.start_ephemeral_api()
+        flow_fn = _flow(flow_name)
         state = flow_fn(params=params, return_state=True)
     if not state.is_completed():
         error = state.result(raise_on_failure=False)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import httpx
 import yaml
 
+from prefect_ml.integrations import timeline
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
 from prefect_ml.integrations.settings import (
     PrefectMLSettings,
@@ -60,6 +61,18 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
 def ui_url(api_url: str) -> str:
     """The UI's address for an API address (the server serves both)."""
     return api_url.rstrip("/").removesuffix("/api")
+
+
+def start_ephemeral_api() -> None:
+    """Start Prefect's ephemeral API now when no server is configured (``PREFECT_API_URL``
+    unset), as the first flow run would start it, so that it starts while other things do;
+    flow runs in this process then use it."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url is None:
+        SubprocessASGIServer().start()
+        timeline.mark("Prefect API started")
 
 
 def server_is_up(api_url: str, timeout: float = 2.0) -> bool:

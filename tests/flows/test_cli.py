@@ -1,8 +1,11 @@
-"""The ``prefect-ml`` command line: flags mirror parameters, errors name them, doctor checks."""
+"""The ``prefect-ml`` command line: flags mirror parameters, errors name them, doctor checks,
+what the driver imports."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -264,3 +267,14 @@ def test_predict_flags_mirror_the_predict_parameters_and_bad_ones_exit_2(
         assert result.exit_code == 2, result.output
         assert text in result.output
     assert not home.home_dir.joinpath("mlflow.db").exists()
+
+
+def test_the_command_and_its_flows_import_neither_torch_nor_mlflow() -> None:
+    """The driver loads torch and MLflow when a step needs them, not while Ray and Prefect's
+    API start."""
+    modules = "prefect_ml.flows.cli, prefect_ml.flows.pipeline, prefect_ml.flows.train"
+    check = f"import sys, {modules}; print(sorted({{'torch', 'mlflow'}} & set(sys.modules)))"
+    found = subprocess.run(
+        [sys.executable, "-c", check], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
+    assert found.stdout.strip() == "[]"

@@ -1,11 +1,15 @@
 """The auth string of the server `prefect-ml ui` runs: generated once, private, reused, and sent
-by this home's commands to that server only (the server itself: tests/e2e/test_prefect_ui.py)."""
+by this home's commands to that server only (the server itself: tests/e2e/test_prefect_ui.py);
+and the ephemeral API a command starts early, which its flow runs then use."""
 
 from __future__ import annotations
 
 import json
 import os
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +83,32 @@ def test_the_auth_string_never_goes_to_a_server_the_user_chose(
     prepare_process_environment(home)
     assert os.environ["PREFECT_API_URL"] == "https://prefect.example.com/api"
     assert "PREFECT_API_AUTH_STRING" not in os.environ
+
+
+EARLY_API_CHECK = """
+from prefect.client.orchestration import get_client
+from prefect.server.api.server import SubprocessASGIServer
+
+from prefect_ml.integrations.prefect_server import start_ephemeral_api
+
+start_ephemeral_api()
+server = SubprocessASGIServer()
+process = server.server_process
+with get_client(sync_client=True) as client:
+    client.api_healthcheck()
+    print(str(client.api_url).rstrip("/") == server.api_url, server.server_process is process)
+"""
+
+
+@pytest.mark.usefixtures("clean_client_environment")
+def test_the_ephemeral_api_started_early_is_the_one_flow_runs_use(tmp_path: Path) -> None:
+    environment = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    used = subprocess.run(
+        [sys.executable, "-c", EARLY_API_CHECK],
+        env=environment,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert used.stdout.split() == ["True", "True"], used.stderr

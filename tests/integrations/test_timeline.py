@@ -35,3 +35,19 @@ def test_the_artifact_is_a_table_with_a_bar_for_each_step_that_took_time() -> No
     assert "# Timeline of train-model" in markdown
     assert "| started | 10.0 | 10.0 | " + "█" * 24 + " |" in markdown
     assert "| done | 10.0 | 0.0 |  |" in markdown
+
+
+def test_a_commands_start_up_goes_to_its_first_flow_run_only() -> None:
+    with timeline.start_up():
+        timeline.mark("local Ray started")
+        with timeline.recording("first started") as first:
+            timeline.mark("first ends")
+        with timeline.recording("second started") as second:
+            pass
+    timeline.mark("after the command")  # recorded nowhere
+    with timeline.recording("later started") as later:
+        pass
+
+    assert [m.name for m in first.moments] == ["local Ray started", "first started", "first ends"]
+    assert [m.name for m in second.moments] == ["second started"]
+    assert [m.name for m in later.moments] == ["later started"]
