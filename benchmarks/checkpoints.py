@@ -29,13 +29,14 @@ Throughput is payload MB (10^6 bytes) over seconds; ratios are over boto3's.
 
 **Blocked time**: a loop of N epochs, each running W seconds of 1024x1024 torch matmuls on one
 thread, then checkpointing the state (``state.pt`` plus ``metrics.json``) to S3: ``sync``
-serialises and calls ``store.save`` inline; ``async`` serialises and hands the bytes to
-``EpochCommitter.submit`` (which first waits for the previous commit); ``async-short`` does the
-same with epochs of W/3 seconds, shorter than a commit. Blocked time runs from the start of
-serialisation to the return of that call, in every loop; the median is over epochs 2..N
-(epoch 1 of ``async`` has no previous commit to wait for). The final ``wait`` of ``async`` after
-the last epoch is reported apart, and so are the matmuls done per epoch (the background commit
-competes with them for CPU).
+serialises and calls ``store.save`` inline; ``async`` does what the epoch loop does: it stages a
+CPU copy of the state (``StagedSnapshot``) and hands it to ``EpochCommitter.submit`` (which
+first waits for the previous commit, then serialises and uploads in its thread);
+``async-short`` does the same with epochs of W/3 seconds, shorter than a commit. Blocked time
+runs from the start of serialising (sync) or staging (async) to the return of that call; the
+median is over epochs 2..N (epoch 1 of ``async`` has no previous commit to wait for). The final
+``wait`` of ``async`` after the last epoch is reported apart, and so are the matmuls done per
+epoch (the background commit competes with them for CPU).
 
 Run ``make bench`` or ``.venv/bin/python benchmarks/checkpoints.py --quick`` (a smoke run).
 """
@@ -66,7 +67,8 @@ if TYPE_CHECKING:
     import torch
 
 BUCKET = "prefect-ml-bench"
-THROUGHPUT_TARGET = 0.9  # our store's MB/s over boto3's, upload and download
+UPLOAD_TARGET = 0.9  # our store's MB/s over boto3's
+DOWNLOAD_TARGET = 0.95  # issue 24: no HEAD, no whole-object copy, the manifest beside the data
 BLOCKED_TARGET = 0.25  # async blocked seconds per checkpoint over sync's
 ARMS = ("ours-store", "ours-store-cold", "ours-raw", "boto3", "boto3-memory", "s3fs")
 TENSORS = 4  # the state dict's float32 tensors, of equal size
@@ -263,9 +265,11 @@ def training_loop(
 ) -> dict[str, Any]:
     """``epochs`` epochs of fixed work, each checkpointed inline or through ``EpochCommitter``
     as :data:`LOOPS` says for ``name``."""
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
     from prefect_ml.integrations.checkpoints import CheckpointStore
     from prefect_ml.integrations.distributed_checkpoint import to_files
-    from prefect_ml.integrations.epoch_trainer import METRICS_FILE, EpochCommitter
+    from prefect_ml.integrations.epoch_trainer import METRICS_FILE, EpochCommitter, StagedSnapshot
 
     asynchronous, share = LOOPS[name]
     work_seconds *= share
@@ -277,14 +281,16 @@ def training_loop(
         matmuls.append(matmul_work(work_seconds))
         next(iter(state.values()))[0, 0] += 1.0  # the weights moved
         blocked_since = time.perf_counter()
-        data = to_files({"model": state})
-        serialise.append(time.perf_counter() - blocked_since)
         metrics = {"train_loss": 1.0 / epoch}
         if committer is None:
+            data = to_files({"model": state})
+            serialise.append(time.perf_counter() - blocked_since)
             store.save(epoch, {**data, METRICS_FILE: json.dumps(metrics).encode()})
         else:
+            staged = StagedSnapshot(BlockingAsyncStager().stage({"model": state}), {})
+            serialise.append(time.perf_counter() - blocked_since)
             committer.submit(
-                epoch, data, metrics, epoch_started=epoch_started, blocked_since=blocked_since
+                epoch, staged, metrics, epoch_started=epoch_started, blocked_since=blocked_since
             )
         now = time.perf_counter()
         blocked.append(now - blocked_since)
@@ -310,7 +316,8 @@ def training_loop(
         "final_wait_seconds": drain,
         "matmuls": matmuls,
         "epoch_seconds": epoch_seconds,
-        # Blocked minus serialising: the upload (sync) or waiting for the previous commit (async).
+        # Blocked minus serialising or staging: the upload (sync) or the wait for the previous
+        # commit (async).
         "upload_or_wait_median_steady": statistics.median(
             [b - s for b, s in zip(blocked, serialise, strict=True)][1:]
         ),
@@ -346,8 +353,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         ratios["ours-store_over_boto3_download"],
     )
     targets = {
-        "upload": store_up >= THROUGHPUT_TARGET,
-        "download": store_down >= THROUGHPUT_TARGET,
+        "upload": store_up >= UPLOAD_TARGET,
+        "download": store_down >= DOWNLOAD_TARGET,
         "blocked": ratios["async_over_sync_blocked"] <= BLOCKED_TARGET,
     }
     return {"arms": arms, "ratios": ratios, "targets": targets}
@@ -372,8 +379,9 @@ def markdown(report: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| loop | blocked s per checkpoint (median, epochs 2..N) | max | of which serialise s "
-        "| of which upload / wait s | final wait s | matmuls per epoch |",
+        "| loop | blocked s per checkpoint (median, epochs 2..N) | max "
+        "| of which serialise / stage s | of which upload / wait s | final wait s "
+        "| matmuls per epoch |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, loop in loops.items():
@@ -388,9 +396,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"upload: ours-store / boto3 = {ratios['ours-store_over_boto3_upload']:.2f}x "
-        f"(target >= {THROUGHPUT_TARGET}x): {'met' if met['upload'] else 'MISSED'}",
+        f"(target >= {UPLOAD_TARGET}x): {'met' if met['upload'] else 'MISSED'}",
         f"download: ours-store / boto3 = {ratios['ours-store_over_boto3_download']:.2f}x "
-        f"(target >= {THROUGHPUT_TARGET}x): {'met' if met['download'] else 'MISSED'}",
+        f"(target >= {DOWNLOAD_TARGET}x): {'met' if met['download'] else 'MISSED'}",
         f"blocked: async / sync = {ratios['async_over_sync_blocked']:.3f}x "
         f"(target <= {BLOCKED_TARGET}x): {'met' if met['blocked'] else 'MISSED'}",
     ]
