@@ -73,6 +73,20 @@ def committed_epochs(storage_dir: Path) -> list[int]:
     return sorted(int(epoch) for epoch in epochs if epoch.isdigit())
 
 
+def resume_point(storage_dir: Path) -> int:
+    """The epochs fully trained at the newest checkpoint with weights anywhere under
+    ``storage_dir`` (what a resume starts after): an epoch end counts its epoch, a mid-epoch
+    checkpoint the epoch before; epochs that committed their metrics only (the checkpoint
+    budget's) or were pruned are no resume point. 0 when there is none."""
+    points = [0]
+    for manifest in storage_dir.glob("checkpoints/*/*/epoch-*/MANIFEST.json"):
+        if json.loads(manifest.read_text()).get("pruned"):
+            continue
+        epoch, _, step = manifest.parent.name.removeprefix("epoch-").partition("-step-")
+        points.append(int(epoch) - 1 if step else int(epoch))
+    return max(points)
+
+
 def linked_venv(folder: Path, packages: Path) -> Path:
     """A new virtual environment (no pip) at ``folder`` whose site-packages adds ``packages``,
     a folder of links to installed distributions, as a site directory; returns its python."""
