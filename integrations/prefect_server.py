@@ -70,8 +70,8 @@ def start_ephemeral_api() -> None:
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import get_current_settings
 
-    if get_current_settings().api.url is None:
-        SubprocessASGIServer().start()
+    if get_current_settings().api.url is None and not (server := SubprocessASGIServer()).running:
+        server.start()  # once per process: a command's later flow runs (serve --watch) reuse it
         timeline.mark("Prefect API started")
 
 
