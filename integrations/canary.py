@@ -342,7 +342,23 @@ class Rollout:
             if verdict is not None:
                 return verdict, stable, canary
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 4 * SYNC_INTERVAL_S) -> None:
+        """End the rollout and return once every replica has dropped the canary (a replica
+        reports that at its next sync), so that nothing answers with it after a verdict; a
+        replica that stopped syncing (it died) is waited for only ``timeout_s``."""
         import ray
 
-        ray.kill(self._actor)
+        try:
+            ray.get(self._actor.stop.remote(), timeout=30)
+            deadline = time.monotonic() + timeout_s
+            while self.version in self._snapshot()["loaded"].values():
+                if time.monotonic() > deadline:
+                    logger.warning(
+                        "a replica still held the canary v%s %g s after the rollout ended",
+                        self.version,
+                        timeout_s,
+                    )
+                    break
+                time.sleep(SYNC_INTERVAL_S / 4)
+        finally:
+            ray.kill(self._actor)

@@ -1,12 +1,20 @@
 """The canary verdict: errors end the window early, too little traffic or a slower or worse
-canary rolls back, and a canary no worse than the serving version is promoted."""
+canary rolls back, and a canary no worse than the serving version is promoted; a rollout that
+has ended leaves no replica answering with the canary."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from prefect_ml.integrations.canary import CanaryPolicy, VersionStats, judge, label_outcome
+from prefect_ml.integrations.canary import (
+    CanaryPolicy,
+    CanaryRoute,
+    Rollout,
+    VersionStats,
+    judge,
+    label_outcome,
+)
 
 POLICY = CanaryPolicy(
     share=0.1,
@@ -90,3 +98,20 @@ def test_stats_from_replicas_add_up() -> None:
     assert (total.requests, total.errors) == (40, 1)
     assert total.error_rate == pytest.approx(1 / 40)
     assert total.latency_ms(0.5) == 4.0 and len(total.latencies_ms) == 39
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_closed_rollout_returns_only_once_the_replicas_have_dropped_the_canary() -> None:
+    """A verdict is final: once ``close`` returns, no replica answers with the canary (before,
+    a replica kept it until its next sync, up to a second, and answered its share with it)."""
+    loaded: list[str] = []
+    route = CanaryRoute(
+        "closing-app", "replica-1", lambda served: loaded.append(served["version"]) or object()
+    )
+    rollout = Rollout("closing-app", {"version": "7"}, share=1.0)
+    rollout.wait_loaded(lambda: 1, timeout_s=30)
+    assert loaded == ["7"] and route.takes_request()
+
+    rollout.close()
+
+    assert route.predictor is None and not route.takes_request()
