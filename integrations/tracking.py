@@ -262,9 +262,15 @@ def logged_epochs(client: MlflowClient, run_id: str) -> list[int]:
 
 
 def log_epoch(
-    client: MlflowClient, run_id: str, epoch: int, metrics: dict[str, float], checkpoint_url: str
+    client: MlflowClient,
+    run_id: str,
+    epoch: int,
+    metrics: dict[str, float],
+    checkpoint_url: str,
+    tags: dict[str, str] | None = None,
 ) -> None:
-    """Log one epoch's metrics and checkpoint URL in a single (atomic) batch."""
+    """Log one epoch's metrics and checkpoint URL, and any other ``tags``, in a single (atomic)
+    batch."""
     import time
 
     from mlflow.entities import Metric, RunTag
@@ -274,6 +280,7 @@ def log_epoch(
         run_id,
         metrics=[Metric(k, float(v), now, epoch) for k, v in metrics.items() if math.isfinite(v)],
         tags=[
+            *(RunTag(k, v) for k, v in (tags or {}).items()),
             RunTag(f"checkpoint.epoch_{epoch:04d}", checkpoint_url),
             RunTag("checkpoint.latest", checkpoint_url),
         ],
@@ -699,14 +706,25 @@ def end_trial_run(
     values: dict[str, float],
     error: str | None = None,
 ) -> None:
-    """Record a trial's final state (complete, pruned, failed with its error) and values."""
+    """Record a trial's final state (complete, pruned, failed with its error) and values: one
+    batch, then the run's end (a campaign writes this for every trial)."""
+    import time
+
+    from mlflow.entities import Metric, RunTag
+
     tags = {TRIAL_STATE_TAG: state}
     if error:
         tags[ERROR_TAG] = error[:4000]
-    set_tags(client, run_id, tags)
-    finite = {f"objective.{k}": v for k, v in values.items() if math.isfinite(v)}
-    if finite:
-        log_metrics(client, run_id, finite)
+    now = int(time.time() * 1000)
+    client.log_batch(
+        run_id,
+        metrics=[
+            Metric(f"objective.{name}", float(value), now, 0)
+            for name, value in values.items()
+            if math.isfinite(value)
+        ],
+        tags=[RunTag(k, v) for k, v in tags.items()],
+    )
     if error:
         client.log_text(run_id, error, "error.txt")
     finish_run(client, run_id, TRIAL_STATUS.get(state, "FAILED"))
@@ -764,12 +782,17 @@ class TrackingWriter:
 
         self._queue.put(start)
 
-    def tags(self, number: int, tags: dict[str, str]) -> None:
-        self._queue.put(lambda: set_tags(self.client, self._run_id(number), tags))
-
-    def epoch(self, number: int, epoch: int, metrics: dict[str, float], checkpoint: str) -> None:
+    def epoch(
+        self,
+        number: int,
+        epoch: int,
+        metrics: dict[str, float],
+        checkpoint: str,
+        tags: dict[str, str] | None = None,
+    ) -> None:
+        """A trial's epoch, with ``tags`` for its run in the same write."""
         self._queue.put(
-            lambda: log_epoch(self.client, self._run_id(number), epoch, metrics, checkpoint)
+            lambda: log_epoch(self.client, self._run_id(number), epoch, metrics, checkpoint, tags)
         )
 
     def trial_ended(

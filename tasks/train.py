@@ -424,6 +424,7 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
                 with ray_session(settings):
                     if code := shipped_code():
                         tracking.set_tags(client, run_id, {tracking.CODE_TAG: code})
+                    timeline.mark("training run opened (MLflow run, lease); worker group starts")
                     ray_training.fit(
                         config,
                         workers=params.training.workers,

@@ -316,12 +316,12 @@ class Coordinator:
         """Record the epochs; (verdict, values, error), the verdict one of 'continue',
         'complete', 'prune' or 'fail'."""
         trial = running.trial
-        if reports and not running.tagged:
-            running.tagged = True
-            writer.tags(trial.number, worker_tags(reports))
         for report in reports:
             checkpoint = CheckpointStore(running.checkpoint_url).url_for(report.epoch)
-            writer.epoch(trial.number, report.epoch, report.metrics, checkpoint)
+            # The worker that ran the trial is tagged in the same write as its first epoch.
+            tags = None if running.tagged else worker_tags(reports)
+            running.tagged = True
+            writer.epoch(trial.number, report.epoch, report.metrics, checkpoint, tags)
             self._check_target(report.metrics[self.names[0]])
         running.unreported.extend(reports)
         if reports:

@@ -125,6 +125,7 @@ def test_pipeline_registers_promotes_and_then_keeps_the_better_champion(
     assert names[0] == "flow run started (Prefect API ready)" and names[-1] == "flow run ends"
     steps = [
         "data ready",
+        "training run opened (MLflow run, lease); worker group starts",
         "training worker group ready (model built, data opened)",
         "epoch 1 committed (seen by the driver's 1 s poll)",
         "training workers done",
