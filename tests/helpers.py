@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -206,3 +208,31 @@ def ray_train_workers() -> list[psutil.Process]:
         filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
     )
     return [psutil.Process(actor.pid) for actor in actors]
+
+
+def in_gloo_group(
+    rank: int, world_size: int, port: int, work: Callable[..., None], *args: Any
+) -> None:
+    """``work(rank, world_size, *args)`` as one member of a gloo group, which it then leaves.
+
+    Destroying the group does not always free it: DDP keeps it alive (torch holds it from C++),
+    FSDP's device meshes too, and with it gloo's worker threads. One that releases a finished
+    collective's tensor while the interpreter shuts down takes the GIL then, and aborts the
+    process ("terminate called without an active exception"). So a worker that succeeded ends
+    without the interpreter's shutdown, as a forked multiprocessing child does; one that failed
+    ends the usual way, its traceback reported.
+    """
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        work(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -8,7 +8,6 @@ but the first and the last, whatever the machine's speed.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import shutil
@@ -32,7 +31,7 @@ from prefect_ml.integrations.epoch_trainer import (
     load_trained_model,
     train_epochs,
 )
-from tests.helpers import blob_trainer, free_port
+from tests.helpers import blob_trainer, free_port, in_gloo_group
 from tests.integrations.test_parallel_training import _config, _full_state, _shards
 
 TINY = 1e-12  # no epoch's weights fit but those that must commit
@@ -156,65 +155,47 @@ def test_retention_counts_only_checkpoints_with_weights(tmp_path: Path) -> None:
     assert store.load(3).files["weights.bin"] == b"3"
 
 
-def _agreeing_worker(rank: int, world_size: int, port: int, url: str, out: str) -> None:
+def _agreeing_worker(rank: int, world_size: int, url: str, out: str) -> None:
     """One rank of two: rank 0's budget has no room, rank 1's (which no one asks) has; only
     rank 1 finds the stop file. Each writes what it was told."""
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    stop_url = f"{url}/stop" if rank == 1 else ""
+    trainer = EpochTrainer(
+        _config(url, stop_url=stop_url),
+        rank=rank,
+        world_size=world_size,
+        prepare_model=DistributedDataParallel,
+        shards=_shards(rank, world_size),
     )
-    try:
-        stop_url = f"{url}/stop" if rank == 1 else ""
-        trainer = EpochTrainer(
-            _config(url, stop_url=stop_url),
+    budget = (
+        CheckpointBudget(TINY, started=0.0, commit_seconds=1.0)
+        if rank == 0
+        else CheckpointBudget(0.0, started=0.0)
+    )
+    outcome = trainer.run_epoch(1, None, budget)
+    told = {"due": outcome.commit_due, "stop": outcome.stop_requested, **outcome.metrics}
+    Path(f"{out}-{rank}.json").write_text(json.dumps(told))
+
+
+def _budgeted_group_worker(rank: int, world_size: int, url: str, layout: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    config: dict[str, Any] = {
+        "epochs": 4,
+        "checkpoint_budget": TINY,
+        "checkpoint_layout": layout,
+        "keep_checkpoints": 1,  # the best epoch by val_loss keeps its weights too
+    }
+    train_epochs(
+        EpochTrainer(
+            _config(url, **config),
             rank=rank,
             world_size=world_size,
             prepare_model=DistributedDataParallel,
             shards=_shards(rank, world_size),
         )
-        budget = (
-            CheckpointBudget(TINY, started=0.0, commit_seconds=1.0)
-            if rank == 0
-            else CheckpointBudget(0.0, started=0.0)
-        )
-        outcome = trainer.run_epoch(1, None, budget)
-        told = {"due": outcome.commit_due, "stop": outcome.stop_requested, **outcome.metrics}
-        Path(f"{out}-{rank}.json").write_text(json.dumps(told))
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def _budgeted_group_worker(rank: int, world_size: int, port: int, url: str, layout: str) -> None:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
-    try:
-        config: dict[str, Any] = {
-            "epochs": 4,
-            "checkpoint_budget": TINY,
-            "checkpoint_layout": layout,
-            "keep_checkpoints": 1,  # the best epoch by val_loss keeps its weights too
-        }
-        train_epochs(
-            EpochTrainer(
-                _config(url, **config),
-                rank=rank,
-                world_size=world_size,
-                prepare_model=DistributedDataParallel,
-                shards=_shards(rank, world_size),
-            )
-        )
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
 
 
 def test_two_ranks_take_rank_zeros_budget_and_any_ranks_stop_in_the_epochs_one_collective(
@@ -223,8 +204,8 @@ def test_two_ranks_take_rank_zeros_budget_and_any_ranks_stop_in_the_epochs_one_c
     (tmp_path / "stop").write_bytes(b"pruned")
     out = tmp_path / "told"
     mp.start_processes(
-        _agreeing_worker,
-        args=(2, free_port(), tmp_path.as_uri(), str(out)),
+        in_gloo_group,
+        args=(2, free_port(), _agreeing_worker, tmp_path.as_uri(), str(out)),
         nprocs=2,
         start_method="spawn",
     )
@@ -242,7 +223,10 @@ def test_a_ddp_group_under_the_budget_commits_every_epochs_metrics_and_the_last_
     the metrics-only ones: the same commits, in the same order, on every rank."""
     url = tmp_path.as_uri()
     mp.start_processes(
-        _budgeted_group_worker, args=(2, free_port(), url, layout), nprocs=2, start_method="spawn"
+        in_gloo_group,
+        args=(2, free_port(), _budgeted_group_worker, url, layout),
+        nprocs=2,
+        start_method="spawn",
     )
     store = CheckpointStore(url)
     assert store.epochs() == [1, 2, 3, 4]

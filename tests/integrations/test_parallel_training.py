@@ -9,8 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,7 @@ from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.model_parallel import MeshLayout
 from prefect_ml.integrations.shards import ArrayShard, shard_bounds
 from tests.fixtures.user_code import blobs
-from tests.helpers import free_port
+from tests.helpers import free_port, in_gloo_group
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -71,31 +69,6 @@ def _full_state(trainer: EpochTrainer, *, every_rank: bool = False) -> dict[str,
     options = StateDictOptions(full_state_dict=distributed, cpu_offload=offload)
     state = get_model_state_dict(trainer.model, options=options)
     return {name: tensor.detach().clone() for name, tensor in state.items()}  # not live views
-
-
-def _in_group(rank: int, world_size: int, port: int, work: Callable[..., None], *args: Any) -> None:
-    """``work(rank, world_size, *args)`` as one member of a gloo group, which it then leaves.
-
-    Destroying the group does not always free it: DDP keeps it alive (torch holds it from C++),
-    FSDP's device meshes too, and with it gloo's worker threads. One that releases a finished
-    collective's tensor while the interpreter shuts down takes the GIL then, and aborts the
-    process ("terminate called without an active exception"). So a worker that succeeded ends
-    without the interpreter's shutdown, as a forked multiprocessing child does; one that failed
-    ends the usual way, its traceback reported.
-    """
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
-    try:
-        work(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _train_in_group(
@@ -140,7 +113,7 @@ def _run_group(
     world_size: int, config: TrainLoopConfig, epochs: int, out: Path
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     mp.start_processes(
-        _in_group,
+        in_gloo_group,
         args=(world_size, free_port(), _train_in_group, config, epochs, str(out)),
         nprocs=world_size,
         start_method="spawn",
@@ -202,7 +175,7 @@ def test_a_group_worker_ends_cleanly_with_gloo_work_in_flight() -> None:
     """Ended by the interpreter's shutdown, such a worker aborted almost every time (SIGABRT,
     "terminate called without an active exception"), as DDP workers did now and then."""
     mp.start_processes(
-        _in_group,
+        in_gloo_group,
         args=(2, free_port(), _collectives_in_flight),
         nprocs=2,
         start_method="spawn",

@@ -8,7 +8,6 @@ down. The resumed run is a new trainer (a new process group) reading the store b
 
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from prefect_ml.integrations.epoch_trainer import (
     EpochTrainer,
     TrainLoopConfig,
 )
-from tests.helpers import blob_trainer, free_port
+from tests.helpers import blob_trainer, free_port, in_gloo_group
 from tests.integrations.test_parallel_training import _config, _full_state, _shards
 
 EPOCHS = 3
@@ -117,47 +116,36 @@ def test_a_run_stopped_mid_epoch_resumes_at_the_next_step_with_the_same_result(
 
 
 def _group_worker(
-    rank: int, world_size: int, port: int, url: str, stop_at: tuple[int, int] | None, out: str
+    rank: int, world_size: int, url: str, stop_at: tuple[int, int] | None, out: str
 ) -> None:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    trainer = EpochTrainer(
+        _step_config(url),
+        rank=rank,
+        world_size=world_size,
+        prepare_model=DistributedDataParallel,
+        shards=_shards(rank, world_size),
     )
-    try:
-        trainer = EpochTrainer(
-            _step_config(url),
-            rank=rank,
-            world_size=world_size,
-            prepare_model=DistributedDataParallel,
-            shards=_shards(rank, world_size),
+    first_epoch = trainer.first_epoch
+    first_step = trainer.resume.step if trainer.resume else 0
+    committer: EpochCommitter | None = None
+    if rank == 0:
+        committer = (
+            StoppingCommitter(trainer.store, stop_at) if stop_at else EpochCommitter(trainer.store)
         )
-        first_epoch = trainer.first_epoch
-        first_step = trainer.resume.step if trainer.resume else 0
-        committer: EpochCommitter | None = None
-        if rank == 0:
-            committer = (
-                StoppingCommitter(trainer.store, stop_at)
-                if stop_at
-                else EpochCommitter(trainer.store)
-            )
-        history = _train(trainer, committer)
-        final = _full_state(trainer)
-        if rank == 0:
-            torch.save(final, f"{out}.pt")
-            report = {"first_epoch": first_epoch, "first_step": first_step, "history": history}
-            Path(f"{out}.json").write_text(json.dumps(report))
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
+    history = _train(trainer, committer)
+    final = _full_state(trainer)
+    if rank == 0:
+        torch.save(final, f"{out}.pt")
+        report = {"first_epoch": first_epoch, "first_step": first_step, "history": history}
+        Path(f"{out}.json").write_text(json.dumps(report))
 
 
 def _run_group(url: str, out: Path, stop_at: tuple[int, int] | None = None) -> Any:
     mp.start_processes(
-        _group_worker,
-        args=(2, free_port(), url, stop_at, str(out)),
+        in_gloo_group,
+        args=(2, free_port(), _group_worker, url, stop_at, str(out)),
         nprocs=2,
         start_method="spawn",
     )
