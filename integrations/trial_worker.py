@@ -128,9 +128,11 @@ class TrialWorker:
         started = time.perf_counter()
         metrics = self._trainer.train_epoch(self._epoch, self._committer)
         blocked_since = time.perf_counter()
+        # Staged: a CPU copy here, serialised in the committer's thread (DCP's save is 11 ms
+        # of a tiny model's trial; the copy 0.5 ms).
         self._committer.submit(
             self._epoch,
-            self._trainer.snapshot(self._epoch),
+            self._trainer.snapshot(self._epoch, staged=True),
             metrics,
             epoch_started=started,
             blocked_since=blocked_since,
