@@ -12,7 +12,10 @@ arm runs one server process or replica and answers one digit per request; the lo
 * ``ours``: ``serve_model`` with one replica (1 CPU), batching off;
 * ``ours+batching``: the same with adaptive batching (``integrations/adaptive_batching.py``, the
   defaults: up to 32 requests per model call, no wait);
-* ``ours+batching, replica port``: the same replica asked on its own HTTP port (Ray's direct
+* ``ours+batching, threaded``: the same, every model call in the batcher's thread (no inline
+  calls: ``batch_inline_below_s=0``), as before the inline calls;
+* ``ours+batching, no access log``: the same, with Ray Serve's per-request access log off;
+* ``ours+batching, replica port``: the defaults' replica asked on its own HTTP port (Ray's direct
   ingress), past HAProxy: what the HAProxy hop costs.
 
 Throughput (requests/s), p50 and p99 latency (wrk's own percentiles), and errors (non-2xx and
@@ -45,6 +48,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import embedded_home, results_path, save_report  # noqa: E402
 
 CONCURRENCY = (1, 8, 32)
+# Our arms, in the order they run: serving options on top of the defaults (the last one deployed
+# is the defaults', which the replica-port arm asks again).
+OUR_ARMS: dict[str, dict[str, Any]] = {
+    "ours": {"batching": False},
+    "ours+batching, threaded": {"batching": True, "batch_inline_below_s": 0.0},
+    "ours+batching, no access log": {"batching": True, "access_log": False},
+    "ours+batching": {"batching": True},
+}
 MODEL_NAME = "digits-classifier"
 WRK_TIMEOUT = "10s"
 
@@ -259,14 +270,14 @@ def measure(seconds: float) -> dict[str, Any]:
         return counts
 
     with ray_session(settings):
-        for arm, batching in (("ours", False), ("ours+batching", True)):
+        for arm, options in OUR_ARMS.items():
             print(arm, flush=True)
-            serving = {"port": port, "batching": batching, "replica_cpus": 1.0}
+            serving = {"port": port, "replica_cpus": 1.0, **options}
             serve_model(ServeModelParams(model_version=version, serving=serving))
-            counts = batch_counts if batching else None
+            counts = batch_counts if options["batching"] else None
             url = f"http://127.0.0.1:{port}/predict"
             arms[arm] = load_curve(url, flat_body, seconds, batch_counts=counts)
-        arm = "ours+batching, replica port"
+        arm = "ours+batching, replica port"  # the replica deployed last: the defaults
         print(arm, flush=True)
         replica = f"http://127.0.0.1:{_replica_port()}/predict"
         arms[arm] = load_curve(replica, flat_body, seconds, batch_counts=batch_counts)
@@ -291,6 +302,11 @@ def markdown(report: dict[str, Any]) -> str:
         "ours / mlflow-serve, throughput": ("ours", "mlflow-serve", "rps"),
         "ours+batching / bare-fastapi, p99": ("ours+batching", "bare-fastapi", "p99_ms"),
         "ours / bare-fastapi, p99": ("ours", "bare-fastapi", "p99_ms"),
+        "ours+batching, threaded / bare-fastapi, p99": (
+            "ours+batching, threaded",
+            "bare-fastapi",
+            "p99_ms",
+        ),
         "ours+batching, replica port / bare-fastapi, p99": (
             "ours+batching, replica port",
             "bare-fastapi",

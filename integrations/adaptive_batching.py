@@ -4,13 +4,18 @@ while the model runs go through it together in the next call.
 Ray Serve's ``@serve.batch`` (Ray 2.60) starts a batch timer at the first request and forms the
 next batch eagerly, before the model is free: a lone request waits out the timer for company that
 never comes, and with a zero timer the batches under load are small. Here one consumer per batcher
-takes whatever is queued, up to ``max_batch_size``, each time the model is free, and runs the model
-in the batcher's own thread, so the event loop keeps receiving and validating requests meanwhile.
+takes whatever is queued, up to ``max_batch_size``, each time the model is free. A slow model runs
+in the batcher's own thread, so the event loop keeps receiving and validating requests meanwhile; a
+model whose last call took under ``inline_below_s`` runs on the event loop itself, because for a
+sub-millisecond call the hand-off to the thread and back costs more than the call (requests that
+arrive during it wait in their sockets and join the next batch all the same).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +37,7 @@ class BatchStats:
 
     batches: int = 0
     requests: int = 0
+    inline_batches: int = 0  # of ``batches``: run on the event loop, not in the thread
 
 
 class AdaptiveBatcher(Generic[Item, Result]):
@@ -42,7 +48,9 @@ class AdaptiveBatcher(Generic[Item, Result]):
     everything queued (oldest first, at most ``max_batch_size``); a request that finds the queue
     empty and the model idle is dispatched at once, never held for company. ``max_wait_s`` > 0
     lets a batch that formed while the model was busy but is not full wait up to that long for
-    more requests before it runs (0, the default: never wait). An exception of ``run_batch``
+    more requests before it runs (0, the default: never wait). While the last call took less than
+    ``inline_below_s``, the next runs on the event loop instead of the thread (0, the default:
+    always the thread; the first call always runs in the thread). An exception of ``run_batch``
     fails every request of that batch with it, and only those; a cancelled request is dropped
     from its batch before the call, and the others are not affected.
     """
@@ -53,12 +61,18 @@ class AdaptiveBatcher(Generic[Item, Result]):
         *,
         max_batch_size: int,
         max_wait_s: float = 0.0,
+        inline_below_s: float = 0.0,
         name: str = "batch",
     ) -> None:
-        if max_batch_size < 1 or max_wait_s < 0:
-            raise ValueError(f"max_batch_size {max_batch_size} < 1 or max_wait_s {max_wait_s} < 0")
+        if max_batch_size < 1 or max_wait_s < 0 or inline_below_s < 0:
+            raise ValueError(
+                f"max_batch_size {max_batch_size} < 1, or max_wait_s {max_wait_s} or "
+                f"inline_below_s {inline_below_s} < 0"
+            )
         self.max_batch_size, self.max_wait_s = max_batch_size, max_wait_s
+        self.inline_below_s = inline_below_s
         self.stats = BatchStats()
+        self._last_call_s = math.inf  # nothing measured yet: the first call runs in the thread
         self._run_batch = run_batch
         self._queue: deque[_Pending[Item, Result]] = deque()
         self._arrived = asyncio.Event()
@@ -118,9 +132,13 @@ class AdaptiveBatcher(Generic[Item, Result]):
 
     async def _run(self, batch: list[_Pending[Item, Result]]) -> None:
         items = [pending.item for pending in batch]
-        loop = asyncio.get_running_loop()
         try:
-            results = await loop.run_in_executor(self._thread, self._run_batch, items)
+            if self._last_call_s < self.inline_below_s:
+                self.stats.inline_batches += 1
+                results = self._timed_call(items)
+            else:
+                loop = asyncio.get_running_loop()
+                results = await loop.run_in_executor(self._thread, self._timed_call, items)
             if len(results) != len(items):
                 raise RuntimeError(
                     f"the batch function returned {len(results)} results for {len(items)} requests"
@@ -140,3 +158,10 @@ class AdaptiveBatcher(Generic[Item, Result]):
         for pending, result in zip(batch, results, strict=True):
             if not pending.future.done():
                 pending.future.set_result(result)
+
+    def _timed_call(self, items: list[Item]) -> list[Result]:
+        started = time.perf_counter()
+        try:
+            return self._run_batch(items)
+        finally:
+            self._last_call_s = time.perf_counter() - started

@@ -90,6 +90,7 @@ class ReplicaOptions(BaseModel):
     batching: bool = True
     max_batch_size: int = 32
     batch_wait_timeout_s: float = 0.0  # under load only, see AdaptiveBatcher
+    batch_inline_below_s: float = 0.0  # model calls faster than this skip the thread hand-off
     torch_threads: int = 1
     request_timeout_s: float = 30.0  # for the whole body to arrive
     gpus: float = 0.0  # what the replica reserved: > 0 computes on its GPU
@@ -277,6 +278,7 @@ class ModelServer:
             lambda matrices: _batched(version(), matrices),
             max_batch_size=self.limits.max_batch_size,
             max_wait_s=self.limits.batch_wait_timeout_s,
+            inline_below_s=self.limits.batch_inline_below_s,
             name=f"{role}-batch",
         )
 
@@ -311,6 +313,7 @@ class ModelServer:
                 "enabled": self.limits.batching,
                 "max_batch_size": self.limits.max_batch_size,
                 "batch_wait_timeout_s": self.limits.batch_wait_timeout_s,
+                "batch_inline_below_s": self.limits.batch_inline_below_s,
                 # this replica's, since it started: how well requests share model calls
                 **asdict(self.batchers["stable"].stats),
             },
@@ -408,6 +411,7 @@ class Placement(BaseModel):
     max_ongoing_requests: int
     max_queued_requests: int = -1  # -1: no limit
     retry_after_s: float = 1.0
+    access_log: bool = True
     request: ResourceRequest  # one replica's CPUs, GPUs (fractions share one), GPU type, memory
 
     def deployment_options(self, allow_surge: bool) -> dict[str, Any]:
@@ -430,6 +434,7 @@ class Placement(BaseModel):
             "backpressure_config": {"status_code": 503, "retry_after_s": self.retry_after_s},
             "ray_actor_options": self.request.actor_options(),
             "max_surge_percent": 100 if allow_surge else 0,
+            "logging_config": {"enable_access_log": self.access_log},
             # A model that does not load will not load on the 20th try (Ray's default) either;
             # three covers a flaky artifact store and fails a bad version within seconds.
             "max_constructor_retry_count": 3,

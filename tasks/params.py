@@ -930,6 +930,16 @@ class ServingParams(_Section):
         description="How long a batch that formed while the model was busy, but is not full, "
         "may wait for more requests (0: never; an idle model never waits).",
     )
+    batch_inline_below_s: float = Field(
+        0.002,
+        ge=0,
+        le=1,
+        title="Run fast model calls inline (s)",
+        description="While the model's last call took less than this, the next runs on the "
+        "replica's event loop, without the hand-off to the batcher's thread and back (which "
+        "costs more than a sub-millisecond call); slower models run in the thread, so requests "
+        "keep being received meanwhile. 0: always in the thread.",
+    )
     min_replicas: int = Field(1, ge=1, title="Min replicas", description="Replicas always up.")
     max_replicas: int = Field(
         1, ge=1, title="Max replicas", description="Upper bound for autoscaling (> min enables it)."
@@ -952,6 +962,13 @@ class ServingParams(_Section):
     )
     retry_after_s: float = Field(
         1.0, ge=0, title="Retry-After (s)", description="Retry-After of an overload 503."
+    )
+    access_log: bool = Field(
+        True,
+        title="Access log",
+        description="Each replica logs one line per request (Ray Serve's access log, shipped "
+        "to the driver's terminal); turn it off at high request rates. Errors are logged "
+        "either way.",
     )
     request_timeout_s: float = Field(
         30.0,

@@ -149,6 +149,7 @@ def replica_options(params: ServingParams, token: str | None) -> serving.Replica
         batching=params.batching,
         max_batch_size=params.max_batch_size,
         batch_wait_timeout_s=params.batch_wait_timeout_s,
+        batch_inline_below_s=params.batch_inline_below_s,
         torch_threads=max(1, int(params.replica_cpus)),
         request_timeout_s=params.request_timeout_s,
         gpus=params.replica_gpus,
@@ -170,6 +171,7 @@ def placement(params: ServingParams) -> serving.Placement:
                 "max_ongoing_requests",
                 "max_queued_requests",
                 "retry_after_s",
+                "access_log",
             }
         ),
         request=params.replica_request(),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -98,7 +99,13 @@ def test_predictions_match_the_registered_model_and_the_run_is_documented(served
     assert body["model"]["name"] == "digits-classifier" and body["model"]["version"] == "1"
 
     assert httpx.get(f"{served.url}/healthz").json()["status"] == "ok"
+    for row in FEATURES[40:50]:  # one at a time: a sub-millisecond model, called inline
+        one = httpx.post(f"{served.url}/predict", json={"inputs": [row.tolist()]})
+        assert one.status_code == 200, one.text
     metadata = httpx.get(f"{served.url}/metadata").json()
+    batching = metadata["batching"]
+    assert batching["batch_inline_below_s"] == 0.002 and batching["requests"] >= 11
+    assert batching["inline_batches"] >= 1, batching  # the first call runs in the thread
     assert metadata["dataset_fingerprint"] == "fingerprint-0"
     assert metadata["input_schema"]["features"] == 64
     assert metadata["classes"] == [str(c) for c in range(10)]
@@ -226,6 +233,7 @@ def test_a_bearer_token_from_a_prefect_secret_guards_predict_and_named_columns_a
         max_replicas=2,
         target_ongoing_requests=3,
         request_timeout_s=2,
+        access_log=False,
     )
     params = params.model_copy(update={"model_name": "pixels"})
     result = serve_model(params)
@@ -256,6 +264,10 @@ def test_a_bearer_token_from_a_prefect_secret_guards_predict_and_named_columns_a
     assert config["autoscaling_config"]["target_ongoing_requests"] == 3
     assert config["ray_actor_options"]["num_cpus"] == 0.25
     assert config["max_queued_requests"] == 512  # beyond it: 503 with Retry-After
+    # Each replica's own log (Serve's details do not show the logging config): the default
+    # app's has a line per request, this one's (access_log=False) none.
+    assert ACCESS_LINE.search(_replica_log("prefect-ml")), "the default access log is on"
+    assert not ACCESS_LINE.search(_replica_log("secured"))
 
     # A client that sends its headers and then dribbles the body is cut off after 2 s with a
     # 408, while the others are served meanwhile.
@@ -274,6 +286,19 @@ def test_a_bearer_token_from_a_prefect_secret_guards_predict_and_named_columns_a
     assert reply.startswith("HTTP/1.1 408") and "did not arrive within 2 s" in reply, reply
     assert time.monotonic() - started < 10
     serve.delete("secured")
+
+
+ACCESS_LINE = re.compile(r"POST /\S*predict 200")
+
+
+def _replica_log(app_name: str) -> str:
+    """The Serve log file of the application's first replica, read through Ray's state API."""
+    from ray.util.state import get_log
+
+    details = _get_global_client().get_serve_details()["applications"][app_name]
+    replica = details["deployments"]["ModelServer"]["replicas"][0]
+    path = replica["log_file_path"].lstrip("/")
+    return "".join(get_log(filename=path, node_id=replica["node_id"], tail=-1))
 
 
 def _read_response(connection: socket.socket) -> str:

@@ -176,3 +176,76 @@ def test_close_cancels_what_is_queued() -> None:
             await first  # its consumer was stopped while the call ran
 
     run(scenario())
+
+
+class ThreadRecordingModel:
+    """Records, per call, its batch and whether it ran on the event loop's own thread; an item
+    named "slow" makes its call last ``slow_s``."""
+
+    def __init__(self, slow_s: float = 0.0) -> None:
+        self.slow_s = slow_s
+        self.loop_thread = threading.get_ident()
+        self.calls: list[tuple[list[str], bool]] = []
+
+    def __call__(self, items: list[str]) -> list[str]:
+        self.calls.append((list(items), threading.get_ident() == self.loop_thread))
+        if "slow" in items:
+            threading.Event().wait(self.slow_s)
+        if "bad" in items:
+            raise ValueError("the model cannot take bad")
+        return [item.upper() for item in items]
+
+
+def test_a_fast_model_runs_on_the_event_loop_after_its_first_call_and_still_batches() -> None:
+    async def scenario() -> None:
+        model = ThreadRecordingModel()
+        batcher = AdaptiveBatcher(model, max_batch_size=8, inline_below_s=3600)
+        assert await batcher.submit("a") == "A"  # nothing measured yet: the thread
+        assert await batcher.submit("b") == "B"  # the last call was fast: on the loop
+        queued = [batcher.submit(item) for item in "cde"]  # all queued before the model runs
+        assert await asyncio.gather(*queued) == ["C", "D", "E"]
+        assert model.calls == [(["a"], False), (["b"], True), (["c", "d", "e"], True)]
+        assert (batcher.stats.batches, batcher.stats.inline_batches) == (3, 2)
+        batcher.close()
+
+    run(scenario())
+
+
+def test_a_call_slower_than_the_inline_bound_sends_the_next_one_to_the_thread() -> None:
+    async def scenario() -> None:
+        model = ThreadRecordingModel(slow_s=1.2)
+        batcher = AdaptiveBatcher(model, max_batch_size=8, inline_below_s=1.0)
+        for item in ("a", "b", "slow", "c", "d"):
+            assert await batcher.submit(item) == item.upper()
+        on_loop = [inline for _, inline in model.calls]
+        assert on_loop == [False, True, True, False, True]  # "c" followed the 1.2 s call
+        batcher.close()
+
+    run(scenario())
+
+
+def test_an_inline_call_that_raises_fails_its_batch_only_and_the_batcher_keeps_serving() -> None:
+    async def scenario() -> None:
+        model = ThreadRecordingModel()
+        batcher = AdaptiveBatcher(model, max_batch_size=8, inline_below_s=3600)
+        assert await batcher.submit("a") == "A"
+        with pytest.raises(ValueError, match="cannot take bad"):
+            await batcher.submit("bad")
+        assert await batcher.submit("b") == "B"
+        assert [inline for _, inline in model.calls] == [False, True, True]
+        batcher.close()
+
+    run(scenario())
+
+
+def test_with_no_inline_bound_every_call_runs_in_the_thread() -> None:
+    async def scenario() -> None:
+        model = ThreadRecordingModel()
+        batcher = AdaptiveBatcher(model, max_batch_size=8)
+        for item in "abc":
+            assert await batcher.submit(item) == item.upper()
+        assert [inline for _, inline in model.calls] == [False, False, False]
+        assert batcher.stats.inline_batches == 0
+        batcher.close()
+
+    run(scenario())

@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.prefect_server import run_logger
 from prefect_ml.integrations.resources import ResourceRequest
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import (
@@ -52,8 +53,12 @@ def test_with_the_check_off_an_impossible_request_only_warns(
     with pytest.raises(ConfigurationError, match="PREFECT_ML_CHECK_RESOURCES=false"):
         require_fits(request, 1, nodes, what="replica(s)", fields=REPLICA_FIELDS)
     monkeypatch.setenv("PREFECT_ML_CHECK_RESOURCES", "false")
-    # Prefect's logging setup replaces the root handlers, so listen on the module's logger.
-    logger = logging.getLogger("prefect_ml.tasks.placement")
+    # Outside a run the warning goes to Prefect's "prefect.prefect_ml" logger, which does not
+    # propagate to the root logger caplog listens on, so listen on that logger itself. Asking
+    # for it first sets Prefect's logging up, which empties its child loggers' handlers: run
+    # alone, the handler added before that was dropped when the warning was logged.
+    logger = run_logger()
+    assert isinstance(logger, logging.Logger)
     logger.addHandler(caplog.handler)
     try:
         fits = require_fits(request, 1, nodes, what="replica(s)", fields=REPLICA_FIELDS)
