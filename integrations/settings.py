@@ -471,4 +471,9 @@ SERVE_INGRESS_ENVIRONMENT = {
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "3",
     # A client silent for a minute loses its connection (Ray's default holds it an hour).
     "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": "60",
+    # Ray's HAProxy writes a log line per request that HAProxyManager parses in Python into the
+    # ingress's request metrics: about 9% of a core at 800 requests/s, and 27-37% of the
+    # throughput at 32 connections on 2 cores (BENCHMARKS.md). The replicas' own request
+    # metrics stay; set it to 1 for serve_num_http_requests and its latency from the ingress.
+    "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
 }

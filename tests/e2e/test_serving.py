@@ -106,6 +106,11 @@ def test_predictions_match_the_registered_model_and_the_run_is_documented(served
     batching = metadata["batching"]
     assert batching["batch_inline_below_s"] == 0.002 and batching["requests"] >= 11
     assert batching["inline_batches"] >= 1, batching  # the first call runs in the thread
+    # The ingress HAProxy runs without its per-request metrics log, which Ray's HAProxyManager
+    # would parse in Python for every request (RAY_SERVE_HAPROXY_METRICS_ENABLED=0).
+    haproxy_config = _haproxy_config()
+    assert f"bind 127.0.0.1:{served.port}" in haproxy_config
+    assert "log-format-sd" not in haproxy_config
     assert metadata["dataset_fingerprint"] == "fingerprint-0"
     assert metadata["input_schema"]["features"] == 64
     assert metadata["classes"] == [str(c) for c in range(10)]
@@ -299,6 +304,14 @@ def _replica_log(app_name: str) -> str:
     replica = details["deployments"]["ModelServer"]["replicas"][0]
     path = replica["log_file_path"].lstrip("/")
     return "".join(get_log(filename=path, node_id=replica["node_id"], tail=-1))
+
+
+def _haproxy_config() -> str:
+    """The configuration Ray's HAProxy ingress runs with on the first replica's node (Ray's
+    default location: /tmp/haproxy-serve/<node id>/haproxy.cfg)."""
+    details = _get_global_client().get_serve_details()["applications"]["prefect-ml"]
+    node_id = details["deployments"]["ModelServer"]["replicas"][0]["node_id"]
+    return (Path("/tmp/haproxy-serve") / node_id / "haproxy.cfg").read_text()
 
 
 def _read_response(connection: socket.socket) -> str:
