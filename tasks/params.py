@@ -966,9 +966,9 @@ class ServingParams(_Section):
     access_log: bool = Field(
         True,
         title="Access log",
-        description="Each replica logs one line per request (Ray Serve's access log, shipped "
-        "to the driver's terminal); turn it off at high request rates. Errors are logged "
-        "either way.",
+        description="Each replica logs one line per request (Ray Serve's access log, in the "
+        "replica's log and the driver's terminal); off: none. A request that raises is logged "
+        "with its traceback either way.",
     )
     request_timeout_s: float = Field(
         30.0,
