@@ -472,8 +472,9 @@ SERVE_INGRESS_ENVIRONMENT = {
     # A client silent for a minute loses its connection (Ray's default holds it an hour).
     "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": "60",
     # Ray's HAProxy writes a log line per request that HAProxyManager parses in Python into the
-    # ingress's request metrics: about 9% of a core at 800 requests/s, and 27-37% of the
-    # throughput at 32 connections on 2 cores (BENCHMARKS.md). The replicas' own request
-    # metrics stay; set it to 1 for serve_num_http_requests and its latency from the ingress.
+    # ingress's request metrics: about 9% of a core at 800 requests/s; without it, 32
+    # connections got 1.27-1.37x the requests/s on 2 cores (BENCHMARKS.md). The replicas' own
+    # request metrics stay; set it to 1 for serve_num_http_requests and its latency from the
+    # ingress.
     "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
 }
