@@ -297,13 +297,23 @@ ACCESS_LINE = re.compile(r"POST /\S*predict 200")
 
 
 def _replica_log(app_name: str) -> str:
-    """The Serve log file of the application's first replica, read through Ray's state API."""
+    """The Serve log file of the application's first replica, read through Ray's state API of
+    this session's Ray (without an address it takes the newest Ray on the machine, which may be
+    another test's cluster, stopped since)."""
+    import ray
     from ray.util.state import get_log
 
     details = _get_global_client().get_serve_details()["applications"][app_name]
     replica = details["deployments"]["ModelServer"]["replicas"][0]
     path = replica["log_file_path"].lstrip("/")
-    return "".join(get_log(filename=path, node_id=replica["node_id"], tail=-1))
+    return "".join(
+        get_log(
+            address=ray.get_runtime_context().gcs_address,
+            filename=path,
+            node_id=replica["node_id"],
+            tail=-1,
+        )
+    )
 
 
 def _haproxy_config() -> str:
