@@ -246,6 +246,19 @@ class PrefectMLSettings(BaseSettings):
         title="Serving HTTPS key",
         description="PEM private key of PREFECT_ML_SERVE_TLS_CERT (e.g. serve-key.pem).",
     )
+    serve_token: SecretStr | None = Field(
+        default=None,
+        title="Serving bearer token",
+        description="Bearer token (32 bytes or more) that requests to served models must "
+        "carry; only its sha256 reaches the replicas. With neither this nor "
+        "PREFECT_ML_SERVE_TOKEN_SECRET set, models are served on loopback only.",
+    )
+    serve_token_secret: str | None = Field(
+        default=None,
+        title="Serving token Secret block",
+        description="Name of a Prefect Secret block holding the serving bearer token (wins over "
+        "PREFECT_ML_SERVE_TOKEN).",
+    )
 
     @property
     def allowed_module_prefixes(self) -> tuple[str, ...]:

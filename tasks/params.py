@@ -894,6 +894,10 @@ class CampaignParams(TrainingSections):
     )
 
 
+# Serving options that chose the bearer token; refused with what to set instead.
+REMOVED_TOKEN_FIELDS = frozenset({"auth_token_env", "auth_token_secret"})
+
+
 class ServingParams(_Section):
     """How the model is served: address, batching, replicas and their resources, request limits."""
 
@@ -901,7 +905,8 @@ class ServingParams(_Section):
         "127.0.0.1",
         min_length=1,
         title="Host",
-        description="Interface the HTTP proxy binds; 0.0.0.0 exposes it (set a token first).",
+        description="Interface the HTTP proxy binds; any but loopback (0.0.0.0 exposes it) "
+        "needs a bearer token, PREFECT_ML_SERVE_TOKEN or PREFECT_ML_SERVE_TOKEN_SECRET.",
     )
     port: int = Field(8000, ge=1, le=65535, title="Port", description="HTTP port.")
     app_name: str = Field(
@@ -1003,18 +1008,6 @@ class ServingParams(_Section):
         title="Max body (bytes)",
         description="Larger request bodies get a 413.",
     )
-    auth_token_env: str = Field(
-        "PREFECT_ML_SERVE_TOKEN",
-        min_length=1,
-        title="Token variable",
-        description="Environment variable holding a bearer token; when set, requests need it.",
-    )
-    auth_token_secret: str | None = Field(
-        None,
-        title="Token Secret block",
-        description="Name of a Prefect Secret block holding the bearer token (wins over the "
-        "variable).",
-    )
     smoke_test: bool = Field(
         True, title="Smoke request", description="Send one example request after deploying."
     )
@@ -1062,6 +1055,20 @@ class ServingParams(_Section):
         description="On requests that carry labels: how much worse the canary's accuracy (or "
         "RMSE) may be.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_token_parameters(cls, values: Any) -> Any:
+        """The token and the variable or block it comes from are the operator's: a parameter
+        that picked them could send any secret of the environment to a host it picks."""
+        removed = sorted(set(values) & REMOVED_TOKEN_FIELDS) if isinstance(values, dict) else []
+        if removed:
+            raise ValueError(
+                f"serving.{removed[0]} is no longer a parameter: the bearer token comes from "
+                "the settings of the process that serves, PREFECT_ML_SERVE_TOKEN or "
+                "PREFECT_ML_SERVE_TOKEN_SECRET (a Prefect Secret block's name); drop the option"
+            )
+        return values
 
     @model_validator(mode="after")
     def _check_serving(self) -> ServingParams:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -36,9 +35,6 @@ __all__ = ["ServingResult", "SmokeResult", "serve"]
 
 if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
-
-LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
-
 
 class SmokeResult(BaseModel):
     """The example request sent after deploying and what came back."""
@@ -111,34 +107,60 @@ def resolve_served_model(
 MIN_TOKEN_BYTES = 32
 
 
-def bearer_token(params: ServingParams) -> str | None:
-    """The token from the Prefect Secret block if one is named, else from the variable, or None;
-    one shorter than :data:`MIN_TOKEN_BYTES` is refused (it could be guessed)."""
-    token = _configured_token(params)
-    if token is not None and len(token.encode()) < MIN_TOKEN_BYTES:
-        field = "auth_token_secret" if params.auth_token_secret else "auth_token_env"
+def bearer_token(settings: PrefectMLSettings) -> str | None:
+    """The operator's token: the Prefect Secret block PREFECT_ML_SERVE_TOKEN_SECRET names, else
+    PREFECT_ML_SERVE_TOKEN, else None. A token that is configured but empty, missing or shorter
+    than :data:`MIN_TOKEN_BYTES` (it could be guessed) is refused, never served without."""
+    if settings.serve_token_secret:
+        field, token = "PREFECT_ML_SERVE_TOKEN_SECRET", _secret_token(settings.serve_token_secret)
+    elif settings.serve_token is not None:
+        field, token = "PREFECT_ML_SERVE_TOKEN", settings.serve_token.get_secret_value()
+    else:
+        return None
+    if len(token.encode()) < MIN_TOKEN_BYTES:
         raise ConfigurationError(
-            f"serving.{field}",
+            field,
             f"the bearer token has {len(token.encode())} bytes; use at least {MIN_TOKEN_BYTES}, "
             "e.g. python3 -c 'import secrets; print(secrets.token_urlsafe(32))'",
         )
     return token
 
 
-def _configured_token(params: ServingParams) -> str | None:
-    if params.auth_token_secret:
-        from prefect.blocks.system import Secret
+def _secret_token(block_name: str) -> str:
+    from prefect.blocks.system import Secret
 
-        try:
-            secret = cast(Secret, Secret.load(params.auth_token_secret))
-        except ValueError as exc:
-            raise ConfigurationError(
-                "serving.auth_token_secret",
-                f"no Prefect Secret block {params.auth_token_secret!r} ({exc}); create it in the "
-                "UI (Blocks > Secret) or with Secret(value=...).save(name)",
-            ) from None
-        return str(secret.get())
-    return os.environ.get(params.auth_token_env) or None
+    try:
+        secret = cast(Secret, Secret.load(block_name))
+    except ValueError as exc:
+        raise ConfigurationError(
+            "PREFECT_ML_SERVE_TOKEN_SECRET",
+            f"no Prefect Secret block {block_name!r} ({exc}); create it in the UI (Blocks > "
+            "Secret) or with Secret(value=...).save(name)",
+        ) from None
+    return str(secret.get())
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine's loopback interface (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(params: ServingParams, token: str | None) -> None:
+    """Refuse to serve beyond loopback without a token: anyone who reached the port could call
+    the model, and redeploying an application would strip its protection."""
+    if token is None and not is_loopback(params.host):
+        raise ConfigurationError(
+            "serving.host",
+            f"serving on {params.host} needs a bearer token: set PREFECT_ML_SERVE_TOKEN (or "
+            "PREFECT_ML_SERVE_TOKEN_SECRET) where the flow runs, or serve on --host 127.0.0.1",
+        )
 
 
 def replica_options(params: ServingParams, token: str | None) -> serving.ReplicaOptions:
@@ -264,21 +286,18 @@ def serve_registered_model(
     logger = get_run_logger()
     settings = get_settings()
     _require_lasting_ray(settings)
+    token = bearer_token(settings)
+    check_exposure(params, token)
     served = resolve_served_model(model_name, alias, model_version)
-    token = bearer_token(params)
-    if token is None and params.host not in LOOPBACK_HOSTS:
-        logger.warning(
-            "Serving on %s without a bearer token: anyone who reaches this port can call the "
-            "model. Set %s or --auth-token-secret.",
-            params.host,
-            params.auth_token_env,
-        )
     tls_pair = settings.serve_tls
     url = serving_url(params, tls_pair)
     certificate = tls_pair[0] if tls_pair else None
     report = None
     with ray_session(settings):
         check_fits(params)
+        # The token is sent only to Serve's own proxy: one started here at host:port, or the
+        # running one, which must listen there.
+        serving.start_http(params.host, params.port, tls_pair)
         current = serving_now(params, url, token, certificate)
         policy = params.canary_policy()
         if (
@@ -381,7 +400,8 @@ def serve(
         version: ...or this version number.
         **options: any field of :class:`~prefect_ml.tasks.params.ServingParams`: ``host``,
             ``port``, ``app_name``, ``batching``, ``max_batch_size``, ``min_replicas``,
-            ``max_replicas``, ``replica_cpus``, ``replica_gpus``, ``auth_token_env``, ...
+            ``max_replicas``, ``replica_cpus``, ``replica_gpus``, ...; the bearer token is the
+            operator's setting (``PREFECT_ML_SERVE_TOKEN``), never an option.
 
     Raises:
         ConfigurationError: an unknown or invalid option, a version that does not exist, or

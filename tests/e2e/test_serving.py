@@ -222,7 +222,7 @@ def test_mixed_traffic_with_5_percent_malformed_answers_every_good_request_corre
 
 
 def test_a_bearer_token_from_a_prefect_secret_guards_predict_and_named_columns_are_accepted(
-    served: Served,
+    served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A tabular model (named columns) behind a token, deployed with autoscaling bounds."""
     columns = [f"pixel_{i}" for i in range(64)]
@@ -230,10 +230,10 @@ def test_a_bearer_token_from_a_prefect_secret_guards_predict_and_named_columns_a
         served.settings, "pixels", FEATURES, DIGITS.target, seed=2, feature_names=columns
     )
     Secret(value=TOKEN).save("serving-token", overwrite=True)
+    monkeypatch.setenv("PREFECT_ML_SERVE_TOKEN_SECRET", "serving-token")
     params = served.params(
         app_name="secured",
         route_prefix="/secured",
-        auth_token_secret="serving-token",
         min_replicas=1,
         max_replicas=2,
         target_ongoing_requests=3,
@@ -343,11 +343,11 @@ def _read_response(connection: socket.socket) -> str:
 def test_a_bearer_token_shorter_than_32_bytes_is_refused_before_deploying(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("SHORT_SERVE_TOKEN", "s3cret-token")
-    params = served.params(app_name="guessable", auth_token_env="SHORT_SERVE_TOKEN")
+    monkeypatch.setenv("PREFECT_ML_SERVE_TOKEN", "s3cret-token")
+    params = served.params(app_name="guessable")
     state = serve_model(params, return_state=True)
     assert state.is_failed()
-    assert "serving.auth_token_env: the bearer token has 12 bytes; use at least 32" in str(
+    assert "PREFECT_ML_SERVE_TOKEN: the bearer token has 12 bytes; use at least 32" in str(
         state.result(raise_on_failure=False)
     )
     assert "guessable" not in serve.status().applications

@@ -77,7 +77,6 @@ def test_serve_flags_mirror_the_serving_parameters_and_bad_ones_exit_2(
         "--host",
         "--max-batch-size",
         "--watch",
-        "--auth-token-secret",
         "--replica-gpus",
         "--no-batching",
     ):

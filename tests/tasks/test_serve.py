@@ -1,0 +1,98 @@
+"""The serve step's checks that need no Ray: where the bearer token comes from and where it goes."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from prefect_ml.flows.serve import serve_model
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.serve import bearer_token, is_loopback
+from tests.flows.test_invalid_parameters import _assert_nothing_written
+
+TOKEN = "t" * 32
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    """A port on loopback where an attacker waits for whatever is sent to it."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.setblocking(False)
+        yield server
+
+
+def _nothing_arrived(listener: socket.socket) -> bool:
+    try:
+        listener.accept()[0].close()
+    except BlockingIOError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "option", [{"auth_token_env": "AWS_SECRET_ACCESS_KEY"}, {"auth_token_secret": "any-block"}]
+)
+def test_a_parameter_cannot_choose_the_token_or_where_it_is_sent(
+    home: PrefectMLSettings, listener: socket.socket, option: dict[str, str]
+) -> None:
+    """The attack of issue 36: a secret of the environment as the token, sent to a listener."""
+    port = listener.getsockname()[1]
+    serving = {**option, "host": "localhost", "port": port}
+    state = serve_model(params={"serving": serving}, return_state=True)
+    assert state.is_failed()
+    message = str(state.message) + str(state.result(raise_on_failure=False))
+    assert f"serving.{next(iter(option))} is no longer a parameter" in message
+    assert "PREFECT_ML_SERVE_TOKEN" in message
+    assert _nothing_arrived(listener)
+    _assert_nothing_written(home)
+
+
+def test_serving_beyond_loopback_without_a_token_is_refused_before_anything(
+    home: PrefectMLSettings,
+) -> None:
+    state = serve_model(params={"serving": {"host": "0.0.0.0"}}, return_state=True)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, ConfigurationError) and error.field == "serving.host"
+    assert "PREFECT_ML_SERVE_TOKEN" in error.message and "--host 127.0.0.1" in error.message
+    _assert_nothing_written(home)
+
+
+def test_a_configured_token_that_is_missing_empty_or_short_is_an_error(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert bearer_token(PrefectMLSettings()) is None
+    monkeypatch.setenv("PREFECT_ML_SERVE_TOKEN", TOKEN)
+    assert bearer_token(PrefectMLSettings()) == TOKEN
+    for value, problem in (("", "has 0 bytes"), ("short", "has 5 bytes")):
+        monkeypatch.setenv("PREFECT_ML_SERVE_TOKEN", value)
+        with pytest.raises(ConfigurationError, match=problem) as refused:
+            bearer_token(PrefectMLSettings())
+        assert refused.value.field == "PREFECT_ML_SERVE_TOKEN"
+    monkeypatch.setenv("PREFECT_ML_SERVE_TOKEN_SECRET", "no-such-block")
+    with pytest.raises(ConfigurationError, match="no Prefect Secret block 'no-such-block'") as e:
+        bearer_token(PrefectMLSettings())
+    assert e.value.field == "PREFECT_ML_SERVE_TOKEN_SECRET"
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("localhost.example.com", False),
+        ("127.0.0.1.nip.io", False),
+    ],
+)
+def test_only_loopback_counts_as_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
