@@ -8,9 +8,10 @@ model once score batches, and the rows are written as Parquet under the output U
 never holds rows.
 
 An output folder is complete only once its manifest (``_SUCCESS``, JSON) is written, after
-every Parquet file; a ``_PENDING`` marker written first says the folder is ours, so a crashed
-write (marker, no manifest) is cleared by the next run and a folder of someone else's files is
-never touched.
+every Parquet file; a ``_PENDING`` marker written first names the write, whose files carry its
+id. Clearing a folder removes only the files that a manifest bound to the folder lists (at the
+sizes it recorded) or that the pending write named, and refuses a folder holding any other file:
+a Spark job's ``_SUCCESS``, or another scoring's output, is never ours to delete.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, ValidationError
 
 from prefect_ml.integrations import served_models, storage, streaming, tabular_files
 from prefect_ml.integrations.errors import ConfigurationError
@@ -78,6 +80,7 @@ class PredictionManifest(BaseModel):
     inputs: list[str]
     output_url: str
     files: list[str]
+    sizes: list[int] = []  # bytes of each of ``files``, as written
     rows: int
     seconds: float
     created: str
@@ -212,33 +215,86 @@ class BatchScorer:
         )
 
 
+Marker = TypeVar("Marker", bound=BaseModel)
+
+
+class PendingWrite(BaseModel):
+    """The marker written before a scoring's first file: its files' names start with its id."""
+
+    fingerprint: str
+    write_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+
+    def wrote(self, name: str) -> bool:
+        return name.startswith(f"{self.write_id}_") and name.endswith(".parquet")
+
+
+def _read_marker(url: str, model: type[Marker]) -> Marker | None:
+    """The marker at ``url`` if it is one of ours; None when absent or anything else."""
+    if not storage.exists(url):
+        return None
+    try:
+        return model.model_validate_json(storage.read_bytes(url))
+    except ValidationError:
+        return None
+
+
 def completed(output_url: str, fingerprint: str) -> PredictionManifest | None:
     """The manifest of a complete scoring with ``fingerprint`` at ``output_url``, else None."""
-    manifest_url = storage.predictions_manifest_url(output_url)
-    if not storage.exists(manifest_url):
+    manifest = _read_marker(storage.predictions_manifest_url(output_url), PredictionManifest)
+    if manifest is None or manifest.output_url != output_url:
         return None
-    manifest = PredictionManifest.model_validate_json(storage.read_bytes(manifest_url))
     return manifest if manifest.fingerprint == fingerprint else None
 
 
-def clear_output(output_url: str) -> None:
-    """Remove an earlier scoring's folder (complete or crashed); refuse a folder of other files.
+def _ours(output_url: str, sizes: dict[str, int]) -> set[str]:
+    """Names of the files under ``output_url`` that an earlier scoring wrote there: those its
+    manifest (bound to this folder) lists at the sizes it recorded, or a crashed write's."""
+    ours: set[str] = set()
+    manifest_url = storage.predictions_manifest_url(output_url)
+    manifest = _read_marker(manifest_url, PredictionManifest)
+    if manifest is not None and manifest.output_url == output_url:
+        written = {
+            url.rsplit("/", 1)[-1]: (url, size)
+            for url, size in zip(manifest.files, manifest.sizes, strict=False)
+        }
+        if len(written) == len(manifest.files) and all(
+            sizes.get(name, size) == size  # gone already: an interrupted clear
+            and storage.is_within(url, storage.join(output_url, name))
+            for name, (url, size) in written.items()
+        ):
+            ours |= (written.keys() & sizes.keys()) | {manifest_url.rsplit("/", 1)[-1]}
+    pending_url = storage.predictions_pending_url(output_url)
+    pending = _read_marker(pending_url, PendingWrite)
+    if pending is not None:
+        ours |= {name for name in sizes if pending.wrote(name)}
+        ours.add(pending_url.rsplit("/", 1)[-1])
+    return ours
+
+
+def check_output(output_url: str) -> set[str]:
+    """The names of the files an earlier scoring (complete or crashed) left at ``output_url``;
+    an error if the folder holds any other.
 
     Raises:
-        ConfigurationError: naming ``output``: the folder holds files no scoring wrote.
+        ConfigurationError: naming ``output``: the folder holds files no scoring wrote there.
     """
     names = storage.list_names(output_url)
-    if not names:
-        return
-    ours = storage.predictions_manifest_url(output_url), storage.predictions_pending_url(output_url)
-    if not any(storage.exists(url) for url in ours):
+    ours = _ours(output_url, storage.list_sizes(output_url)) if names else set()
+    foreign = [name for name in names if name not in ours]
+    if foreign:
         raise ConfigurationError(
             "output",
-            f"{output_url} holds files that no batch scoring wrote ({names[:5]}); give an empty "
-            "or new folder",
+            f"{output_url} holds files that no batch scoring wrote there ({foreign[:5]}); give "
+            "an empty or new folder",
         )
-    fs, path = storage.filesystem(output_url)
-    fs.rm(path, recursive=True)
+    return ours
+
+
+def clear_output(output_url: str) -> None:
+    """Remove an earlier scoring's files and nothing else (:func:`check_output`); its data
+    files first, its markers last, so an interrupted clear is cleared by the next."""
+    for name in sorted(check_output(output_url), key=lambda name: name.startswith("_")):
+        storage.remove(storage.join(output_url, name))
 
 
 def score(
@@ -252,11 +308,15 @@ def score(
     """Score ``files`` (those at ``input_url``, one format) with ``served`` on Ray Data into
     Parquet under ``output_url`` (cleared first), then write the manifest; returns it."""
     import ray.data
+    from ray.data.datasource import FilenameProvider
 
     key = fingerprint(files, served)
     fmt = tabular_files.file_format(files[0].url) or "csv"
     clear_output(output_url)
-    storage.write_bytes(storage.predictions_pending_url(output_url), json.dumps(key).encode())
+    pending = PendingWrite(fingerprint=key, write_id=uuid.uuid4().hex)
+    storage.write_bytes(
+        storage.predictions_pending_url(output_url), pending.model_dump_json().encode()
+    )
     started = time.perf_counter()
     scorer_options = {
         "served": served.model_dump(),
@@ -289,6 +349,7 @@ def score(
             filesystem=filesystem,
             ray_remote_args={"num_cpus": IO_CPUS},
             concurrency=io_tasks,
+            filename_provider=FilenameProvider(pending.write_id, "parquet"),
         )
     seconds = time.perf_counter() - started
     written = _written(output_url)
@@ -302,6 +363,7 @@ def score(
         inputs=[f.url for f in files],
         output_url=output_url,
         files=[f.url for f in written],
+        sizes=[f.size for f in written],
         rows=sum(f.rows for f in written),
         seconds=seconds,
         created=datetime.now(UTC).isoformat(timespec="seconds"),

@@ -221,6 +221,15 @@ class PrefectMLSettings(BaseSettings):
         description="Comma-separated URL schemes allowed for data URLs beyond the built-in ones "
         "(file, s3, gs, abfs, az, memory...), e.g. 'https' to read datasets over HTTP(S).",
     )
+    data_prefixes: str = Field(
+        default="",
+        title="Where data may be read and predictions written",
+        description="Comma-separated URL prefixes or folders (e.g. 's3://lake/shared,/data') "
+        "that data URLs and batch-prediction outputs may name, beyond the storage root (the "
+        "tenant's folder with PREFECT_ML_TENANT). With this or a tenant set, every other place "
+        "is refused when parameters are parsed; unset and without a tenant, any place but a "
+        "tenant's folder. Set it wherever others start flows.",
+    )
     checkpoint_key: SecretStr | None = Field(
         default=None,
         title="Checkpoint signing key",
@@ -263,6 +272,10 @@ class PrefectMLSettings(BaseSettings):
     @property
     def allowed_module_prefixes(self) -> tuple[str, ...]:
         return _comma_list(self.allowed_modules)
+
+    @property
+    def allowed_data_prefixes(self) -> tuple[str, ...]:
+        return _comma_list(self.data_prefixes)
 
     @property
     def allowed_extra_url_schemes(self) -> tuple[str, ...]:

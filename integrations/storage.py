@@ -249,7 +249,49 @@ def check_data_url(url: str, field: str) -> str:
             raise ConfigurationError(
                 field, f"{url!r} names a link-local address (cloud metadata); refused"
             )
+    check_locations([url], field)
     return check_url(url, field)
+
+
+# fsspec's aliases of one store: the same objects under two schemes compare equal.
+_SCHEME_ALIASES = {"s3a": "s3", "gcs": "gs", "abfss": "abfs", "local": "file"}
+
+
+def _location(url: str) -> str:
+    """Where ``url`` points, comparable by prefix: the last URL of an fsspec chain, a local
+    path with its symlinks and ``..`` resolved (``realpath``), a lower-case scheme."""
+    last = url.split("::")[-1]
+    scheme, separator, rest = last.partition("://")
+    scheme = _SCHEME_ALIASES.get(scheme.lower(), scheme.lower()) if separator else "file"
+    if scheme == "file":
+        return "file://" + os.path.realpath(rest if separator else last)
+    return f"{scheme}://{rest}"
+
+
+def is_within(url: str, root: str) -> bool:
+    """Whether ``url`` is ``root`` or lies under it (whole path segments, symlinks resolved)."""
+    location, base = _location(url), _location(root).rstrip("/")
+    return location == base or location.startswith(base + "/")
+
+
+def check_locations(urls: Sequence[str], field: str) -> None:
+    """Raise, naming ``field``, unless runs may read or write at every URL of ``urls``: under
+    the storage root (the tenant's folder with a tenant) or a prefix of PREFECT_ML_DATA_PREFIXES
+    when either is set; never under a tenant's folder that is not this process's tenant's."""
+    settings = get_settings()
+    own = root_url(settings)
+    roots = (own, *settings.allowed_data_prefixes)
+    confined = settings.tenant is not None or bool(settings.allowed_data_prefixes)
+    tenants = join(settings.resolved_storage_url, tenancy.STORAGE_FOLDER)
+    for url in urls:
+        if confined and not any(is_within(url, root) for root in roots):
+            raise ConfigurationError(
+                field,
+                f"{url!r} is outside the places runs may use ({', '.join(roots)}); move the "
+                "data there, or ask the operator to add its prefix to PREFECT_ML_DATA_PREFIXES",
+            )
+        if is_within(url, tenants) and not (settings.tenant and is_within(url, own)):
+            raise ConfigurationError(field, f"{url!r} is in a tenant's folder that is not yours")
 
 
 def write_bytes(url: str, data: bytes) -> None:

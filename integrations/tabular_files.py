@@ -117,6 +117,8 @@ def list_files(url: str, field: str = "data.url") -> list[tuple[str, dict[str, A
             f"{url!r} matches no CSV or Parquet file; give a file, a directory holding .csv or "
             ".parquet files, or a glob such as s3://bucket/data/*.parquet",
         )
+    # A file a glob or folder reaches through a link is checked where it really lies.
+    storage.check_locations([name for name, _ in files], field)
     formats = {file_format(name) for name, _ in files}
     if len(formats) > 1:
         raise ConfigurationError(

@@ -111,6 +111,7 @@ def score_registered_version(params: PredictParams) -> PredictionResult:
             served.version,
         )
     else:
+        batch_scoring.check_output(output)  # before Ray: a folder of other files is refused
         logger.info(
             "Scoring %d files at %s with %s v%s", len(files), url, served.name, served.version
         )

@@ -36,6 +36,7 @@ __all__ = ["ServingResult", "SmokeResult", "serve"]
 if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
 
+
 class SmokeResult(BaseModel):
     """The example request sent after deploying and what came back."""
 

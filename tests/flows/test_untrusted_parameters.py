@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from prefect_ml.flows.cli import app
+from prefect_ml.flows.predict import batch_predict
 from prefect_ml.flows.train import train_model
 from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.flows.test_invalid_parameters import _assert_nothing_written, _task_names
+
+pytestmark = pytest.mark.empty_home  # each test asserts MLflow's database was never created
 
 
 def _os_system(canary: Path) -> dict[str, object]:
@@ -57,4 +61,67 @@ def test_an_experiment_name_that_leaves_the_artifact_root_is_refused(
     assert state.is_failed()
     message = str(state.result(raise_on_failure=False))
     assert "experiment" in message and "'..'" in message
+    _assert_nothing_written(home)
+
+
+def _bobs_predictions(home: PrefectMLSettings) -> Path:
+    """Tenant bob's scored output: data files and the manifest that commits them."""
+    folder = home.home_dir / "storage" / "tenants" / "bob" / "predictions" / "f00d"
+    folder.mkdir(parents=True)
+    (folder / "0_000000.parquet").write_bytes(b"bob's predictions")
+    (folder / "_SUCCESS").write_text("{}")
+    return folder
+
+
+def test_a_tenant_cannot_score_into_or_read_another_tenant_s_folders(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFECT_ML_TENANT", "alice")
+    bob = _bobs_predictions(home)
+    rows = home.home_dir / "storage" / "tenants" / "alice" / "rows.csv"
+    for params, field in (
+        ({"url": str(rows), "output": str(bob)}, "output"),
+        ({"url": str(bob / "0_000000.parquet")}, "url"),
+        ({"url": str(rows), "output": str(bob / ".." / ".." / ".." / "bob")}, "output"),
+    ):
+        state = batch_predict(params=params, return_state=True)
+        assert state.is_failed()
+        message = str(state.message) + str(state.result(raise_on_failure=False))
+        assert field in message and ("not yours" in message or "outside" in message), message
+    train = train_model(
+        params={"data": {"dataset": "tabular", "url": str(bob), "label_column": "y"}},
+        return_state=True,
+    )
+    assert train.is_failed() and "data.url" in str(train.result(raise_on_failure=False))
+    assert sorted(p.name for p in bob.iterdir()) == ["0_000000.parquet", "_SUCCESS"]
+    assert not (home.home_dir / "mlflow.db").exists()
+
+
+def test_with_data_prefixes_a_url_elsewhere_or_through_a_link_is_refused(
+    home: PrefectMLSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    allowed, secret = tmp_path / "allowed", tmp_path / "private" / "secrets.csv"
+    allowed.mkdir()
+    secret.parent.mkdir()
+    secret.write_text("password,hunter2\n1,2\n")
+    (allowed / "link.csv").symlink_to(secret)
+    (allowed / "linked-folder").symlink_to(secret.parent)
+    monkeypatch.setenv("PREFECT_ML_DATA_PREFIXES", f"{allowed},s3://lake/shared")
+    for url in (
+        str(secret),
+        str(allowed / "link.csv"),
+        str(allowed / "linked-folder"),
+        f"file://{allowed}/../private/secrets.csv",
+        f"{allowed}-other/a.csv",
+        "s3://lake/shared-other/a.csv",
+        "s3://lake/sharedx",
+        "zip://a.csv::s3://lake/private/a.zip",
+    ):
+        state = train_model(
+            params={"data": {"dataset": "tabular", "url": url, "label_column": "y"}},
+            return_state=True,
+        )
+        assert state.is_failed(), url
+        message = str(state.result(raise_on_failure=False))
+        assert "data.url" in message and "hunter2" not in message, (url, message)
     _assert_nothing_written(home)

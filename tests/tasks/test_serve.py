@@ -13,6 +13,8 @@ from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.serve import bearer_token, is_loopback
 from tests.flows.test_invalid_parameters import _assert_nothing_written
 
+pytestmark = pytest.mark.empty_home  # each test asserts MLflow's database was never created
+
 TOKEN = "t" * 32
 
 
