@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +43,7 @@ os.environ.update(
 import pytest  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
+from tests import durations, tiers  # noqa: E402
 from tests.postgres import PostgresServer  # noqa: E402
 from tests.s3 import TEST_BUCKET, MlflowServer, MotoS3  # noqa: E402
 
@@ -131,10 +133,18 @@ _DATABASE_NUMBERS = itertools.count()
 _early_mlflow: list[MlflowServer] = []
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tiers (tests/tiers.py), marked before ``-m`` selects."""
+    tiers.apply(items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> None:
     """Start the MLflow server early when a selected test needs it: it takes 15-25 s to come
-    up, time the tests before it use."""
+    up, time the tests before it use. Here rather than at collection: ``--collect-only``
+    starts nothing."""
+    items = session.items
     if any("mlflow_s3_server" in getattr(item, "fixturenames", ()) for item in items):
         _early_mlflow.append(MlflowServer(_SESSION_DIR / "mlflow-s3", _MLFLOW_ARTIFACTS))
     users = [item.nodeid for item in items if "cluster" in getattr(item, "fixturenames", ())]
@@ -170,9 +180,29 @@ def s3_bucket(moto_s3: MotoS3) -> Iterator[str]:
     S3FileSystem.clear_instance_cache()
 
 
+@pytest.fixture(scope="session")
+def mlflow_database_template() -> Path:
+    """An MLflow SQLite database with MLflow's schema, migrated once for the session: a new
+    database takes MLflow's migrations, 2-4 s a home. The product's own creation of a database
+    on first use is covered by tests/e2e/test_cold_start.py."""
+    from prefect_ml.integrations.tracking import _create_sqlite_database
+
+    template = _SESSION_DIR / "mlflow-template.db"
+    _create_sqlite_database(str(template))
+    return template
+
+
 @pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> PrefectMLSettings:
-    """A fresh project home per test: its own MLflow SQLite DB and storage directory."""
+def home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> PrefectMLSettings:
+    """A fresh project home per test: its own MLflow SQLite DB (a copy of the session's migrated
+    template) and storage directory. Marked ``empty_home``, it starts empty: for tests that
+    assert MLflow was never touched."""
+    if request.node.get_closest_marker("empty_home") is None:
+        template = request.getfixturevalue("mlflow_database_template")
+        (tmp_path / "home").mkdir()
+        shutil.copyfile(template, tmp_path / "home" / "mlflow.db")
     monkeypatch.setenv("PREFECT_ML_HOME", str(tmp_path / "home"))
     for variable in (
         "MLFLOW_TRACKING_URI",
@@ -181,3 +211,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> PrefectMLSettings:
     ):
         monkeypatch.delenv(variable, raising=False)
     return PrefectMLSettings()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    durations.report(terminalreporter, REPO_ROOT / "test-reports")

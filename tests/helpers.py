@@ -55,6 +55,20 @@ def _tail(log: Path, characters: int = 4000) -> str:
     return log.read_text(errors="replace")[-characters:] if log.exists() else "(no log)"
 
 
+def cold_env(home: Path) -> dict[str, str]:
+    """This process's environment for a ``prefect-ml`` command on the project home ``home`` as a
+    newcomer runs it: none of the session's Prefect, MLflow or prefect-ml settings, no
+    credentials, so it starts its own local Ray and Prefect API."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PREFECT_API_URL", "PREFECT_HOME", "MLFLOW_TRACKING_URI")
+        and not k.startswith(("PREFECT_ML_", "PREFECT_API_AUTH", "PREFECT_SERVER_API_AUTH"))
+    }
+    env["PREFECT_ML_HOME"] = str(home)
+    return env
+
+
 def flow_run_artifacts(flow_run_id: str) -> dict[str, str]:
     """The artifacts a flow run published on the session's Prefect API, by key."""
     from prefect.client.orchestration import get_client

@@ -108,6 +108,7 @@ def _trial_runs(home: PrefectMLSettings, campaign: str) -> tuple[list[Any], dict
     return parents, runs
 
 
+@pytest.mark.entry_point("sweep killed and resumed")
 def test_killed_campaign_resumes_to_exactly_n_trials(
     home: PrefectMLSettings, tmp_path: Path
 ) -> None:

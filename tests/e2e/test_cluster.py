@@ -86,6 +86,7 @@ SEARCH = json.dumps({"lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": T
 EPOCHS = 10
 
 
+@pytest.mark.entry_point("multi-node cluster")
 def test_workers_asking_for_a_custom_resource_land_only_on_the_node_that_has_it(
     cluster: LocalCluster,
     tmp_path: Path,

@@ -174,6 +174,7 @@ def _digits_parquet() -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.entry_point("S3 storage")
 @pytest.mark.usefixtures("ray_cluster")
 def test_the_pipeline_with_a_sweep_runs_on_s3_with_mlflow_artifacts_in_s3(
     home: PrefectMLSettings,

@@ -32,7 +32,7 @@ from tests.e2e.ui_driver import (
     submit_run,
     wait_for_state,
 )
-from tests.helpers import free_port, wait_for
+from tests.helpers import cold_env, free_port, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -111,26 +111,13 @@ def _stop(process: subprocess.Popen[bytes]) -> int:
         return process.wait()
 
 
-def ui_environment(home: Path) -> dict[str, str]:
-    """This process's environment for `prefect-ml ui` on the project home ``home``: none of the
-    session's Prefect, MLflow or prefect-ml settings, no credentials."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("PREFECT_API_URL", "PREFECT_HOME", "MLFLOW_TRACKING_URI")
-        and not k.startswith(("PREFECT_ML_", "PREFECT_API_AUTH", "PREFECT_SERVER_API_AUTH"))
-    }
-    env["PREFECT_ML_HOME"] = str(home)
-    return env
-
-
 @pytest.fixture(scope="module")
 def prefect_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectUI]:
     """`prefect-ml ui` on a free loopback port, with its own project home; the auth string it
     generated, from the file it keeps it in, is given to other processes as Prefect's clients
     take it (PREFECT_API_AUTH_STRING)."""
     root = tmp_path_factory.mktemp("prefect-ui")
-    env = ui_environment(root / "home")
+    env = cold_env(root / "home")
     log = root / "ui.log"
     server = _start([str(BIN / "prefect-ml"), "ui", "--port", str(free_port())], env, log)
     output = _wait_for_output(server, log, "Next, in another terminal")  # its last line
@@ -191,9 +178,12 @@ def test_prefect_ml_deploy_with_wrong_credentials_says_what_to_set(
     assert "refused the credentials in PREFECT_API_AUTH_STRING" in output, output
 
 
-def test_prefect_deploy_registers_prefect_yaml_and_schedules_the_nightly_runs(
-    prefect_ui: PrefectUI,
+@pytest.mark.entry_point("deployment on a worker")
+def test_prefect_deploy_registers_prefect_yaml_and_a_process_worker_runs_its_deployments(
+    prefect_ui: PrefectUI, tmp_path: Path
 ) -> None:
+    """`prefect deploy` registers prefect.yaml's deployments (the nightly schedule too), and
+    `prefect worker start --pool ml-process`, as the README says, runs a training of one."""
     prefect = str(BIN / "prefect")
     _run_cli([prefect, "work-pool", "create", "ml-process", "--type", "process"], prefect_ui.env)
     output = _run_cli(
@@ -223,6 +213,37 @@ def test_prefect_deploy_registers_prefect_yaml_and_schedules_the_nightly_runs(
         wait_for(lambda: len(scheduled_runs()) >= 2, 90, "the scheduler to create nightly runs")
         for run in scheduled_runs():
             assert run["expected_start_time"].endswith("T02:00:00Z")
+
+    worker_log = tmp_path / "worker.log"
+    worker_command = [prefect, "worker", "start", "--pool", "ml-process"]
+    worker = _start(worker_command, prefect_ui.env, worker_log)
+    try:
+        values = {
+            "training": {"workers": 1, "epochs": 1},
+            "model": {"hidden": 16},
+            "registry": {"model_name": "worker-trained"},
+        }
+        with prefect_ui.api() as client:
+            train_id = _deployment(client, "train-model", "train")["id"]
+            response = client.post(
+                f"/deployments/{train_id}/create_flow_run", json={"parameters": {"params": values}}
+            )
+            assert response.status_code == 201, response.text
+            run_id = response.json()["id"]
+
+            def ended() -> bool:  # or the worker exited
+                state = _flow_run(client, run_id)["state_type"]
+                return state in ("COMPLETED", "FAILED", "CRASHED") or worker.poll() is not None
+
+            wait_for(ended, 300, "the worker's flow run to end")
+            run = _flow_run(client, run_id)
+        assert run["state_type"] == "COMPLETED", (run["state"], worker_log.read_text()[-3000:])
+        assert run["work_pool_name"] == "ml-process"
+    finally:
+        assert _stop(worker) in (0, 130), worker_log.read_text()[-3000:]
+    mlflow = tracking.client_for(f"sqlite:///{prefect_ui.home / 'mlflow.db'}")
+    [version] = mlflow.search_model_versions("name = 'worker-trained'")
+    assert mlflow.get_run(version.run_id).data.tags[tracking.FLOW_RUN_TAG] == run_id
 
 
 def test_the_train_form_on_the_server_has_titles_enums_defaults_and_refuses_bad_values(
@@ -409,6 +430,7 @@ def test_a_command_as_dataset_through_the_authenticated_api_fails_before_any_tas
     assert not canary.exists()
 
 
+@pytest.mark.entry_point("UI form")
 def test_a_training_submitted_from_the_ui_form_completes_and_registers_a_model(
     prefect_ui: PrefectUI, served: None, webhook: Webhook
 ) -> None:

@@ -400,6 +400,7 @@ def test_a_missing_model_alias_version_or_impossible_replica_fails_before_deploy
     assert "never" not in serve.status().applications
 
 
+@pytest.mark.entry_point("serve and roll")
 def test_moving_the_alias_and_redeploying_rolls_with_zero_failed_requests(served: Served) -> None:
     """Four clients send requests without pause while v2 takes @champion and the flow rolls."""
     stop = threading.Event()

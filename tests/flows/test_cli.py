@@ -59,6 +59,7 @@ def test_gpu_layer_flags_parse_into_the_training_section() -> None:
     assert training.precision == "bf16" and training.gradient_checkpointing
 
 
+@pytest.mark.empty_home
 def test_invalid_flags_exit_2_naming_each_field(home: PrefectMLSettings) -> None:
     result = CliRunner().invoke(app, ["train", "--workers", "0", "--lr", "nan", "--model", "gpt"])
     assert result.exit_code == 2
@@ -67,6 +68,7 @@ def test_invalid_flags_exit_2_naming_each_field(home: PrefectMLSettings) -> None
     assert not home.home_dir.joinpath("mlflow.db").exists()
 
 
+@pytest.mark.empty_home
 def test_serve_flags_mirror_the_serving_parameters_and_bad_ones_exit_2(
     home: PrefectMLSettings,
 ) -> None:
@@ -167,6 +169,7 @@ def _squash(text: str) -> str:
     return "".join(c for c in text if c.isalnum())
 
 
+@pytest.mark.empty_home
 @pytest.mark.parametrize("source", ["inline", "yaml-file"])
 def test_invalid_search_space_exits_2_before_any_trial(
     home: PrefectMLSettings, tmp_path, source: str
@@ -229,6 +232,7 @@ def test_ui_on_a_taken_port_names_the_flag(home: PrefectMLSettings) -> None:
     assert "--port" in result.output and "not available" in result.output
 
 
+@pytest.mark.empty_home
 def test_task_flags_parse_and_a_metric_the_task_lacks_exits_2(
     home: PrefectMLSettings, tmp_path: Path
 ) -> None:
@@ -249,6 +253,7 @@ def test_task_flags_parse_and_a_metric_the_task_lacks_exits_2(
     assert not home.home_dir.joinpath("mlflow.db").exists()
 
 
+@pytest.mark.empty_home
 def test_predict_flags_mirror_the_predict_parameters_and_bad_ones_exit_2(
     home: PrefectMLSettings,
 ) -> None:

@@ -14,6 +14,8 @@ from prefect_ml.flows.sweep import hpo_campaign
 from prefect_ml.flows.train import train_model
 from prefect_ml.integrations.settings import PrefectMLSettings
 
+pytestmark = pytest.mark.empty_home  # each test asserts MLflow's database was never created
+
 
 def _task_names(flow_run_id: str) -> list[str]:
     with get_client(sync_client=True) as client:
