@@ -668,6 +668,12 @@ NOT_SEARCHABLE = {
 EPOCH_METRICS = tuple(problems.EPOCH_METRICS)  # of every task type; each flow checks its own
 
 
+# Grid search: values per dimension and trials in the whole grid, checked before any is built
+# (Optuna's GridSampler holds every combination in memory).
+MAX_GRID_POINTS = 10_000
+MAX_GRID_TRIALS = 100_000
+
+
 class SearchDimension(_Section):
     """One tuned parameter: a float or int range, or a list of choices."""
 
@@ -709,17 +715,34 @@ class SearchDimension(_Section):
             return [int(self.low), int(self.high)]
         return [self.low, self.high]
 
+    def grid_size(self) -> int:
+        """How many values a grid search visits, counted without building them."""
+        if self.type == "categorical":
+            return len(self.choices or [])
+        assert self.low is not None and self.high is not None
+        if self.step is None and self.type == "float":
+            raise ValueError("a float dimension needs a step for grid search")
+        step = self.step or 1
+        if self.type == "int" and step != int(step):
+            raise ValueError(f"an int dimension's step must be a whole number (got {step:g})")
+        span = (self.high - self.low) / step  # inf for a range beyond float's: capped below
+        return int(min(span, float(2**62)) + 1e-9) + 1
+
     def grid(self) -> list[Any]:
-        """Every value a grid search visits."""
+        """Every value a grid search visits (at most :data:`MAX_GRID_POINTS`)."""
+        size = self.grid_size()
+        if size > MAX_GRID_POINTS:
+            raise ValueError(
+                f"the grid has {size:,} values, more than {MAX_GRID_POINTS:,}; raise its step or "
+                "narrow low and high"
+            )
         if self.type == "categorical":
             return list(self.choices or [])
         assert self.low is not None and self.high is not None
         if self.type == "int":
             return list(range(int(self.low), int(self.high) + 1, int(self.step or 1)))
-        if self.step is None:
-            raise ValueError("a float dimension needs a step for grid search")
-        count = int((self.high - self.low) / self.step + 1e-9) + 1
-        return [self.low + i * self.step for i in range(count)]
+        assert self.step is not None
+        return [self.low + i * self.step for i in range(size)]
 
 
 def default_search_space() -> dict[str, SearchDimension]:
@@ -816,13 +839,20 @@ class SweepParams(_Section):
             raise ValueError("pruning needs a single objective; set --pruner none")
         if self.trial_accelerator_type and not self.trial_gpus:
             raise ValueError("trial_accelerator_type places GPU trials: set --trial-gpus as well")
+        trials = 1
         for name, dimension in self.search_space.items():
             _check_searchable(name, dimension)
             if self.sampler == "grid":
                 try:
-                    dimension.grid()
+                    trials *= len(dimension.grid())
                 except ValueError as exc:
                     raise ValueError(f"search_space.{name}: {exc}") from exc
+        if trials > MAX_GRID_TRIALS:
+            sizes = {name: d.grid_size() for name, d in self.search_space.items()}
+            raise ValueError(
+                f"search_space: the grid has {trials:,} combinations {sizes}, more than "
+                f"{MAX_GRID_TRIALS:,}; coarsen the largest dimension"
+            )
         return self
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from click.testing import CliRunner
 
 from prefect_ml.flows.cli import app
 from prefect_ml.flows.predict import batch_predict
+from prefect_ml.flows.sweep import hpo_campaign
 from prefect_ml.flows.train import train_model
 from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.flows.test_invalid_parameters import _assert_nothing_written, _task_names
@@ -124,4 +126,25 @@ def test_with_data_prefixes_a_url_elsewhere_or_through_a_link_is_refused(
         assert state.is_failed(), url
         message = str(state.result(raise_on_failure=False))
         assert "data.url" in message and "hunter2" not in message, (url, message)
+    _assert_nothing_written(home)
+
+
+def test_a_grid_too_large_to_build_is_refused_by_the_flow_before_it_is_built(
+    home: PrefectMLSettings,
+) -> None:
+    """Issue 36, finding 10: the grid of 10^12 ints was built inside the validator."""
+    search_space = {"hidden": {"type": "int", "low": 1, "high": 1e12}}
+    tracemalloc.start()
+    try:
+        state = hpo_campaign(
+            params={"sweep": {"sampler": "grid", "search_space": search_space}},
+            return_state=True,
+        )
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    assert "search_space.hidden: the grid has 1,000,000,000,000 values" in message
+    assert peak < 200 * 2**20
     _assert_nothing_written(home)

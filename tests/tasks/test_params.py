@@ -241,6 +241,38 @@ def test_worker_request_carries_gpu_type_and_memory() -> None:
             "search_space.lr: a float dimension needs a step for grid search",
         ),
         ({"campaign": "../escape"}, "sweep.campaign", "should match pattern"),
+        (
+            {"sampler": "grid", "search_space": {"hidden": {"type": "int", "low": 1, "high": 1e7}}},
+            "sweep",
+            "search_space.hidden: the grid has 10,000,000 values, more than 10,000",
+        ),
+        (
+            {
+                "sampler": "grid",
+                "search_space": {"lr": {"type": "float", "low": 1e-9, "high": 1e308, "step": 1e-300}},
+            },
+            "sweep",
+            "search_space.lr: the grid has",
+        ),
+        (
+            {
+                "sampler": "grid",
+                "search_space": {"hidden": {"type": "int", "low": 1, "high": 9, "step": 0.5}},
+            },
+            "sweep",
+            "search_space.hidden: an int dimension's step must be a whole number (got 0.5)",
+        ),
+        (
+            {
+                "sampler": "grid",
+                "search_space": {
+                    "hidden": {"type": "int", "low": 1, "high": 1000},
+                    "depth": {"type": "int", "low": 1, "high": 1000},
+                },
+            },
+            "sweep",
+            "the grid has 1,000,000 combinations {'hidden': 1000, 'depth': 1000}, more than 100,000",
+        ),
     ],
 )
 def test_invalid_campaigns_name_the_field(sweep: dict[str, Any], field: str, message: str) -> None:
