@@ -249,7 +249,9 @@ def test_worker_request_carries_gpu_type_and_memory() -> None:
         (
             {
                 "sampler": "grid",
-                "search_space": {"lr": {"type": "float", "low": 1e-9, "high": 1e308, "step": 1e-300}},
+                "search_space": {
+                    "lr": {"type": "float", "low": 1e-9, "high": 1e308, "step": 1e-300}
+                },
             },
             "sweep",
             "search_space.lr: the grid has",
@@ -271,7 +273,7 @@ def test_worker_request_carries_gpu_type_and_memory() -> None:
                 },
             },
             "sweep",
-            "the grid has 1,000,000 combinations {'hidden': 1000, 'depth': 1000}, more than 100,000",
+            "1,000,000 combinations {'hidden': 1000, 'depth': 1000}, more than 100,000",
         ),
     ],
 )
