@@ -95,6 +95,7 @@ def test_the_torch_only_test_files_collect_without_prefect_ray_or_mlflow(
     assert any("nccl" in line for line in collected)  # the @gpu tests are among them
 
 
+@pytest.mark.full  # the whole GPU check script on CPU, about 40 s (tests/tiers.py)
 def test_the_gpu_check_trains_resumes_and_serves_on_cpu_and_lists_what_it_skipped(
     torch_only_python: str, tmp_path: Path
 ) -> None:

@@ -138,6 +138,7 @@ def _prefill(home: PrefectMLSettings, campaign: str, good: int) -> None:
         )
 
 
+@pytest.mark.full  # distributed trials pruned mid-way, about 30 s (tests/tiers.py)
 def test_a_hopeless_distributed_trial_is_pruned_and_stops_training(
     home: PrefectMLSettings,
 ) -> None:
@@ -236,6 +237,7 @@ def test_a_changed_categorical_dimension_is_refused_before_any_trial(
     assert len(_study(home, "changed").trials) == 1
 
 
+@pytest.mark.full  # a fault scenario of tens of seconds (tests/tiers.py)
 def test_a_trial_whose_worker_dies_runs_again_from_its_checkpoint(
     home: PrefectMLSettings,
 ) -> None:

@@ -153,6 +153,7 @@ def _run_group(url: str, out: Path, stop_at: tuple[int, int] | None = None) -> A
     return report, torch.load(out.with_suffix(".pt"), weights_only=True)
 
 
+@pytest.mark.full  # a fault scenario of tens of seconds (tests/tiers.py)
 def test_a_ddp_group_stopped_mid_epoch_resumes_exactly_and_another_size_resumes_too(
     tmp_path: Path,
 ) -> None:

@@ -467,6 +467,7 @@ def _epoch_log(log: Path, epoch: int) -> list[str]:
     ]
 
 
+@pytest.mark.full  # a fault scenario of tens of seconds (tests/tiers.py)
 def test_a_worker_killed_mid_epoch_resumes_on_the_same_rows_in_the_same_order(
     streamed: PreparedData, tmp_path: Path
 ) -> None:

@@ -55,6 +55,7 @@ def _train_in_thread(
     return thread, outcome
 
 
+@pytest.mark.full  # a fault scenario of tens of seconds (tests/tiers.py)
 @pytest.mark.usefixtures("ray_cluster")
 def test_elastic_group_trains_on_what_the_cluster_has_and_carries_on_after_losing_a_worker(
     home: PrefectMLSettings,
@@ -103,6 +104,7 @@ def test_elastic_group_trains_on_what_the_cluster_has_and_carries_on_after_losin
     assert [m.value for m in history] == [evaluations[0].metrics["accuracy"]]
 
 
+@pytest.mark.full  # a fault scenario of tens of seconds (tests/tiers.py)
 @pytest.mark.usefixtures("ray_cluster")
 def test_driver_whose_lease_is_taken_over_stops_at_the_next_epoch_boundary(
     home: PrefectMLSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
