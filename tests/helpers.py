@@ -55,6 +55,17 @@ def _tail(log: Path, characters: int = 4000) -> str:
     return log.read_text(errors="replace")[-characters:] if log.exists() else "(no log)"
 
 
+def cli_env(home: Path, **settings: str) -> dict[str, str]:
+    """This process's environment for a ``prefect-ml`` command on the project home ``home``,
+    reporting to the session's Prefect server (``PREFECT_API_URL``) instead of starting an
+    ephemeral API of its own (13-24 s a command); ``settings`` are added to it."""
+    from prefect.settings import PREFECT_API_URL
+
+    api_url = PREFECT_API_URL.value()
+    assert api_url, "cli_env needs the session's Prefect server (tests/conftest.py)"
+    return {**os.environ, "PREFECT_ML_HOME": str(home), "PREFECT_API_URL": api_url, **settings}
+
+
 def cold_env(home: Path) -> dict[str, str]:
     """This process's environment for a ``prefect-ml`` command on the project home ``home`` as a
     newcomer runs it: none of the session's Prefect, MLflow or prefect-ml settings, no

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -14,7 +13,6 @@ import optuna
 import pytest
 from click.testing import CliRunner
 from optuna.trial import TrialState
-from prefect.settings import PREFECT_API_URL
 from sqlalchemy.exc import SQLAlchemyError
 
 from prefect_ml.flows.cli import app
@@ -25,7 +23,7 @@ from prefect_ml.tasks.campaign import coordinator
 from prefect_ml.tasks.campaign.identity import CampaignIdentity
 from tests.conftest import REPO_ROOT
 from tests.e2e.test_resume_after_kill import _kill_tree
-from tests.helpers import wait_while_running
+from tests.helpers import cli_env, wait_while_running
 from tests.tasks.test_campaign_coordinator import LateExecutor
 
 N_TRIALS = 8
@@ -59,13 +57,7 @@ def _command(campaign: str, n_trials: int, *extra: str) -> list[str]:
 
 
 def _env(home: PrefectMLSettings) -> dict[str, str]:
-    return {
-        **os.environ,
-        "PREFECT_ML_HOME": str(home.home_dir),
-        "PREFECT_ML_LOCAL_RAY_CPUS": "2",
-        # Every command reports to the session's Prefect server instead of starting its own.
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-    }
+    return cli_env(home.home_dir, PREFECT_ML_LOCAL_RAY_CPUS="2")
 
 
 def _trials(home: PrefectMLSettings, campaign: str) -> list[optuna.trial.FrozenTrial]:

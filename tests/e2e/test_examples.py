@@ -4,7 +4,6 @@ registered and served."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ from prefect_ml.integrations import tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import ServeModelParams
 from tests.conftest import REPO_ROOT
-from tests.helpers import free_port
+from tests.helpers import cli_env, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +31,7 @@ def test_the_sequence_example_trains_on_two_workers_registers_and_serves(
     command += ["--dataset", "examples.sequence:load", "--model", "examples.sequence:build"]
     command += ["--no-normalize", "--workers", "2", "--epochs", "8", "--batch-size", "64"]
     command += ["--model-name", "token-marker"]
-    env = {**os.environ, "PREFECT_ML_HOME": str(home.home_dir)}
+    env = cli_env(home.home_dir)
     env["PREFECT_ML_ALLOWED_MODULES"] = "examples,tests.fixtures"
     run = subprocess.run(
         command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600

@@ -4,20 +4,18 @@ naming the first's process, and the first finishes untouched."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from prefect.settings import PREFECT_API_URL
 
 from prefect_ml.integrations import tracking
 from prefect_ml.integrations.leases import LeaseHeldError
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import TrainModelParams
 from tests.conftest import REPO_ROOT
-from tests.helpers import wait_while_running
+from tests.helpers import cli_env, wait_while_running
 from tests.tasks.test_train import train_flow
 
 EPOCHS = 2
@@ -33,11 +31,7 @@ def test_second_driver_of_a_running_training_is_refused(
     command = [sys.executable, "-m", "prefect_ml.flows.cli", "train", "--model", MODEL]
     command += ["--model-options", json.dumps(options), "--epochs", str(EPOCHS)]
     command += ["--workers", "1"]
-    env = {
-        **os.environ,
-        "PREFECT_ML_HOME": str(home.home_dir),
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-    }
+    env = cli_env(home.home_dir)
     log_path = tmp_path / "first.log"
     with log_path.open("wb") as log:
         first = subprocess.Popen(

@@ -9,19 +9,17 @@ mid-epoch checkpoint), and the model registers.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import psutil
-from prefect.settings import PREFECT_API_URL
 
 from prefect_ml.integrations import ray_training, tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
-from tests.helpers import committed_epochs, resume_point, wait_while_running
+from tests.helpers import cli_env, committed_epochs, resume_point, wait_while_running
 
 EPOCHS = 5
 COMMAND = [
@@ -62,12 +60,7 @@ def _kill_tree(process: subprocess.Popen[bytes]) -> None:
 def test_killed_process_resumes_from_last_verified_checkpoint(
     home: PrefectMLSettings, tmp_path: Path
 ) -> None:
-    env = {
-        **os.environ,
-        "PREFECT_ML_HOME": str(home.home_dir),
-        # Both commands report to the session's real Prefect server instead of each starting one.
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-    }
+    env = cli_env(home.home_dir)
     log = (tmp_path / "first.log").open("wb")
     first = subprocess.Popen(FIRST, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     storage_dir = home.home_dir / "storage"

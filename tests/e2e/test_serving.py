@@ -4,7 +4,6 @@ authentication, fail-fast resolution and a zero-error roll when the alias moves.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import signal
@@ -25,7 +24,6 @@ import numpy as np
 import pytest
 import torch
 from prefect.blocks.system import Secret
-from prefect.settings import PREFECT_API_URL
 from ray import serve
 from ray.serve.context import _get_global_client
 from sklearn.datasets import load_digits
@@ -35,7 +33,7 @@ from prefect_ml.integrations import tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import ServeModelParams
 from tests.e2e.test_resume_after_kill import _kill_tree
-from tests.helpers import flow_run_artifacts, free_port, register_classifier, wait_for
+from tests.helpers import cli_env, flow_run_artifacts, free_port, register_classifier, wait_for
 
 MAX_ROWS = 50
 MAX_BODY = 200_000
@@ -499,21 +497,19 @@ def test_the_cli_serves_in_the_foreground_follows_the_alias_and_stops_on_ctrl_c(
     client = tracking.client_for(served.settings.resolved_tracking_uri)
     tracking.set_alias(client, "digits-classifier", "champion", "2")
     port = free_port()
-    env = {
-        **os.environ,
-        "PREFECT_ML_HOME": str(served.settings.home_dir),
-        "PREFECT_ML_LOCAL_RAY_CPUS": "2",
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+    env = cli_env(
+        served.settings.home_dir,
+        PREFECT_ML_LOCAL_RAY_CPUS="2",
         # A second Ray on this host: keep its Serve ports apart from the session Ray's.
-        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
-        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
-        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "32000",
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "33000",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "42000",
-        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "43000",
-    }
+        RAY_SERVE_FALLBACK_PROXY_HTTP_PORT=str(free_port()),
+        RAY_SERVE_FALLBACK_PROXY_GRPC_PORT=str(free_port()),
+        RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()),
+        RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()),
+        RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT="32000",
+        RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT="33000",
+        RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT="42000",
+        RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT="43000",
+    )
     command = [sys.executable, "-m", "prefect_ml.flows.cli", "serve", "--port", str(port)]
     log = tmp_path / "serve.log"
     with log.open("wb") as sink:

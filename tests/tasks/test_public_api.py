@@ -143,6 +143,7 @@ def test_no_module_imports_the_old_top_level_packages() -> None:
         ),
     ],
 )
+@pytest.mark.empty_home
 def test_bad_options_fail_naming_the_option_before_anything_is_touched(
     home: PrefectMLSettings, call: object, field: str, words: str
 ) -> None:
