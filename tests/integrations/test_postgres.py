@@ -121,10 +121,11 @@ def test_the_prefect_database_setting_takes_postgresql_urls_only(
 ) -> None:
     assert home.prefect_server_database is None
     assert server_database(home) == f"SQLite under {home.prefect_home}"
-    monkeypatch.setenv("PREFECT_ML_PREFECT_DATABASE_URL", "postgresql://u:secret@db:5432/prefect")
+    # The password is a word no setting's name holds (serve_token_secret is a name, not a value).
+    monkeypatch.setenv("PREFECT_ML_PREFECT_DATABASE_URL", "postgresql://u:pw-9f3@db:5432/prefect")
     settings = PrefectMLSettings()
-    assert settings.prefect_server_database == "postgresql+asyncpg://u:secret@db:5432/prefect"
-    assert "secret" not in repr(settings) and "secret" not in server_database(settings)
+    assert settings.prefect_server_database == "postgresql+asyncpg://u:pw-9f3@db:5432/prefect"
+    assert "pw-9f3" not in repr(settings) and "pw-9f3" not in server_database(settings)
     assert server_database(settings) == "postgresql+asyncpg://u:***@db:5432/prefect"
     for refused in ("mysql://u:secret@db/prefect", "postgresql+psycopg2://db/prefect", "db"):
         monkeypatch.setenv("PREFECT_ML_PREFECT_DATABASE_URL", refused)
