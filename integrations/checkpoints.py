@@ -21,7 +21,8 @@ its weights on); it reads like a pruned one, and ``latest()`` passes over it.
 sha256 catches corruption, not forgery: whoever can write the storage can write a matching
 manifest. With ``PREFECT_ML_CHECKPOINT_KEY`` set, every manifest carries an HMAC-SHA256 of its
 content under that key, and a manifest without a valid one is refused before any file of its
-checkpoint is read.
+checkpoint is read. The content names the run's folder and the position, so a signed manifest
+copied to another run or another epoch (a rollback dressed as progress) is refused too.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefect_ml.integrations import storage
-from prefect_ml.integrations.errors import CheckpointError
+from prefect_ml.integrations.errors import CheckpointError, ConfigurationError
 from prefect_ml.integrations.settings import get_settings
 
 MANIFEST = "MANIFEST.json"
@@ -152,6 +153,26 @@ def settings_key() -> bytes | None:
     return secret.get_secret_value().encode() if secret else None
 
 
+def _check_entries(url: str, manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists is a name inside its folder with a sha256 and a size: a
+    manifest that is not is a broken checkpoint (readers skip it), never an error that stops
+    the search for an earlier one."""
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{url}/{MANIFEST} lists no files")
+    for name, entry in files.items():
+        try:
+            storage.check_key(name)
+        except ConfigurationError as exc:
+            raise CheckpointError(f"{url}/{MANIFEST} lists {exc.message}") from None
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("sha256"), str)
+            and isinstance(entry.get("size"), int)
+        ):
+            raise CheckpointError(f"{url}/{MANIFEST} has no sha256 and size for {name!r}")
+
+
 class CheckpointStore:
     """Per-run checkpoint directory: ``save`` commits atomically, ``latest`` verifies on read.
 
@@ -161,6 +182,9 @@ class CheckpointStore:
 
     def __init__(self, root_url: str, *, key: bytes | None = None) -> None:
         self.root_url = root_url.rstrip("/")
+        # The folder every manifest names, written the same way whichever form of the URL a
+        # process was given (``/x``, ``file:///x``).
+        self._run = storage.canonical_location(self.root_url)
         self._key = key if key is not None else settings_key()
         # Manifests and metric values this store has seen: committed manifests change only
         # through this store's own ``prune``, so each is read at most once per store.
@@ -274,6 +298,7 @@ class CheckpointStore:
         return [p.epoch for p in self.positions() if p.step is None]
 
     def _write_manifest(self, url: str, manifest: dict[str, Any]) -> None:
+        manifest = {**manifest, "run": self._run}
         if self._key is not None:
             manifest = {**manifest, SIGNATURE: manifest_signature(manifest, self._key)}
         storage.write_bytes(storage.join(url, MANIFEST), json.dumps(manifest, indent=1).encode())
@@ -281,16 +306,39 @@ class CheckpointStore:
         position = CheckpointPosition(int(manifest["epoch"]), None if step is None else int(step))
         self._manifests[position] = manifest
 
-    def _manifest(self, url: str) -> dict[str, Any]:
+    def _manifest(self, position: CheckpointPosition) -> dict[str, Any]:
+        url = self.url_for(position.epoch, position.step)
         try:
             manifest: dict[str, Any] = json.loads(storage.read_bytes(storage.join(url, MANIFEST)))
         except FileNotFoundError as exc:
             raise CheckpointError(f"{url} has no {MANIFEST}: it was never committed") from exc
         except ValueError as exc:
             raise CheckpointError(f"{url}/{MANIFEST} is not valid JSON") from exc
+        if not isinstance(manifest, dict):
+            raise CheckpointError(f"{url}/{MANIFEST} is not a manifest")
         if self._key is not None:
             self._check_signature(url, manifest, self._key)
+        self._check_place(url, manifest, position)
+        _check_entries(url, manifest)
         return manifest
+
+    def _check_place(
+        self, url: str, manifest: dict[str, Any], position: CheckpointPosition
+    ) -> None:
+        """The manifest was written for this folder: its position, and with a key its run's
+        (without one, anyone can rewrite the run's name: a run moved whole still resumes)."""
+        written_at = (manifest.get("epoch"), manifest.get("step"))
+        if written_at != (position.epoch, position.step):
+            raise CheckpointError(
+                f"{url}/{MANIFEST} was written for epoch {written_at[0]}, step {written_at[1]}: "
+                "copied here from another checkpoint; refusing it"
+            )
+        run = manifest.get("run")
+        if self._key is not None and run != self._run:
+            raise CheckpointError(
+                f"{url}/{MANIFEST} was written for {run or 'no named run'}, not {self._run}: "
+                "copied from another run; refusing it"
+            )
 
     @staticmethod
     def _check_signature(url: str, manifest: dict[str, Any], key: bytes) -> None:
@@ -329,7 +377,7 @@ class CheckpointStore:
             if unchanged:
                 return self._checked(url, cached, listed, read)
             self._manifests.pop(position, None)
-        manifest = self._manifest(url)
+        manifest = self._manifest(position)
         listed = self._names(url, manifest, names)
         files = self._checked(url, manifest, listed, self._read(url, listed))
         self._manifests[position] = manifest
@@ -395,8 +443,7 @@ class CheckpointStore:
         for position in self.positions():
             if position not in self._manifests:
                 try:
-                    url = self.url_for(position.epoch, position.step)
-                    self._manifests[position] = self._manifest(url)
+                    self._manifests[position] = self._manifest(position)
                 except CheckpointError:
                     continue
             manifests[position] = self._manifests[position]

@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from prefect_ml.integrations import tenancy
 from prefect_ml.integrations.errors import ConfigurationError
 
+MIN_KEY_BYTES = 32  # of a signing key: guessing one is out of reach
+
 
 class PrefectMLSettings(BaseSettings):
     """Where prefect-ml keeps its state and which services it talks to.
@@ -268,6 +270,18 @@ class PrefectMLSettings(BaseSettings):
         description="Name of a Prefect Secret block holding the serving bearer token (wins over "
         "PREFECT_ML_SERVE_TOKEN).",
     )
+
+    @field_validator("checkpoint_key")
+    @classmethod
+    def _check_checkpoint_key(cls, key: SecretStr | None) -> SecretStr | None:
+        """A key set but empty would sign with a key everyone knows: refused, never "off"."""
+        if key is not None and len(key.get_secret_value().strip().encode()) < MIN_KEY_BYTES:
+            raise ConfigurationError(
+                "PREFECT_ML_CHECKPOINT_KEY",
+                f"the key has fewer than {MIN_KEY_BYTES} bytes; unset it, or set e.g. "
+                "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'",
+            )
+        return key
 
     @property
     def allowed_module_prefixes(self) -> tuple[str, ...]:

@@ -257,7 +257,7 @@ def check_data_url(url: str, field: str) -> str:
 _SCHEME_ALIASES = {"s3a": "s3", "gcs": "gs", "abfss": "abfs", "local": "file"}
 
 
-def _location(url: str) -> str:
+def canonical_location(url: str) -> str:
     """Where ``url`` points, comparable by prefix: the last URL of an fsspec chain, a local
     path with its symlinks and ``..`` resolved (``realpath``), a lower-case scheme."""
     last = url.split("::")[-1]
@@ -270,7 +270,7 @@ def _location(url: str) -> str:
 
 def is_within(url: str, root: str) -> bool:
     """Whether ``url`` is ``root`` or lies under it (whole path segments, symlinks resolved)."""
-    location, base = _location(url), _location(root).rstrip("/")
+    location, base = canonical_location(url), canonical_location(root).rstrip("/")
     return location == base or location.startswith(base + "/")
 
 

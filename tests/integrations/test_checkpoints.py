@@ -3,10 +3,12 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from prefect_ml.integrations import storage
 from prefect_ml.integrations.checkpoints import (
@@ -19,6 +21,7 @@ from prefect_ml.integrations.checkpoints import (
 from prefect_ml.integrations.distributed_checkpoint import load_files, to_files
 from prefect_ml.integrations.epoch_trainer import METRICS_FILE
 from prefect_ml.integrations.errors import CheckpointError
+from prefect_ml.integrations.settings import PrefectMLSettings
 
 STATE_FILE = "__0_0.distcp"
 
@@ -252,3 +255,66 @@ def test_mid_epoch_checkpoints_sort_between_epoch_ends_and_retention_counts_them
     assert CheckpointStore(store.root_url).load(2, step=10).step == 10
     with pytest.raises(ValueError, match="step 1 or later"):
         store.save(3, {STATE_FILE: b"x"}, step=0)
+
+
+def _copy(source: str, target: str) -> None:
+    """What whoever can write the storage can do without the key: copy a signed checkpoint."""
+    shutil.copytree(source.removeprefix("file://"), target.removeprefix("file://"))
+
+
+def test_a_signed_checkpoint_copied_to_a_later_epoch_or_another_run_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 36, finding 6: epoch 1 copied to epoch 60 was the resume point, with epoch 1's
+    weights (a rollback that also skips 59 epochs)."""
+    monkeypatch.setenv("PREFECT_ML_CHECKPOINT_KEY", KEY)
+    run, other = CheckpointStore((tmp_path / "run").as_uri()), CheckpointStore(str(tmp_path / "b"))
+    for epoch in (1, 2):
+        _save(run, epoch)
+    _copy(run.url_for(1), run.url_for(60))
+    _copy(run.url_for(1), run.url_for(2, step=5))
+    _save(other, 1)
+    _copy(run.url_for(2), other.url_for(2))
+    with caplog.at_level(logging.WARNING):
+        latest, elsewhere = CheckpointStore(run.root_url).latest(), other.latest()
+    assert latest is not None and latest.epoch == 2 and latest.step is None
+    assert elsewhere is not None and elsewhere.epoch == 1
+    assert "written for epoch 1, step None: copied here" in caplog.text
+    with pytest.raises(CheckpointError, match="copied from another run"):
+        CheckpointStore(other.root_url).load(2)
+    assert CheckpointStore(f"{tmp_path}/run/").load(2).epoch == 2  # any form of the same URL
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        {"../../x.distcp": {"sha256": "0" * 64, "size": 1}},
+        {"/etc/passwd": {"sha256": "0" * 64, "size": 1}},
+        {"model.distcp": 1},
+        {"model.distcp": {"sha256": None, "size": "1"}},
+        [],
+    ],
+)
+def test_a_manifest_that_lists_no_proper_file_is_skipped_not_fatal(
+    tmp_path: Path, entries: object
+) -> None:
+    """Issue 36, finding 11: one bad manifest stopped every resume with a ConfigurationError."""
+    store = CheckpointStore((tmp_path / "run").as_uri())
+    for epoch in (1, 2):
+        _save(store, epoch)
+    url = storage.join(store.url_for(2), MANIFEST)
+    manifest = json.loads(storage.read_bytes(url))
+    storage.write_bytes(url, json.dumps({**manifest, "files": entries}).encode())
+    latest = CheckpointStore(store.root_url).latest()
+    assert latest is not None and latest.epoch == 1
+    with pytest.raises(CheckpointError, match=MANIFEST):
+        CheckpointStore(store.root_url).load(2)
+
+
+@pytest.mark.parametrize("key", ["", "   ", "short"])
+def test_a_checkpoint_key_that_is_set_but_empty_or_short_is_refused(
+    monkeypatch: pytest.MonkeyPatch, key: str
+) -> None:
+    monkeypatch.setenv("PREFECT_ML_CHECKPOINT_KEY", key)
+    with pytest.raises(ValidationError, match="PREFECT_ML_CHECKPOINT_KEY: the key has fewer"):
+        PrefectMLSettings()
