@@ -28,6 +28,7 @@ from rich.table import Table
 
 from prefect_ml.integrations import alerts, prefect_server, storage, timeline
 from prefect_ml.integrations.errors import ConfigurationError, PrefectMLError
+from prefect_ml.integrations.redaction import masked
 from prefect_ml.integrations.settings import (
     get_settings,
     prepare_process_environment,
@@ -184,9 +185,11 @@ def print_outcome(outcome: Any) -> None:
     tracking_uri = settings.resolved_tracking_uri
     console.print("[bold]Where to look next[/bold]")
     if not tracking_uri.startswith("http"):
-        console.print(f"  MLflow UI:  mlflow ui --backend-store-uri {tracking_uri} --port 5000")
+        console.print(
+            f"  MLflow UI:  mlflow ui --backend-store-uri {masked(tracking_uri)} --port 5000"
+        )
     else:
-        console.print(f"  MLflow UI:  {tracking_uri}")
+        console.print(f"  MLflow UI:  {masked(tracking_uri)}")
     api_url = os.environ.get("PREFECT_API_URL")
     ui_address = prefect_server.ui_url(api_url) if api_url else "prefect-ml ui"
     console.print(f"  Prefect UI: {ui_address}")

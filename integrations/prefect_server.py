@@ -23,6 +23,7 @@ import yaml
 
 from prefect_ml.integrations import timeline
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
+from prefect_ml.integrations.redaction import masked
 from prefect_ml.integrations.settings import (
     PrefectMLSettings,
     check_port_free,
@@ -109,12 +110,10 @@ def require_server(api_url: str | None, auth_string: str | None = None) -> str:
 def server_database(settings: PrefectMLSettings) -> str:
     """Where the server's database is, for people: its URL without the password, or the
     SQLite file Prefect keeps under its home."""
-    from sqlalchemy.engine import make_url
-
     database = settings.prefect_server_database or os.environ.get(DATABASE_VARIABLE)
     if database is None:
         return f"SQLite under {settings.prefect_home}"
-    return make_url(database).render_as_string(hide_password=True)
+    return masked(database)
 
 
 def basic_auth_header(auth_string: str) -> str:

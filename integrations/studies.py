@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.redaction import masked
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -61,15 +62,6 @@ def storage_for(url: str) -> optuna.storages.BaseStorage:
         journal.parent.mkdir(parents=True, exist_ok=True)
         return optuna.storages.JournalStorage(JournalFileBackend(str(journal)))
     return optuna.storages.RDBStorage(url, engine_kwargs=engine_options(url))
-
-
-def shown(url: str) -> str:
-    """A storage URL for messages: a database URL without its password."""
-    if not is_database(url):
-        return url
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -158,7 +150,7 @@ def open_study(
         except Exception as exc:  # SQLAlchemy and journal errors differ; all mean the same here
             if attempt == OPEN_ATTEMPTS:
                 raise ConfigurationError(
-                    "optuna_storage", f"cannot open Optuna storage {shown(storage_url)}: {exc}"
+                    "optuna_storage", f"cannot open Optuna storage {masked(storage_url)}: {exc}"
                 ) from exc
             time.sleep(0.5 * attempt)
     stored = study.user_attrs.get(OBJECTIVES_ATTR)

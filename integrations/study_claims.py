@@ -36,6 +36,7 @@ from sqlalchemy.engine import make_url
 from prefect_ml.integrations import studies
 from prefect_ml.integrations.errors import PrefectMLError
 from prefect_ml.integrations.leases import Heartbeat, LeaseRecord, held_error
+from prefect_ml.integrations.redaction import masked
 from prefect_ml.integrations.settings import get_settings
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class StudyClaim:
         self.url, self.study, self.what, self.field = storage_url, study, what, field
         self.expiry_s = expiry_s if expiry_s is not None else get_settings().lease_expiry_s
         parsed = make_url(storage_url)
-        self.database = parsed.render_as_string(hide_password=True)
+        self.database = masked(storage_url)
         clock = _CLOCKS[parsed.get_backend_name()]
         self._clock: sa.ColumnElement[float] = sa.literal_column(clock, sa.Double)
         self._record = LeaseRecord.mine(uuid.uuid4().hex, what)

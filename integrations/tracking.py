@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 from prefect_ml.integrations import tenancy
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.redaction import masked
 
 RUN_KEY_TAG = "prefect_ml.run_key"
 FLOW_RUN_TAG = "prefect.flow_run_id"
@@ -58,7 +59,7 @@ def client_for(tracking_uri: str) -> MlflowClient:
             # A wrong scheme stays wrong: a configuration error, which is never retried.
             raise ConfigurationError(
                 "PREFECT_ML_MLFLOW_TRACKING_URI",
-                f"{tracking_uri!r} is not an MLflow tracking URI; use sqlite:///<file>, "
+                f"{masked(tracking_uri)!r} is not an MLflow tracking URI; use sqlite:///<file>, "
                 "postgresql://... or the http(s) address of an MLflow server",
             ) from None
     # MLflow creates a new database's tables when a client first opens it; two processes doing
@@ -324,7 +325,7 @@ def run_metrics(client: MlflowClient, run_id: str) -> dict[str, float]:
 
 def _ui_base(tracking_uri: str) -> str:
     """The MLflow UI: the tracking server itself, or a local ``mlflow ui`` on its default port."""
-    base = tracking_uri if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+    base = masked(tracking_uri) if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
     return base.rstrip("/")
 
 
@@ -398,7 +399,8 @@ def registered_version(
         known = sorted(m.name for m in models if tenancy.owns(m.name, tenant))
         raise ConfigurationError(
             "model_name",
-            f"no registered model {model_name!r} in {client.tracking_uri}; registered: {known}. "
+            f"no registered model {model_name!r} in {masked(client.tracking_uri)}; registered: "
+            f"{known}. "
             "Train one (prefect-ml train) or check MLFLOW_TRACKING_URI / PREFECT_ML_HOME",
         ) from None
     if version is not None:
@@ -610,7 +612,7 @@ def check_writable(tracking_uri: str, artifact_root: str | None) -> str:
             raise PermissionError(f"{database} is not writable")
     if artifact_root:
         storage.check_writable(artifact_root)
-    return f"{tracking_uri} reachable" + (
+    return f"{masked(tracking_uri)} reachable" + (
         f", artifacts at {artifact_root}" if artifact_root else ""
     )
 

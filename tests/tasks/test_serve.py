@@ -98,3 +98,22 @@ def test_a_configured_token_that_is_missing_empty_or_short_is_an_error(
 )
 def test_only_loopback_counts_as_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
+
+
+def test_the_tracking_database_password_never_appears_in_an_error_a_parameter_causes(
+    home: PrefectMLSettings, postgres_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36, finding 9: a model name that does not exist quoted the tracking URI whole."""
+    from sqlalchemy.engine import make_url
+
+    # The session's PostgreSQL trusts loopback: the password is carried, never checked.
+    url = make_url(postgres_database).set(password="PASSWORD")
+    with_password = url.render_as_string(hide_password=False)
+    for uri, expected in (
+        (with_password, f"no registered model 'nope' in {url.drivername}://{url.username}:***@"),
+        ("nosuch://user:PASSWORD@host/x", "'nosuch://user:***@host/x' is not an MLflow"),
+    ):
+        monkeypatch.setenv("PREFECT_ML_MLFLOW_TRACKING_URI", uri)
+        state = serve_model(params={"model_name": "nope"}, return_state=True)
+        message = str(state.message) + str(state.result(raise_on_failure=False))
+        assert expected in message and "PASSWORD" not in message, message
