@@ -64,11 +64,19 @@ def s3_options() -> dict[str, Any]:
     return options
 
 
+# HTTP(S) data is fetched without following redirects: the host check of check_data_url holds
+# for the host it named, not for wherever that host sends the request next.
+_HTTP_OPTIONS = {"http": {"allow_redirects": False}, "https": {"allow_redirects": False}}
+
+
 def filesystem(url: str) -> tuple[AbstractFileSystem, str]:
     """The fsspec filesystem for ``url`` and the path inside it."""
     from fsspec.core import url_to_fs
 
-    fs, path = url_to_fs(url, **(s3_options() if _is_s3(url) else {}))
+    options = s3_options() if _is_s3(url) else {}
+    if re.search(r"(^|::)https?://", url):
+        options.update(_HTTP_OPTIONS)
+    fs, path = url_to_fs(url, **options)
     return fs, path
 
 
@@ -217,18 +225,57 @@ DATA_URL_SCHEMES = frozenset(
 )
 
 
+# A scheme without "//" (``data:text/csv,...``, which fsspec opens as inline data); a single
+# letter is a Windows drive, not a scheme.
+_OPAQUE_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)")
+
+
 def _scheme_and_host(part: str, chained: bool) -> tuple[str, str]:
     scheme, separator, rest = part.partition("://")
-    if not separator:  # a local path, or a bare protocol name inside a chain ("zip::s3://...")
-        return ("file" if not chained else part.lower()), ""
-    return scheme.lower(), rest.split("/", 1)[0]
+    if not separator:  # a local path, a data: URL, or a protocol name inside a chain
+        opaque = _OPAQUE_SCHEME.match(part)
+        return (opaque[1] if opaque else part if chained else "file").lower(), ""
+    return scheme.lower(), rest.split("/", 1)[0].rsplit("@", 1)[-1]
+
+
+def _check_host(url: str, host: str, field: str) -> None:
+    """Refuse a network URL unless its host resolves, and only to public addresses: never
+    loopback, private, link-local (cloud metadata) or reserved ones, by name or by number."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    try:
+        name = urlsplit(f"//{host}").hostname or ""
+        literal = {str(ipaddress.ip_address(name))} if _is_ip(name) else set()
+        addresses = literal or {str(info[4][0]) for info in socket.getaddrinfo(name, None)}
+    except (OSError, UnicodeError, ValueError):
+        raise ConfigurationError(
+            field, f"the host of {url!r} does not resolve; refused (give a public address)"
+        ) from None
+    internal = sorted(a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_global)
+    if internal:
+        raise ConfigurationError(
+            field,
+            f"{url!r} reaches {', '.join(internal)}: loopback, private, link-local (cloud "
+            "metadata) or reserved addresses are refused for data",
+        )
+
+
+def _is_ip(name: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def check_data_url(url: str, field: str) -> str:
-    """A data URL whose every scheme (``a::b://`` chains included) is allowed, that names no
-    link-local address, and has no traversal segments."""
-    import ipaddress
-
+    """A data URL whose every scheme (``a::b://`` chains included) is allowed, whose network
+    hosts resolve to public addresses only, in the places runs may use
+    (:func:`check_locations`), without traversal segments."""
     allowed = DATA_URL_SCHEMES | set(get_settings().allowed_extra_url_schemes)
     parts = url.split("::")
     for part in parts:
@@ -240,15 +287,10 @@ def check_data_url(url: str, field: str) -> str:
                 f"{sorted(allowed)}, or add it to PREFECT_ML_EXTRA_URL_SCHEMES if the flow may "
                 "fetch data from such addresses",
             )
-        address = host.rsplit("@", 1)[-1].rsplit(":", 1)[0].strip("[]")
-        try:
-            link_local = ipaddress.ip_address(address).is_link_local
-        except ValueError:
-            link_local = False
-        if link_local:
-            raise ConfigurationError(
-                field, f"{url!r} names a link-local address (cloud metadata); refused"
-            )
+        # The last URL of a chain is where the bytes come from; the others name paths inside
+        # it (zip://member) or wrap it (simplecache).
+        if scheme not in DATA_URL_SCHEMES and host and part is parts[-1]:
+            _check_host(url, host, field)
     check_locations([url], field)
     return check_url(url, field)
 

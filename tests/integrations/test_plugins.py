@@ -156,7 +156,49 @@ def test_object_stores_and_files_are_allowed(url: str) -> None:
 
 def test_https_once_configured_but_never_link_local(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PREFECT_ML_EXTRA_URL_SCHEMES", "https,http")
-    assert check_data_url("https://example.com/a.csv", "data.url")
+    assert check_data_url("https://93.184.215.14/a.csv", "data.url")  # a public address
     for metadata in ("http://169.254.169.254/latest/meta-data", "https://u@169.254.0.1:8/a.csv"):
         with pytest.raises(ConfigurationError, match="link-local"):
             check_data_url(metadata, "data.url")
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        # Issue 36, finding 8: names of metadata services, and loopback or private by any name.
+        ("http://metadata.google.internal/computeMetadata/v1/", "does not resolve|reaches"),
+        ("http://instance-data/latest/meta-data/", "does not resolve|reaches"),
+        ("http://localhost:8080/a.csv", "reaches 127.0.0.1|reaches ::1"),
+        ("http://127.0.0.1/a.csv", "reaches 127.0.0.1"),
+        ("http://0x7f000001/a.csv", "reaches 127.0.0.1"),
+        ("http://2130706433/a.csv", "reaches 127.0.0.1"),
+        ("http://[0:0:0:0:0:0:0:1]:80/a.csv", "reaches ::1"),
+        ("http://[::1]:80/a.csv", "not allowed|does not resolve"),  # fsspec splits at "::"
+        ("http://[0:0:0:0:0:ffff:a9fe:a9fe]/a.csv", "reaches ::ffff:a9fe:a9fe"),
+        ("http://10.0.0.1/a.csv", "reaches 10.0.0.1"),
+        ("https://user:pw@192.168.1.1:443/a.csv", "reaches 192.168.1.1"),
+        ("http://0.0.0.0/a.csv", "reaches 0.0.0.0"),
+        ("simplecache::http://127.0.0.1/a.csv", "reaches 127.0.0.1"),
+        ("zip://a.csv::https://10.1.2.3/a.zip", "reaches 10.1.2.3"),
+        # A scheme without "//" is a scheme, not a local file.
+        ("data:text/csv,a%2Cb", "scheme 'data'"),
+        ("DATA:text/csv;base64,YQ==", "scheme 'data'"),
+    ],
+)
+def test_network_urls_that_reach_internal_hosts_or_inline_data_are_refused(
+    monkeypatch: pytest.MonkeyPatch, url: str, problem: str
+) -> None:
+    monkeypatch.setenv("PREFECT_ML_EXTRA_URL_SCHEMES", "https,http,simplecache,zip")
+    with pytest.raises(ConfigurationError, match=problem) as refused:
+        check_data_url(url, "data.url")
+    assert refused.value.field == "data.url"
+
+
+def test_http_data_is_fetched_without_following_redirects() -> None:
+    """A public host that answers 302 to a metadata address is not followed there."""
+    from prefect_ml.integrations import storage
+
+    for url in ("https://h.example/a.csv", "simplecache::http://h.example/a.csv"):
+        fs, _ = storage.filesystem(url)
+        http = getattr(fs, "fs", fs)  # the cache's target filesystem
+        assert http.kwargs["allow_redirects"] is False, url
