@@ -23,7 +23,7 @@ def report(terminal: pytest.TerminalReporter, folder: Path) -> None:
     totals = sorted(((sum(p.values()), nodeid) for nodeid, p in phases.items()), reverse=True)
     by_folder: dict[str, float] = defaultdict(float)
     for seconds, nodeid in totals:
-        by_folder[nodeid.rsplit("/", 1)[0]] += seconds
+        by_folder[nodeid.split("::")[0].rsplit("/", 1)[0]] += seconds
     lines = [f"{sum(by_folder.values()) / 60:.1f} min in {len(totals)} tests", ""]
     lines += [f"{s / 60:7.1f} min  {name}/" for name, s in sorted(by_folder.items(), key=_second)]
     lines.append("")
