@@ -365,8 +365,9 @@ def run(serve_after: bool, **flags: Any) -> None:
     from prefect_ml.integrations.ray_cluster import ray_session
 
     with ray_session(get_settings()):  # the flow's steps share it; it outlives the flow
-        print_outcome(_run_flow("ml_pipeline", params))
-        _serve_in_foreground(params.serving.app_name, None, 0)
+        outcome = _run_flow("ml_pipeline", params)
+        print_outcome(outcome)
+        _serve_in_foreground(outcome.serving.app_name, None, 0)  # its name in the tenant's
 
 
 @app.command()
@@ -390,7 +391,7 @@ def serve(watch_seconds: float, **flags: Any) -> None:
         print_serving(result)
         watching = watch_seconds > 0 and params.model_version is None
         follow = _alias_follower(params, result.version) if watching else None
-        _serve_in_foreground(params.serving.app_name, follow, watch_seconds)
+        _serve_in_foreground(result.app_name, follow, watch_seconds)  # in the tenant's name
 
 
 @app.command()

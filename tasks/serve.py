@@ -15,7 +15,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import served_models, serving, tls, tracking
+from prefect_ml.integrations import served_models, serving, tenancy, tls, tracking
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import cluster_nodes
@@ -153,6 +153,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def in_tenant(params: ServingParams, tenant: str | None) -> ServingParams:
+    """``params`` with the application and its route in the tenant's namespace
+    (``<tenant>.<app>`` at ``/<tenant><route>``): a tenant can neither replace nor shadow
+    another's application by naming it."""
+    if tenant is None:
+        return params
+    route = f"/{tenant}{params.route_prefix.rstrip('/')}"
+    return params.model_copy(
+        update={"app_name": tenancy.qualify(params.app_name, tenant), "route_prefix": route}
+    )
+
+
 def check_exposure(params: ServingParams, token: str | None) -> None:
     """Refuse to serve beyond loopback without a token: anyone who reached the port could call
     the model, and redeploying an application would strip its protection."""
@@ -227,11 +239,23 @@ def _endpoint_client(token: str | None, certificate: Path | None) -> httpx.Clien
 def serving_now(
     params: ServingParams, url: str, token: str | None, certificate: Path | None
 ) -> served_models.ServedModel | None:
-    """The version the application serves now, or None when it is not deployed."""
+    """The version the application serves now, or None when it is not deployed.
+
+    Raises:
+        ConfigurationError: the application is deployed but refuses this process's token:
+            someone else's, or deployed with another token; it is never replaced then.
+    """
     if not serving.running_replicas(params.app_name):
         return None
     with _endpoint_client(token, certificate) as client:
         response = client.get(f"{url}/metadata")
+    if response.status_code in (401, 403):
+        raise ConfigurationError(
+            "serving.app_name",
+            f"the application {params.app_name!r} is deployed and refuses this process's bearer "
+            "token (it was deployed with another PREFECT_ML_SERVE_TOKEN); choose another "
+            "--app-name, or serve with the token it was deployed with",
+        )
     if response.status_code != 200:
         return None
     identity = response.json()["model"]
@@ -417,6 +441,7 @@ def serve(
         model_version=version,
     )
     check_caps(params)
+    serving_params = in_tenant(params.serving, get_settings().tenant)
     return serve_registered_model(
-        params.model_name, params.alias, params.model_version, params.serving
+        params.model_name, params.alias, params.model_version, serving_params
     )

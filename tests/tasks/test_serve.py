@@ -10,7 +10,8 @@ import pytest
 from prefect_ml.flows.serve import serve_model
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import PrefectMLSettings
-from prefect_ml.tasks.serve import bearer_token, is_loopback
+from prefect_ml.tasks.params import ServingParams
+from prefect_ml.tasks.serve import bearer_token, in_tenant, is_loopback
 from tests.flows.test_invalid_parameters import _assert_nothing_written
 
 pytestmark = pytest.mark.empty_home  # each test asserts MLflow's database was never created
@@ -117,3 +118,23 @@ def test_the_tracking_database_password_never_appears_in_an_error_a_parameter_ca
         state = serve_model(params={"model_name": "nope"}, return_state=True)
         message = str(state.message) + str(state.result(raise_on_failure=False))
         assert expected in message and "PASSWORD" not in message, message
+
+
+@pytest.mark.parametrize(
+    ("app_name", "route_prefix", "app", "route"),
+    [
+        ("prefect-ml", "/", "alice.prefect-ml", "/alice"),
+        ("secured", "/secured/", "alice.secured", "/alice/secured"),
+        ("bob.prefect-ml", "/bob", "alice.bob.prefect-ml", "/alice/bob"),  # bob's, by name
+        ("alice.mine", "/", "alice.mine", "/alice"),  # qualified once
+    ],
+)
+def test_a_tenant_s_application_and_route_are_in_its_namespace(
+    app_name: str, route_prefix: str, app: str, route: str
+) -> None:
+    """Issue 36, finding 5: tenant alice deploying app_name 'prefect-ml' replaced bob's."""
+    params = ServingParams(app_name=app_name, route_prefix=route_prefix)
+    qualified = in_tenant(params, "alice")
+    assert (qualified.app_name, qualified.route_prefix) == (app, route)
+    assert qualified.url.endswith(f":8000{route}")
+    assert in_tenant(params, None) == params
