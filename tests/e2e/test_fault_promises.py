@@ -226,8 +226,9 @@ def _slot_holders(prefect_ui: PrefectUI) -> list[str]:
 
 def test_a_killed_runs_ray_slot_frees_itself(prefect_ui: PrefectUI, tmp_path: Path) -> None:
     """A run holding the only Ray slot is SIGKILLed; the next run's task, waiting for the slot,
-    starts once the server has revoked the dead run's lease (Prefect's task lease lasts 60 s,
-    its repossessor looks every 15 s). ``prefect-ml ui`` is a real server, with its services."""
+    starts once the server has revoked the dead run's lease (Prefect's task lease lasts 60 s;
+    the fixture's repossessor looks every second, 15 s by default). ``prefect-ml ui`` is a real
+    server, with its services."""
     with prefect_ui.api() as client:
         created = client.post("/concurrency_limits/", json={"tag": RAY_TAG, "concurrency_limit": 1})
     created.raise_for_status()

@@ -119,7 +119,10 @@ def prefect_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectUI]:
     root = tmp_path_factory.mktemp("prefect-ui")
     env = cold_env(root / "home")
     log = root / "ui.log"
-    server = _start([str(BIN / "prefect-ml"), "ui", "--port", str(free_port())], env, log)
+    # Its repossessor revokes expired concurrency leases every second instead of every 15 s
+    # (test_fault_promises waits on one).
+    server_env = {**env, "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "1"}
+    server = _start([str(BIN / "prefect-ml"), "ui", "--port", str(free_port())], server_env, log)
     output = _wait_for_output(server, log, "Next, in another terminal")  # its last line
     ui_url = output.split("Prefect UI:")[1].split()[0]
     assert ui_url.startswith("http://127.0.0.1:")
