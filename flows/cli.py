@@ -210,6 +210,7 @@ def print_serving(result: Any) -> None:
     table.add_row("docs", f"{result.url}/docs")
     table.add_row("model", f"{result.model_uri} (run {result.run_id})")
     table.add_row("bearer token", "required" if result.authenticated else "not required")
+    table.add_row("listening", result.listening)
     if result.smoke is not None:
         predictions = result.smoke.response["predictions"]
         table.add_row("smoke request", f"{predictions} in {result.smoke.latency_ms:.1f} ms")

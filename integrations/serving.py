@@ -462,6 +462,21 @@ def running_http_address() -> HTTPAddress | None:
     )
 
 
+def listening(host: str, port: int) -> str:
+    """Which ports serving opens, in words: HAProxy ingress opens its stats and Prometheus
+    ports on every interface whatever ``host`` is (Ray 2.60's template has no setting for their
+    address). Read from this process's environment, which a Ray started here inherits."""
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        return f"Serve's proxy on {host}:{port} only"
+    stats = os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404")
+    metrics = os.environ.get("RAY_SERVE_HAPROXY_METRICS_PORT", "9101")
+    return (
+        f"HAProxy on {host}:{port}, and its stats (*:{stats}) and Prometheus metrics "
+        f"(*:{metrics}) on every interface; PREFECT_ML_SERVE_INGRESS=proxy listens on "
+        f"{host}:{port} only"
+    )
+
+
 def start_http(host: str, port: int, tls: tuple[Path, Path] | None = None) -> None:
     """Start Serve's HTTP proxy on host:port (HTTPS with ``tls``, a certificate and key), or
     check that the running one listens there the same way."""

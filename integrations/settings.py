@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
+import tempfile
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -13,7 +15,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prefect_ml.integrations import tenancy
-from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
 
 MIN_KEY_BYTES = 32  # of a signing key: guessing one is out of reach
 
@@ -257,6 +259,14 @@ class PrefectMLSettings(BaseSettings):
         title="Serving HTTPS key",
         description="PEM private key of PREFECT_ML_SERVE_TLS_CERT (e.g. serve-key.pem).",
     )
+    serve_ingress: Literal["haproxy", "proxy"] = Field(
+        default="haproxy",
+        title="Serving ingress",
+        description="haproxy: Ray Serve's HAProxy ingress, about 3x the requests/s, but its "
+        "stats page (8404) and Prometheus metrics (9101) listen on every interface whatever "
+        "--host says; proxy: Serve's own proxy, which listens on --host:--port only. Read "
+        "where a local Ray starts; HTTPS serving always uses proxy.",
+    )
     serve_token: SecretStr | None = Field(
         default=None,
         title="Serving bearer token",
@@ -470,8 +480,9 @@ def prepare_process_environment(settings: PrefectMLSettings | None = None) -> Pr
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    if settings.serve_tls_cert is None:  # Serve's HAProxy ingress speaks plain HTTP only
-        for variable, value in SERVE_INGRESS_ENVIRONMENT.items():
+    # Serve's HAProxy ingress speaks plain HTTP only.
+    if settings.serve_ingress == "haproxy" and settings.serve_tls_cert is None:
+        for variable, value in {**SERVE_INGRESS_ENVIRONMENT, **haproxy_private_paths()}.items():
             os.environ.setdefault(variable, value)
     os.environ.update(ENFORCED_ENVIRONMENT)
     return settings
@@ -481,6 +492,27 @@ def prepare_process_environment(settings: PrefectMLSettings | None = None) -> Pr
 # start, whatever the user set: MLflow 3 unpickles models by default, and a pickled model runs
 # code when it loads. Our models are logged as pt2 (torch.export), which loads without pickle.
 ENFORCED_ENVIRONMENT = {"MLFLOW_ALLOW_PICKLE_DESERIALIZATION": "false"}
+
+
+def haproxy_private_paths() -> dict[str, str]:
+    """Where HAProxy keeps its admin socket, config and state: a folder of this user's that no
+    one else may enter. Ray's default, /tmp/haproxy-serve, is shared, and its template makes the
+    admin socket mode 666: any local user could reconfigure the ingress through it."""
+    folder = Path(tempfile.gettempdir()) / f"prefect-ml-haproxy-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    found = folder.lstat()
+    if stat.S_ISLNK(found.st_mode) or not stat.S_ISDIR(found.st_mode):
+        raise EnvironmentCheckError(f"{folder} is not a folder; remove it, it is not ours")
+    if found.st_uid != os.getuid():
+        raise EnvironmentCheckError(f"{folder} belongs to another user; remove it")
+    folder.chmod(0o700)
+    return {
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": str(folder / "admin.sock"),
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(folder / "metrics.sock"),
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(folder / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(folder),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(folder / "server-state"),
+    }
 
 
 def worker_environment(settings: PrefectMLSettings) -> dict[str, str]:

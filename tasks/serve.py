@@ -60,6 +60,7 @@ class ServingResult(BaseModel):
     authenticated: bool
     smoke: SmokeResult | None
     canary: CanaryReport | None = None  # the rollout's comparison, when it had a canary
+    listening: str = ""  # which ports serving opens, where (serving.listening)
 
 
 def _sample_shape(version: ModelVersion) -> list[int]:
@@ -298,6 +299,7 @@ def serving_markdown(result: ServingResult) -> str:
 - **Endpoint**: `POST {url}/predict` with `{{"inputs": [[...], ...]}}`
 - **Docs**: {url}/docs · metadata: `GET {url}/metadata` · health: `GET {url}/healthz`
 - **Ray Serve application**: `{result.app_name}`; bearer token {token}
+- **Listening**: {result.listening}
 - **Model**: `{result.model_uri}` from MLflow run `{result.run_id}`
 
 {smoke_text}"""
@@ -352,7 +354,9 @@ def serve_registered_model(
         authenticated=token is not None,
         smoke=smoke,
         canary=report,
+        listening=serving.listening(params.host, params.port),
     )
+    logger.info("Listening: %s", result.listening)
     create_markdown_artifact(serving_markdown(result), key="serving", description="Serving")
     create_link_artifact(f"{url}/docs", link_text="OpenAPI docs", key="serving-docs")
     create_link_artifact(

@@ -4,6 +4,7 @@ authentication, fail-fast resolution and a zero-error roll when the alias moves.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import signal
@@ -315,11 +316,12 @@ def _replica_log(app_name: str) -> str:
 
 
 def _haproxy_config() -> str:
-    """The configuration Ray's HAProxy ingress runs with on the first replica's node (Ray's
-    default location: /tmp/haproxy-serve/<node id>/haproxy.cfg)."""
+    """The configuration Ray's HAProxy ingress runs with on the first replica's node
+    (<RAY_SERVE_HAPROXY_CONFIG_FILE_LOC's folder>/<node id>/haproxy.cfg; our private folder)."""
     details = _get_global_client().get_serve_details()["applications"]["prefect-ml"]
     node_id = details["deployments"]["ModelServer"]["replicas"][0]["node_id"]
-    return (Path("/tmp/haproxy-serve") / node_id / "haproxy.cfg").read_text()
+    config = Path(os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"])
+    return (config.parent / node_id / config.name).read_text()
 
 
 def _read_response(connection: socket.socket) -> str:

@@ -117,3 +117,66 @@ def test_ray_workers_we_start_refuse_pickled_models(home: PrefectMLSettings) -> 
         cwd=Path(__file__).resolve().parents[2],
     )
     assert "worker: false" in done.stdout, done.stdout + done.stderr
+
+
+_INGRESS = """
+import json, os
+from prefect_ml.integrations.settings import prepare_process_environment
+prepare_process_environment()
+print(json.dumps({k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}))
+"""
+
+
+def _ingress_environment(home: PrefectMLSettings, **variables: str) -> dict[str, str]:
+    """What a fresh process of ours sets for Ray Serve, from a clean environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_SERVE_", "PREFECT_ML_"))}
+    env.update(PREFECT_ML_HOME=str(home.home_dir), **variables)
+    done = subprocess.run(
+        [sys.executable, "-c", _INGRESS], env=env, capture_output=True, text=True, check=True
+    )
+    return dict(json.loads(done.stdout.splitlines()[-1]))
+
+
+def test_haproxy_s_admin_socket_lives_where_only_this_user_can_reach_it(
+    home: PrefectMLSettings,
+) -> None:
+    """Issue 36, finding 7: Ray's template makes the admin socket mode 666 in /tmp/haproxy-serve,
+    where any local user could reconfigure the ingress."""
+    haproxy = _ingress_environment(home)
+    assert haproxy["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    for variable in ("SOCKET_PATH", "METRICS_SOCKET_PATH", "CONFIG_FILE_LOC", "SERVER_STATE_FILE"):
+        folder = Path(haproxy[f"RAY_SERVE_HAPROXY_{variable}"]).parent
+        assert not str(folder).startswith("/tmp/haproxy-serve")
+        info = folder.lstat()
+        assert info.st_uid == os.getuid() and info.st_mode & 0o777 == 0o700, folder
+
+
+def test_the_proxy_ingress_opens_only_the_serving_port_and_says_which(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect_ml.integrations.serving import listening
+
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in _ingress_environment(
+        home, PREFECT_ML_SERVE_INGRESS="proxy"
+    )
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    assert listening("127.0.0.1", 8000) == "Serve's proxy on 127.0.0.1:8000 only"
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    assert "(*:8404) and Prometheus metrics (*:9101) on every interface" in listening(
+        "127.0.0.1", 8000
+    )
+
+
+def test_a_planted_haproxy_folder_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    from prefect_ml.integrations.errors import EnvironmentCheckError
+    from prefect_ml.integrations.settings import haproxy_private_paths
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / f"prefect-ml-haproxy-{os.getuid()}").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(EnvironmentCheckError, match="is not a folder"):
+        haproxy_private_paths()
