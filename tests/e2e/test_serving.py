@@ -249,6 +249,12 @@ def test_a_bearer_token_from_a_prefect_secret_guards_predict_and_named_columns_a
     wrong = {"Authorization": "Bearer nope"}
     assert httpx.post(f"{url}/predict", json={"inputs": [row]}, headers=wrong).status_code == 401
     assert httpx.get(f"{url}/metadata").status_code == 401
+    # A process without the token cannot redeploy the application open (issue 36, findings 2
+    # and 5): the running one refuses it, and that is an error, not "nothing deployed".
+    monkeypatch.delenv("PREFECT_ML_SERVE_TOKEN_SECRET")
+    replaced = serve_model(params, return_state=True).result(raise_on_failure=False)
+    assert getattr(replaced, "field", None) == "serving.app_name", replaced
+    assert httpx.get(f"{url}/metadata").status_code == 401  # still the protected one
     # Health needs no token, but says which model only to those who have it.
     assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
     auth = {"Authorization": f"Bearer {TOKEN}"}
