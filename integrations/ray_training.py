@@ -52,7 +52,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
     nodes = worker_nodes()
     if trainer.rank == 0 and config.run_id:
         tracking.set_tags(
-            tracking.client_for(config.tracking_uri),
+            tracking.client_for(tracking.worker_uri(config.tracking_uri)),
             config.run_id,
             {
                 STARTED_AT_TAG: str(trainer.first_epoch),

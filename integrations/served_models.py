@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from prefect_ml.integrations import tracking
 from prefect_ml.integrations.inference import InferencePrecision, Predictor, serving_device
@@ -29,7 +29,7 @@ class ServedModel(BaseModel):
     name: str
     version: str
     run_id: str
-    tracking_uri: str
+    tracking_uri: str = Field(description="masked: see tracking.shipped_uri")
     sample_shape: list[int]
     feature_names: list[str] | None = None
     class_names: list[str] | None = None
@@ -64,8 +64,9 @@ def load_predictor(
     import mlflow
     import torch
 
-    mlflow.set_tracking_uri(served.tracking_uri)
-    mlflow.set_registry_uri(served.tracking_uri)
+    tracking_uri = tracking.worker_uri(served.tracking_uri)
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
     local = mlflow.artifacts.download_artifacts(served.uri)
     loaded = tracking.load_pt2_model(local, what=f"{served.name} v{served.version}")
     if isinstance(loaded, torch.export.ExportedProgram):

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 from prefect_ml.integrations import tenancy
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.redaction import masked
+from prefect_ml.integrations.redaction import MASK, masked
 
 RUN_KEY_TAG = "prefect_ml.run_key"
 FLOW_RUN_TAG = "prefect.flow_run_id"
@@ -46,6 +46,33 @@ REGISTERED_VERSION_TAG = "registered_version"  # on runs: the version registered
 
 
 _INITIALISED: set[str] = set()
+
+
+def shipped_uri(tracking_uri: str) -> str:
+    """``tracking_uri`` as it may travel to Ray (actor and task arguments, which Ray's
+    dashboard and state API show): its password masked; a worker gets it back with
+    :func:`worker_uri`."""
+    return masked(tracking_uri)
+
+
+def worker_uri(shipped: str) -> str:
+    """The tracking URI a Ray worker given ``shipped`` (:func:`shipped_uri`) uses: ``shipped``
+    itself when nothing was masked, else this node's own setting (PREFECT_ML_MLFLOW_TRACKING_URI
+    or MLFLOW_TRACKING_URI, as for the checkpoint key: secrets are not shipped), which must be
+    the same URI."""
+    if MASK not in shipped:
+        return shipped
+    from prefect_ml.integrations.settings import get_settings
+
+    local = get_settings().resolved_tracking_uri
+    if masked(local) != shipped:
+        raise ConfigurationError(
+            "PREFECT_ML_MLFLOW_TRACKING_URI",
+            f"this Ray node's MLflow tracking URI is {masked(local)!r}, the driver's "
+            f"{shipped!r}: the password is not shipped to Ray workers, so set the same "
+            "PREFECT_ML_MLFLOW_TRACKING_URI (or MLFLOW_TRACKING_URI) on every node",
+        )
+    return local
 
 
 def client_for(tracking_uri: str) -> MlflowClient:

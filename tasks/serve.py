@@ -96,7 +96,7 @@ def resolve_served_model(
         name=str(version.name),  # the registry's own name: in the tenant's namespace
         version=str(version.version),
         run_id=str(version.run_id),
-        tracking_uri=tracking_uri,
+        tracking_uri=tracking.shipped_uri(tracking_uri),  # Ray shows actor arguments
         sample_shape=_sample_shape(version),
         feature_names=_json_tag(version, tracking.FEATURE_NAMES_TAG),
         class_names=_json_tag(version, tracking.CLASS_NAMES_TAG),
@@ -374,7 +374,7 @@ def record_served(
     url: str,
 ) -> None:
     """Lineage: ``served`` is served at ``url`` from now on; ``replaced`` was until now."""
-    client = tracking.client_for(served.tracking_uri)
+    client = tracking.client_for(tracking.worker_uri(served.tracking_uri))
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     flow_run = current_flow_run_id()
     if replaced is not None and (replaced.name, replaced.version) != (served.name, served.version):

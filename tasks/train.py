@@ -212,7 +212,7 @@ def loop_config(
             "target_mean": data.target_mean,
             "target_std": data.target_std,
             "checkpoint_url": checkpoint_url,
-            "tracking_uri": tracking_uri,
+            "tracking_uri": tracking.shipped_uri(tracking_uri),  # Ray shows task arguments
             "run_id": run_id,
         }
     )

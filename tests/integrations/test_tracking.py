@@ -185,3 +185,23 @@ def test_registered_versions_are_pt2_and_load_without_pickle(home: PrefectMLSett
     loaded = tracking.load_pt2_model(local, what="pt2-model v1")
     with torch.no_grad():
         assert torch.allclose(loaded(torch.from_numpy(example)), model(torch.from_numpy(example)))
+
+
+def test_a_worker_takes_the_masked_password_from_its_own_node_s_setting(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36, finding 9: what travels to Ray is masked (:func:`tracking.shipped_uri`); a
+    worker uses its node's URI when it is the same one, and says what to set when it is not."""
+    uri = "postgresql://mlflow:PASSWORD@db.internal/mlflow"
+    shipped = tracking.shipped_uri(uri)
+    assert shipped == "postgresql://mlflow:***@db.internal/mlflow"
+    sqlite = home.resolved_tracking_uri
+    assert tracking.shipped_uri(sqlite) == sqlite == tracking.worker_uri(sqlite)
+    with pytest.raises(ConfigurationError, match="set the same PREFECT_ML_MLFLOW_TRACKING_URI"):
+        tracking.worker_uri(shipped)  # this node's setting is the home's SQLite database
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "postgresql://mlflow:OTHER@elsewhere/mlflow")
+    with pytest.raises(ConfigurationError) as refused:
+        tracking.worker_uri(shipped)  # another database
+    assert "OTHER" not in str(refused.value) and "mlflow:***@elsewhere" in str(refused.value)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert tracking.worker_uri(shipped) == uri

@@ -138,3 +138,28 @@ def test_a_tenant_s_application_and_route_are_in_its_namespace(
     assert (qualified.app_name, qualified.route_prefix) == (app, route)
     assert qualified.url.endswith(f":8000{route}")
     assert in_tenant(params, None) == params
+
+
+def test_the_served_model_that_ray_s_actors_receive_holds_no_database_password(
+    home: PrefectMLSettings, postgres_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36, finding 9: ``ServedModel.tracking_uri`` carried the MLflow database password
+    into the arguments of every serving replica and batch scoring actor, which Ray records
+    (pickled, as here) and its dashboard shows. The replica takes the password from its own
+    node's setting, so the version still loads."""
+    import cloudpickle
+    from sqlalchemy.engine import make_url
+
+    from prefect_ml.integrations.served_models import load_predictor
+    from prefect_ml.tasks.serve import resolve_served_model
+    from tests.helpers import blobs, register_classifier
+
+    url = make_url(postgres_database).set(password="PASSWORD")
+    monkeypatch.setenv("PREFECT_ML_MLFLOW_TRACKING_URI", url.render_as_string(hide_password=False))
+    features, labels = blobs(rows=60, features=4)
+    register_classifier(PrefectMLSettings(), "shipped", features, labels, seed=0)
+    served = resolve_served_model("shipped", "champion", None)
+    assert b"PASSWORD" not in cloudpickle.dumps(served)
+    assert served.tracking_uri.startswith(f"{url.drivername}://{url.username}:***@")
+    predictor, _ = load_predictor(served)
+    assert predictor is not None

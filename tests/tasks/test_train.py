@@ -168,3 +168,33 @@ def test_a_model_with_its_own_steps_trains_on_two_ddp_workers_and_is_evaluated(
     assert result.epoch_metrics["val_accuracy"] > 0.9  # blobs are well separated
     evaluation = evaluate_flow(result)
     assert evaluation.metrics["accuracy"] > 0.9
+
+
+def test_the_loop_config_that_ray_s_workers_receive_holds_no_database_password(
+    home: PrefectMLSettings,
+) -> None:
+    """Issue 36, finding 9: the training and trial workers' config (Ray Train's loop config, a
+    campaign trial's spec) carried the MLflow database password; Ray records it pickled."""
+    import cloudpickle
+
+    from prefect_ml.tasks.data import PreparedData
+    from prefect_ml.tasks.train import loop_config
+
+    data = PreparedData(
+        fingerprint="f" * 16,
+        splits_url=(home.home_dir / "splits").as_uri(),
+        rows={"train": 100},
+        sample_shape=[4],
+        num_classes=2,
+        class_names=["a", "b"],
+        feature_names=None,
+    )
+    config = loop_config(
+        TrainModelParams(),
+        data,
+        checkpoint_url=(home.home_dir / "checkpoints").as_uri(),
+        tracking_uri="postgresql://mlflow:PASSWORD@db.internal/mlflow?sslpassword=KEY",
+        run_id="",
+    )
+    assert b"PASSWORD" not in cloudpickle.dumps(config) and b"KEY" not in cloudpickle.dumps(config)
+    assert config.tracking_uri == "postgresql://mlflow:***@db.internal/mlflow?sslpassword=***"
