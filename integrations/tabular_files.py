@@ -12,6 +12,7 @@ fingerprint changes when a file does, at the cost of a listing.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -197,6 +198,15 @@ def column_types(file: SourceFile) -> dict[str, str]:
         return {field.name: str(field.type) for field in reader.schema}
 
 
+def _columns_hint(columns: list[str], wanted: str) -> str:
+    """How many columns a file has and, of its names, only those close to ``wanted`` (at most
+    three, never all of them): a data URL may name a file that is not data, whose first line
+    (a CSV's "header") is a secret, so an error never quotes the header."""
+    close = difflib.get_close_matches(wanted, columns, n=3, cutoff=0.7)
+    shown = f"; the closest: {close}" if close and len(close) < len(columns) else ""
+    return f"which has {len(columns)} column{'s' if len(columns) != 1 else ''}{shown}"
+
+
 def describe(url: str, label_column: str, task: str = "classification") -> TabularSource:
     """The files at ``url`` and their shared schema, from metadata only.
 
@@ -211,8 +221,9 @@ def describe(url: str, label_column: str, task: str = "classification") -> Tabul
         if label_column not in file.columns:
             raise ConfigurationError(
                 "data.label_column",
-                f"column {label_column!r} is not in {file.url}; its columns are "
-                f"{list(file.columns)}. Set --label-column to a column every file has.",
+                f"column {label_column!r} is not in {file.url}, "
+                f"{_columns_hint(list(file.columns), label_column)}. "
+                "Set --label-column to a column every file has.",
             )
     check_same_columns(files)
     fmt = file_format(first.url) or "csv"

@@ -129,6 +129,34 @@ def test_with_data_prefixes_a_url_elsewhere_or_through_a_link_is_refused(
     _assert_nothing_written(home)
 
 
+@pytest.mark.parametrize(
+    ("first_line", "label", "hint"),
+    [
+        ("AKIAEXAMPLE,wJalrXUtnFEMI/K7MDENG", "y", "which has 2 columns."),
+        ("hunter2", "hunter", "which has 1 column."),  # the only name: not shown
+        ("id,secret-token-1,targit", "target", "which has 3 columns; the closest: ['targit']"),
+    ],
+)
+def test_a_missing_label_column_names_the_count_never_the_header(
+    home: PrefectMLSettings, tmp_path: Path, first_line: str, label: str, hint: str
+) -> None:
+    """Issue 36, finding 4: the error quoted the file's first line whole, so a data URL naming
+    a file that is not data (a credentials file) showed its secret."""
+    secret = tmp_path / "credentials.csv"
+    secret.write_text(f"{first_line}\n" + ",".join(["1"] * (first_line.count(",") + 1)) + "\n")
+    state = train_model(
+        params={"data": {"dataset": "tabular", "url": str(secret), "label_column": label}},
+        return_state=True,
+    )
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    assert f"data.label_column: column {label!r} is not in" in message, message
+    assert hint in message, message
+    for name in first_line.split(","):
+        assert name == "targit" or name not in message.replace(str(tmp_path), ""), message
+    _assert_nothing_written(home)
+
+
 def test_a_grid_too_large_to_build_is_refused_by_the_flow_before_it_is_built(
     home: PrefectMLSettings,
 ) -> None:
