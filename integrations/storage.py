@@ -88,7 +88,7 @@ def check_key(part: str) -> str:
     """``part`` if it is a safe relative key; raise if it could leave the directory it joins.
 
     Refuses ``..`` segments however they are percent-encoded (``..%2f``, ``%252e%252e%252f``),
-    absolute paths, URLs, backslashes and NUL bytes.
+    absolute paths, URLs, fsspec chains (``::``), backslashes and NUL bytes.
     """
     decoded = part
     for _ in range(5):  # %25 → % → the character: decode until nothing changes
@@ -100,6 +100,8 @@ def check_key(part: str) -> str:
     problem = None
     if "\x00" in decoded or "\\" in decoded:
         problem = "contains a NUL byte or a backslash"
+    elif "::" in decoded:  # fsspec reads it as a chain of URLs: another filesystem
+        problem = "contains '::'"
     elif decoded.startswith("/") or "://" in decoded or re.match(r"^[A-Za-z]:", decoded):
         problem = "is absolute"
     elif any(segment in ("..", ".") for segment in decoded.split("/")):
@@ -207,10 +209,11 @@ def doctor_url(root_url: str, name: str) -> str:
 
 
 def check_url(url: str, field: str) -> str:
-    """A user-given base URL without traversal segments (``s3://b/a/../c`` is refused)."""
-    _scheme, _, rest = url.rpartition("://")
+    """A user-given base URL without traversal segments (``s3://b/a/../c`` is refused), in each
+    URL of an fsspec chain (``zip://a.csv::s3://b/a.zip``)."""
     try:
-        check_key(rest.lstrip("/").rstrip("/"))
+        for part in url.split("::"):
+            check_key(part.rpartition("://")[2].lstrip("/").rstrip("/"))
     except ConfigurationError as exc:
         raise ConfigurationError(field, exc.message) from None
     return url
@@ -297,6 +300,7 @@ def check_data_url(url: str, field: str) -> str:
 
 # fsspec's aliases of one store: the same objects under two schemes compare equal.
 _SCHEME_ALIASES = {"s3a": "s3", "gcs": "gs", "abfss": "abfs", "local": "file"}
+_LOCAL_PREFIX = re.compile(r"^(?:file|local):")
 
 
 def canonical_location(url: str) -> str:
@@ -304,9 +308,11 @@ def canonical_location(url: str) -> str:
     path with its symlinks and ``..`` resolved (``realpath``), a lower-case scheme."""
     last = url.split("::")[-1]
     scheme, separator, rest = last.partition("://")
-    scheme = _SCHEME_ALIASES.get(scheme.lower(), scheme.lower()) if separator else "file"
+    if not separator:  # a path; fsspec opens ``file:<path>`` and ``local:<path>`` as the path
+        scheme, rest = "file", _LOCAL_PREFIX.sub("", last)
+    scheme = _SCHEME_ALIASES.get(scheme.lower(), scheme.lower())
     if scheme == "file":
-        return "file://" + os.path.realpath(rest if separator else last)
+        return "file://" + os.path.realpath(rest)
     return f"{scheme}://{rest}"
 
 

@@ -1086,6 +1086,17 @@ class ServingParams(_Section):
         "RMSE) may be.",
     )
 
+    @field_validator("route_prefix")
+    @classmethod
+    def _check_route_prefix(cls, route_prefix: str) -> str:
+        """No ``..`` or ``.`` segment (percent-encoded too) nor backslash: a tenant's route
+        ``/<tenant><route>`` must stay under its tenant however a client resolves it."""
+        try:
+            storage.check_key(route_prefix.lstrip("/"))
+        except ConfigurationError as exc:
+            raise ValueError(f"{exc.message}; give a plain path such as /models") from None
+        return route_prefix
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_token_parameters(cls, values: Any) -> Any:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from prefect_ml.integrations import storage, tenancy
@@ -46,3 +48,27 @@ def test_storage_goes_under_the_tenants_folder_only_with_a_tenant(
     monkeypatch.setenv("PREFECT_ML_TENANT", "acme")
     monkeypatch.setenv("PREFECT_ML_STORAGE_URL", "s3://bucket/ml")
     assert storage.root_url(PrefectMLSettings()) == "s3://bucket/ml/tenants/acme"
+
+
+_NAMEISH = st.text(
+    st.sampled_from("abcxyz019-_./\\%2eAZ\u0430\u0131\uff0e\u2024 \x00"), min_size=0, max_size=12
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(tenant=_NAMEISH, other=_NAMEISH, name=_NAMEISH)
+def test_an_accepted_tenant_is_one_plain_segment_and_owns_none_of_another_s_names(
+    tenant: str, other: str, name: str
+) -> None:
+    """Whatever the setting holds (dots, slashes, encodings, look-alike letters such as the
+    Cyrillic 'а' or the dotless 'ı'), an accepted tenant is one ASCII path segment, and a name
+    qualified into it is never in another tenant's namespace."""
+    try:
+        tenancy.check_tenant(tenant)
+        tenancy.check_tenant(other)
+    except ConfigurationError:
+        return
+    assert tenant.isascii() and storage.check_key(tenant) == tenant and "." not in tenant
+    qualified = tenancy.qualify(name, tenant)
+    assert tenancy.owns(qualified, tenant)
+    assert tenant == other or not tenancy.owns(qualified, other)

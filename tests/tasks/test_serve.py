@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import posixpath
 import socket
 from collections.abc import Iterator
+from urllib.parse import unquote
 
 import pytest
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
 
 from prefect_ml.flows.serve import serve_model
+from prefect_ml.integrations import tenancy
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import ServingParams
@@ -163,3 +168,43 @@ def test_the_served_model_that_ray_s_actors_receive_holds_no_database_password(
     assert served.tracking_uri.startswith(f"{url.drivername}://{url.username}:***@")
     predictor, _ = load_predictor(served)
     assert predictor is not None
+
+
+_TENANT = st.from_regex(r"[a-z0-9][a-z0-9_-]{0,8}", fullmatch=True)
+_APP = st.one_of(
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,12}", fullmatch=True),
+    st.sampled_from(["bob.prefect-ml", "alice.x", "a..b", "\u0430lice.x", "alice\uff0ex"]),
+)
+_ROUTE = st.one_of(
+    st.from_regex(r"/[A-Za-z0-9._~%/-]{0,12}", fullmatch=True),
+    st.sampled_from(["/", "/../bob", "/./bob", "//bob", "/%2e%2e/bob", "/..", "/\u2024\u2024/b"]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tenants=st.tuples(_TENANT, _TENANT),
+    apps=st.tuples(_APP, _APP),
+    routes=st.tuples(_ROUTE, _ROUTE),
+)
+@example(tenants=("alice", "bob"), apps=("x", "x"), routes=("/../bob", "/"))
+def test_no_application_name_or_route_of_one_tenant_is_another_s(
+    tenants: tuple[str, str], apps: tuple[str, str], routes: tuple[str, str]
+) -> None:
+    """Issue 36, finding 5, as a property: whatever application names and routes two tenants
+    give, their applications differ and each route stays under its tenant's own segment (read
+    as an HTTP client reads it, ``..`` and percent-encoding resolved)."""
+    assume(tenants[0] != tenants[1])
+    served = []
+    for tenant, app, route in zip(tenants, apps, routes, strict=True):
+        try:
+            params = ServingParams(app_name=app, route_prefix=route)
+        except ValueError:
+            return  # refused when parameters are parsed
+        served.append((tenant, in_tenant(params, tenant)))
+    (first, one), (second, other) = served
+    assert one.app_name != other.app_name
+    for tenant, params in served:
+        assert tenancy.owns(params.app_name, tenant)
+        path = posixpath.normpath(unquote(unquote(params.route_prefix)))
+        assert path == f"/{tenant}" or path.startswith(f"/{tenant}/"), params.route_prefix
