@@ -176,11 +176,17 @@ def check_same_columns(files: list[SourceFile], field: str = "data.url") -> None
     first = files[0]
     for file in files:
         if file.columns != first.columns:
-            differ = sorted(set(file.columns.items()) ^ set(first.columns.items()))
+            # Names both files have, with other types; other names are not quoted: a glob may
+            # reach a file that is not data, whose first line is a secret.
+            shared = [c for c in first.columns if c in file.columns]
+            retyped = [c for c in shared if file.columns[c] != first.columns[c]]
+            unshared = len(set(file.columns) ^ set(first.columns))
             raise ConfigurationError(
                 field,
-                f"{file.url} has other columns than {first.url} (differing: {differ}); every "
-                "file of a dataset must have the same columns and types",
+                f"{file.url} has other columns than {first.url} ({len(file.columns)} columns "
+                f"against {len(first.columns)}, {unshared} not in both"
+                + (f"; other types: {retyped[:3]}" if retyped else "")
+                + "); every file of a dataset must have the same columns and types",
             )
 
 

@@ -157,6 +157,26 @@ def test_a_missing_label_column_names_the_count_never_the_header(
     _assert_nothing_written(home)
 
 
+def test_a_file_among_the_data_with_other_columns_is_reported_without_its_header(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    """Issue 36, finding 4, the same shape: a glob that reaches a credentials file beside the
+    data quoted the columns that differ, the secret among them."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a-data.csv").write_text("x,y\n" + "1.0,0\n2.0,1\n" * 10)
+    (folder / "b-credentials.csv").write_text("AKIAEXAMPLE,y\n1,0\n")
+    state = train_model(
+        params={"data": {"dataset": "tabular", "url": f"{folder}/*.csv", "label_column": "y"}},
+        return_state=True,
+    )
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    assert "b-credentials.csv has other columns than" in message, message
+    assert "2 columns against 2, 2 not in both" in message and "AKIA" not in message, message
+    _assert_nothing_written(home)
+
+
 def test_a_grid_too_large_to_build_is_refused_by_the_flow_before_it_is_built(
     home: PrefectMLSettings,
 ) -> None:
