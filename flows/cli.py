@@ -243,7 +243,7 @@ def print_campaign(result: Any) -> None:
         f"MLflow parent run {result.parent_run_id}"
     )
     console.print("[bold]Watch it[/bold]")
-    console.print(f"  optuna-dashboard {settings.resolved_optuna_storage}")
+    console.print(f"  optuna-dashboard {masked(settings.resolved_optuna_storage)}")
 
 
 def _flow(flow_name: str) -> Any:

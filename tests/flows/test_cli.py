@@ -282,3 +282,31 @@ def test_the_command_and_its_flows_import_neither_torch_nor_mlflow() -> None:
         [sys.executable, "-c", check], cwd=REPO_ROOT, capture_output=True, text=True, check=True
     )
     assert found.stdout.strip() == "[]"
+
+
+def test_the_campaign_summary_masks_the_study_database_password(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36, finding 9, the same shape: the CLI's "watch it" line printed the Optuna
+    storage whole, its password in terminals and CI logs."""
+    from prefect_ml.flows.cli import print_campaign
+    from prefect_ml.tasks.campaign.results import CampaignResult
+
+    monkeypatch.setenv("PREFECT_ML_OPTUNA_STORAGE", "postgresql://optuna:PASSWORD@db/optuna")
+    result = CampaignResult(
+        campaign="c",
+        experiment_id="1",
+        parent_run_id="r",
+        finished=0,
+        complete=0,
+        pruned=0,
+        failed=0,
+        best=[],
+        trials=[],
+        objectives={"val_loss": "minimize"},
+        timings={},
+    )
+    print_campaign(result)
+    printed = capsys.readouterr().err
+    assert "optuna-dashboard postgresql://optuna:***@db/optuna" in printed
+    assert "PASSWORD" not in printed
