@@ -6,10 +6,10 @@
 
 The rule: every test under tests/e2e/ is ``e2e``; an ``e2e`` test that is not an entry point
 goes to the full tier, and so does a test marked ``full`` where it is written: outside tests/e2e/,
-only scenarios of tens of seconds each (a killed worker, a lost lease, an elastic group losing
-a worker, distributed pruning, the GPU check's CPU run), with the reason beside the mark. A new
-test therefore always lands in a tier: in ``make test`` unless it is an end-to-end scenario
-beyond the entry points.
+only scenarios of tens of seconds each (a killed worker or writer, a lost lease, an elastic
+group losing a worker, injected S3 faults, distributed pruning, the GPU check's CPU run), with
+the reason beside the mark. A new test therefore always lands in a tier: in ``make test`` unless
+it is an end-to-end scenario beyond the entry points.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ def _run(name: str, shared: chaos.Services, kills: int) -> None:
     assert tally.violations == [], f"CHAOS_SEED={SEED}: {tally.violations}"
 
 
+@pytest.mark.full  # a writer SIGKILLed mid-upload and rerun, 25-42 s (tests/tiers.py)
 def test_checkpoint_writer_killed_mid_upload(tmp_path: Path) -> None:
     with chaos.services(tmp_path, cluster=False) as shared:
         _run("upload-kill", shared, kills=2)

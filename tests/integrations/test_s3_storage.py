@@ -174,6 +174,7 @@ def test_a_checkpoint_reads_its_manifest_once_then_its_files_together(
             CheckpointStore(url, key=b"k").load(1)
 
 
+@pytest.mark.full  # S3 faults injected into a training's uploads, 10-16 s each (tests/tiers.py)
 @pytest.mark.parametrize(
     ("attempts", "rate"),
     [pytest.param(6, 0.1, id="retried-10pct"), pytest.param(1, 0.3, id="no-retries-30pct")],
