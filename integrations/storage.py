@@ -311,8 +311,8 @@ def canonical_location(url: str) -> str:
     if not separator:  # a path; fsspec opens ``file:<path>`` and ``local:<path>`` as the path
         scheme, rest = "file", _LOCAL_PREFIX.sub("", last)
     scheme = _SCHEME_ALIASES.get(scheme.lower(), scheme.lower())
-    if scheme == "file":
-        return "file://" + os.path.realpath(rest)
+    if scheme == "file":  # fsspec expands a leading ``~`` to a home folder, as expanduser does
+        return "file://" + os.path.realpath(os.path.expanduser(rest))
     return f"{scheme}://{rest}"
 
 

@@ -120,6 +120,7 @@ def confined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Pat
 @given(scheme=_SCHEMES, anchor=st.sampled_from(["root", "outside", "none"]), key=_key)
 @example(scheme="file:", anchor="outside", key="secret.csv")  # fsspec opens file:<path> as path
 @example(scheme="", anchor="root", key="link/secret.csv")  # a symlink out of the prefix
+@example(scheme="file://", anchor="none", key="~")  # fsspec opens ~ as the home folder
 def test_a_data_url_that_is_accepted_is_opened_under_the_prefix(
     confined: tuple[Path, Path], scheme: str, anchor: str, key: str
 ) -> None:
