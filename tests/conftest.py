@@ -41,6 +41,7 @@ os.environ.update(
 )
 
 import pytest  # noqa: E402
+from hypothesis import settings as hypothesis_settings  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
 from tests import durations, tiers  # noqa: E402
@@ -48,6 +49,13 @@ from tests.postgres import PostgresServer  # noqa: E402
 from tests.s3 import TEST_BUCKET, MlflowServer, MotoS3  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Property-based tests draw the same examples on every run (from each test's source), so a run
+# of `make test` passes or fails by the code, not by the draw; HYPOTHESIS_PROFILE=explore draws
+# new ones to look for more.
+hypothesis_settings.register_profile("repeatable", derandomize=True, database=None)
+hypothesis_settings.register_profile("explore")
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 @pytest.fixture(autouse=True, scope="session")
