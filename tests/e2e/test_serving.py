@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import mlflow.pytorch
 import numpy as np
+import psutil
 import pytest
 import torch
 from prefect.blocks.system import Secret
@@ -31,6 +32,7 @@ from sklearn.datasets import load_digits
 
 from prefect_ml.flows.serve import serve_model
 from prefect_ml.integrations import tracking
+from prefect_ml.integrations.serving import listening
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import ServeModelParams
 from tests.e2e.test_resume_after_kill import _kill_tree
@@ -107,7 +109,7 @@ def test_predictions_match_the_registered_model_and_the_run_is_documented(served
     assert batching["inline_batches"] >= 1, batching  # the first call runs in the thread
     # The ingress HAProxy runs without its per-request metrics log, which Ray's HAProxyManager
     # would parse in Python for every request (RAY_SERVE_HAPROXY_METRICS_ENABLED=0).
-    haproxy_config = _haproxy_config()
+    haproxy_config = _haproxy_config().read_text()
     assert f"bind 127.0.0.1:{served.port}" in haproxy_config
     assert "log-format-sd" not in haproxy_config
     assert metadata["dataset_fingerprint"] == "fingerprint-0"
@@ -126,6 +128,24 @@ def test_predictions_match_the_registered_model_and_the_run_is_documented(served
     artifacts = flow_run_artifacts(served.flow_run_id)  # type: ignore[attr-defined]
     assert "Smoke request" in artifacts["serving"] and "v1" in artifacts["serving"]
     assert "/#/models/digits-classifier/versions/1" in artifacts["served-model"]
+
+
+def test_served_on_loopback_haproxy_listens_on_loopback_only(served: Served) -> None:
+    """Issue 36, finding 7: Ray's template binds HAProxy's stats (*:8404) and Prometheus (:9101)
+    frontends on every interface whatever serving.host says; prefect-ml binds them on loopback."""
+    config = str(_haproxy_config())
+    bound = {
+        (connection.laddr.ip, connection.laddr.port)
+        for process in psutil.process_iter(["cmdline"])
+        if config in (process.info["cmdline"] or [])  # this Ray's HAProxy, as Ray finds it
+        for connection in process.net_connections("tcp")
+        if connection.status == psutil.CONN_LISTEN
+    }
+    assert bound == {("127.0.0.1", served.port), ("127.0.0.1", 8404), ("127.0.0.1", 9101)}
+    assert listening("127.0.0.1", served.port) == (
+        f"HAProxy on 127.0.0.1:{served.port}, its stats on 127.0.0.1:8404 and Prometheus "
+        "metrics on 127.0.0.1:9101"
+    )
 
 
 def _malformed_requests() -> list[tuple[str, dict[str, str], str | bytes, int, str]]:
@@ -321,13 +341,13 @@ def _replica_log(app_name: str) -> str:
     )
 
 
-def _haproxy_config() -> str:
-    """The configuration Ray's HAProxy ingress runs with on the first replica's node
+def _haproxy_config() -> Path:
+    """The configuration file Ray's HAProxy ingress runs with on the first replica's node
     (<RAY_SERVE_HAPROXY_CONFIG_FILE_LOC's folder>/<node id>/haproxy.cfg; our private folder)."""
     details = _get_global_client().get_serve_details()["applications"]["prefect-ml"]
     node_id = details["deployments"]["ModelServer"]["replicas"][0]["node_id"]
     config = Path(os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"])
-    return (config.parent / node_id / config.name).read_text()
+    return config.parent / node_id / config.name
 
 
 def _read_response(connection: socket.socket) -> str:

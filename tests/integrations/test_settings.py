@@ -119,6 +119,7 @@ def test_ray_workers_we_start_refuse_pickled_models(home: PrefectMLSettings) -> 
     assert "worker: false" in done.stdout, done.stdout + done.stderr
 
 
+BINARY = "RAY_SERVE_HAPROXY_BINARY_PATH"
 _INGRESS = """
 import json, os
 from prefect_ml.integrations.settings import prepare_process_environment
@@ -162,8 +163,60 @@ def test_the_proxy_ingress_opens_only_the_serving_port_and_says_which(
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
     assert listening("127.0.0.1", 8000) == "Serve's proxy on 127.0.0.1:8000 only"
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", _ingress_environment(home)[BINARY])
+    assert listening("127.0.0.1", 8000) == (
+        "HAProxy on 127.0.0.1:8000, its stats on 127.0.0.1:8404 and Prometheus metrics on "
+        "127.0.0.1:9101"
+    )
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/usr/sbin/haproxy")  # the user's own
     assert "(*:8404) and Prometheus metrics (*:9101) on every interface" in listening(
         "127.0.0.1", 8000
+    )
+
+
+# Ray's template's shape: the serving frontend on every interface (Ray writes `*` for 0.0.0.0).
+RAY_CONFIG = """global
+    maxconn 100
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 60s
+    timeout server 60s
+frontend prometheus
+    bind :9101
+    mode http
+    http-request use-service prometheus-exporter if { path /metrics }
+    no log
+frontend http_frontend
+    bind *:8000
+    default_backend replicas
+backend replicas
+    server replica 127.0.0.1:30000
+listen stats
+  bind *:8404
+  stats enable
+  stats uri /stats
+"""
+
+
+def test_haproxy_starts_through_a_script_that_binds_stats_and_prometheus_on_loopback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36, finding 7: Ray's template binds them on every interface, whatever the serving
+    host; the serving frontend keeps the host it was given. The real HAProxy checks the result."""
+    import tempfile
+
+    from prefect_ml.integrations.settings import haproxy_private_paths
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    script = haproxy_private_paths()[BINARY]
+    assert Path(script).stat().st_mode & 0o777 == 0o700
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(RAY_CONFIG)
+    checked = subprocess.run([script, "-c", "-f", str(config)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert config.read_text() == RAY_CONFIG.replace("bind :9101", "bind 127.0.0.1:9101").replace(
+        "bind *:8404", "bind 127.0.0.1:8404"
     )
 
 
