@@ -14,6 +14,7 @@ from prefect_ml.integrations import code_shipping, node_probe, timeline, tls
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
 from prefect_ml.integrations.prefect_server import run_logger
 from prefect_ml.integrations.settings import PrefectMLSettings, worker_environment
+from prefect_ml.integrations.worker_setup import setup_hook
 
 T = TypeVar("T")
 
@@ -44,7 +45,7 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
                     # (which Ray would otherwise join).
                     address="local",
                     num_cpus=settings.local_ray_cpus,
-                    runtime_env={"env_vars": shipped},
+                    runtime_env={"env_vars": shipped, **setup_hook()},
                     # The dashboard serves Ray's state API, which Ray Train v2 polls; loopback only.
                     include_dashboard=True,
                     dashboard_host="127.0.0.1",
@@ -77,7 +78,11 @@ def _connect(settings: PrefectMLSettings, env_vars: dict[str, str]) -> None:
     mode = settings.ship_code
 
     def join(ship_project: bool) -> None:
-        runtime_env = {"env_vars": env_vars, **plan.runtime_env(ship_project=ship_project)}
+        runtime_env = {
+            "env_vars": env_vars,
+            **setup_hook(),
+            **plan.runtime_env(ship_project=ship_project),
+        }
         ray.init(
             address=settings.ray_address,
             runtime_env=runtime_env,

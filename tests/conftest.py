@@ -23,6 +23,7 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ["PREFECT_ML_ALLOWED_MODULES"] = "tests.fixtures"
 
 from prefect_ml.integrations.settings import PrefectMLSettings, prepare_process_environment  # noqa: E402
+from prefect_ml.integrations.worker_setup import setup_hook  # noqa: E402
 from tests.cluster import LocalCluster, start_cluster  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
@@ -76,7 +77,7 @@ def ray_cluster() -> Iterator[None]:
         include_dashboard=True,
         dashboard_host="127.0.0.1",
         logging_level=logging.WARNING,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}, **setup_hook()},
     )
     yield
     ray.shutdown()

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -89,34 +90,79 @@ def test_every_process_we_start_refuses_pickled_models(
     }
 
 
-_WORKER_SETTING = """
-import ray
+_WORKER = """
+import json, os, ray
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.settings import PrefectMLSettings
 
 @ray.remote
-def setting():
-    import os
-    return os.environ.get("MLFLOW_ALLOW_PICKLE_DESERIALIZATION")
+def worker():
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+    from ray.util.state import list_nodes
+
+    seen = {"pickle": os.environ.get("MLFLOW_ALLOW_PICKLE_DESERIALIZATION")}
+    try:  # where Ray's state API (Ray Train's placement-group cleaner) looks from a worker
+        seen["state_api_cluster"] = canonicalize_bootstrap_address_or_die(None)
+        seen["nodes"] = len(list_nodes(timeout=20))
+    except Exception as exc:
+        seen["state_api_error"] = repr(exc)
+    return seen
 
 with ray_session(PrefectMLSettings()):
-    print("worker:", ray.get(setting.remote()))
+    seen = ray.get(worker.remote())
+    print("worker:", json.dumps({**seen, "own": ray.get_runtime_context().gcs_address}))
 """
 
 
-def test_ray_workers_we_start_refuse_pickled_models(home: PrefectMLSettings) -> None:
-    """Shipped in the job's runtime environment, whatever the driver's environment says."""
+@pytest.fixture(scope="module")
+def worker_view(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What a worker of the product's own local Ray (``ray_session``) sees, on a machine whose
+    record of its newest Ray (``/tmp/ray/ray_current_cluster``, written by ``ray start``)
+    names a cluster that is gone, as a stopped cluster leaves it; with a driver that allows
+    pickled models."""
+    from ray._common.utils import get_ray_address_file
+
+    record = Path(get_ray_address_file(None))
+    before = record.read_text() if record.exists() else None
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("127.0.0.1:1")
     env = {**os.environ, "MLFLOW_ALLOW_PICKLE_DESERIALIZATION": "true"}
+    env["PREFECT_ML_HOME"] = str(tmp_path_factory.mktemp("worker-view") / "home")
     env["PREFECT_ML_LOCAL_RAY_CPUS"] = "1"
-    done = subprocess.run(
-        [sys.executable, "-c", _WORKER_SETTING],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert "worker: false" in done.stdout, done.stdout + done.stderr
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _WORKER],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+    finally:
+        if before is None:
+            record.unlink(missing_ok=True)
+        else:
+            record.write_text(before)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("worker: ")), None)
+    assert line, done.stdout + done.stderr[-4000:]
+    return cast(dict[str, Any], json.loads(line.removeprefix("worker: ")))
+
+
+def test_ray_workers_we_start_refuse_pickled_models(worker_view: dict[str, Any]) -> None:
+    """Shipped in the job's runtime environment, whatever the driver's environment says."""
+    assert worker_view["pickle"] == "false"
+
+
+def test_ray_workers_we_start_query_their_own_cluster_whatever_the_machine_recorded(
+    worker_view: dict[str, Any],
+) -> None:
+    """Ray's state API in a worker looked up the cluster named in ray_current_cluster: a gone
+    one, where every query waited for a GCS that never answered (each training's end took
+    about 12 s longer: Ray Train's placement-group cleaner stopped only after its query timed
+    out), or another live one, whose placement groups and actors it would then have watched."""
+    assert "state_api_error" not in worker_view, worker_view
+    assert worker_view["state_api_cluster"] == worker_view["own"]
+    assert worker_view["nodes"] == 1
 
 
 BINARY = "RAY_SERVE_HAPROXY_BINARY_PATH"
