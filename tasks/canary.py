@@ -11,7 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from prefect_ml.integrations import alerts, canary, served_models, serving, tracking
+from prefect_ml.integrations import alerts, canary, served_models, tracking
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
 
 __all__ = ["CanaryReport", "publish_canary", "record_verdict", "run_canary"]
@@ -65,6 +65,8 @@ def run_canary(
 ) -> CanaryReport:
     """Give ``candidate`` the policy's share of ``app_name``'s requests for its window and judge
     it against ``stable``; only measures and decides (the caller rolls or not)."""
+    from prefect_ml.integrations import serving  # Ray Serve: only where a run serves
+
     logger = get_run_logger()
     _check_comparable(stable, candidate)
     rollout = canary.Rollout(app_name, candidate.model_dump(), policy.share)

@@ -15,7 +15,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import served_models, serving, tenancy, tls, tracking
+from prefect_ml.integrations import served_models, tenancy, tls, tracking
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import cluster_nodes
@@ -35,6 +35,8 @@ __all__ = ["ServingResult", "SmokeResult", "serve"]
 
 if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
+
+    from prefect_ml.integrations import serving
 
 
 class SmokeResult(BaseModel):
@@ -177,7 +179,13 @@ def check_exposure(params: ServingParams, token: str | None) -> None:
         )
 
 
+# integrations.serving (Ray Serve, FastAPI: about a second of imports) is imported where it is
+# used, so a run that does not serve never loads it.
+
+
 def replica_options(params: ServingParams, token: str | None) -> serving.ReplicaOptions:
+    from prefect_ml.integrations import serving
+
     return serving.ReplicaOptions(
         max_rows=params.max_rows,
         max_body_bytes=params.max_body_bytes,
@@ -194,6 +202,8 @@ def replica_options(params: ServingParams, token: str | None) -> serving.Replica
 
 
 def placement(params: ServingParams) -> serving.Placement:
+    from prefect_ml.integrations import serving
+
     return serving.Placement(
         **params.model_dump(
             include={
@@ -246,6 +256,8 @@ def serving_now(
         ConfigurationError: the application is deployed but refuses this process's token:
             someone else's, or deployed with another token; it is never replaced then.
     """
+    from prefect_ml.integrations import serving
+
     if not serving.running_replicas(params.app_name):
         return None
     with _endpoint_client(token, certificate) as client:
@@ -310,6 +322,8 @@ def serve_registered_model(
 ) -> ServingResult:
     """Resolve, check, deploy (or roll) and smoke-test; on a Ray this process started, the
     application lives until the process's Ray shuts down."""
+    from prefect_ml.integrations import serving
+
     logger = get_run_logger()
     settings = get_settings()
     _require_lasting_ray(settings)

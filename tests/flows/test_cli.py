@@ -273,11 +273,12 @@ def test_predict_flags_mirror_the_predict_parameters_and_bad_ones_exit_2(
     assert not home.home_dir.joinpath("mlflow.db").exists()
 
 
-def test_the_command_and_its_flows_import_neither_torch_nor_mlflow() -> None:
-    """The driver loads torch and MLflow when a step needs them, not while Ray and Prefect's
-    API start."""
+def test_the_command_and_its_flows_import_no_torch_mlflow_or_ray_serve() -> None:
+    """The driver loads torch and MLflow when a step needs them, and Ray Serve and FastAPI only
+    when it serves, not while Ray and Prefect's API start."""
     modules = "prefect_ml.flows.cli, prefect_ml.flows.pipeline, prefect_ml.flows.train"
-    check = f"import sys, {modules}; print(sorted({{'torch', 'mlflow'}} & set(sys.modules)))"
+    late = {"torch", "mlflow", "ray.serve", "fastapi"}
+    check = f"import sys, {modules}; print(sorted({late!r} & set(sys.modules)))"
     found = subprocess.run(
         [sys.executable, "-c", check], cwd=REPO_ROOT, capture_output=True, text=True, check=True
     )
