@@ -77,10 +77,14 @@ def _connect(settings: PrefectMLSettings, env_vars: dict[str, str]) -> None:
     plan = code_shipping.plan_code(settings)  # size checks before any upload
     mode = settings.ship_code
 
+    # Not through Ray Client (ray://): the hook, a function, would travel through the client
+    # server, a path no test here runs; those jobs keep Ray's own address lookup.
+    hook = {} if str(settings.ray_address).startswith("ray://") else setup_hook()
+
     def join(ship_project: bool) -> None:
         runtime_env = {
             "env_vars": env_vars,
-            **setup_hook(),
+            **hook,
             **plan.runtime_env(ship_project=ship_project),
         }
         ray.init(
