@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -512,12 +513,16 @@ def haproxy_private_paths() -> dict[str, str]:
     if found.st_uid != os.getuid():
         raise EnvironmentCheckError(f"{folder} belongs to another user; remove it")
     folder.chmod(0o700)
+    haproxy = _bundled_haproxy()
+    # One script per HAProxy binary: each virtualenv's Ray keeps running its own HAProxy,
+    # whichever prefect-ml started last (and after another virtualenv is deleted).
+    script = folder / f"haproxy-{hashlib.sha256(haproxy.encode()).hexdigest()[:12]}"
     staged = folder / f"haproxy.{os.getpid()}"  # renamed over the script Ray may be running
-    staged.write_text(_HAPROXY_ON_LOOPBACK.format(haproxy=shlex.quote(_bundled_haproxy())))
+    staged.write_text(_HAPROXY_ON_LOOPBACK.format(haproxy=shlex.quote(haproxy)))
     staged.chmod(0o700)
-    staged.replace(folder / "haproxy")
+    staged.replace(script)
     return {
-        "RAY_SERVE_HAPROXY_BINARY_PATH": str(folder / "haproxy"),
+        "RAY_SERVE_HAPROXY_BINARY_PATH": str(script),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": str(folder / "admin.sock"),
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(folder / "metrics.sock"),
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(folder / "haproxy.cfg"),
@@ -528,7 +533,8 @@ def haproxy_private_paths() -> dict[str, str]:
 
 def haproxy_on_loopback() -> bool:
     """Whether Ray's HAProxy starts through our script (a variable the user set wins)."""
-    return os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH") == str(_haproxy_folder() / "haproxy")
+    script = Path(os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH", ""))
+    return script.parent == _haproxy_folder() and script.name.startswith("haproxy-")
 
 
 def _bundled_haproxy() -> str:

@@ -266,6 +266,24 @@ def test_haproxy_starts_through_a_script_that_binds_stats_and_prometheus_on_loop
     )
 
 
+def test_each_haproxy_binary_keeps_its_own_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefect-ml of another virtualenv started later does not turn this one's Ray to its
+    HAProxy (nor, once that virtualenv is deleted, to none): one script per HAProxy binary."""
+    import tempfile
+
+    from prefect_ml.integrations import settings
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ours = Path(settings.haproxy_private_paths()[BINARY])
+    monkeypatch.setattr(settings, "_bundled_haproxy", lambda: "/elsewhere/venv/bin/haproxy")
+    theirs = Path(settings.haproxy_private_paths()[BINARY])
+    assert ours != theirs and ours.exists()
+    assert "/elsewhere/" not in ours.read_text()
+    assert theirs.read_text().rstrip().endswith('exec /elsewhere/venv/bin/haproxy "$@"')
+
+
 def test_a_planted_haproxy_folder_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
