@@ -517,10 +517,12 @@ def haproxy_private_paths() -> dict[str, str]:
     # One script per HAProxy binary: each virtualenv's Ray keeps running its own HAProxy,
     # whichever prefect-ml started last (and after another virtualenv is deleted).
     script = folder / f"haproxy-{hashlib.sha256(haproxy.encode()).hexdigest()[:12]}"
-    staged = folder / f"haproxy.{os.getpid()}"  # renamed over the script Ray may be running
-    staged.write_text(_HAPROXY_ON_LOOPBACK.format(haproxy=shlex.quote(haproxy)))
-    staged.chmod(0o700)
-    staged.replace(script)
+    text = _HAPROXY_ON_LOOPBACK.format(haproxy=shlex.quote(haproxy))
+    if not script.is_file() or script.read_text() != text:  # written once, not every command
+        staged = folder / f"haproxy.{os.getpid()}"  # renamed over the script Ray may be running
+        staged.write_text(text)
+        staged.chmod(0o700)
+        staged.replace(script)
     return {
         "RAY_SERVE_HAPROXY_BINARY_PATH": str(script),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": str(folder / "admin.sock"),

@@ -36,6 +36,8 @@ __all__ = ["ServingResult", "SmokeResult", "serve"]
 if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
 
+    # Imported where it is used (Ray Serve, FastAPI: about a second of imports), so a run that
+    # does not serve never loads it.
     from prefect_ml.integrations import serving
 
 
@@ -177,10 +179,6 @@ def check_exposure(params: ServingParams, token: str | None) -> None:
             f"serving on {params.host} needs a bearer token: set PREFECT_ML_SERVE_TOKEN (or "
             "PREFECT_ML_SERVE_TOKEN_SECRET) where the flow runs, or serve on --host 127.0.0.1",
         )
-
-
-# integrations.serving (Ray Serve, FastAPI: about a second of imports) is imported where it is
-# used, so a run that does not serve never loads it.
 
 
 def replica_options(params: ServingParams, token: str | None) -> serving.ReplicaOptions:
