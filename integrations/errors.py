@@ -38,3 +38,9 @@ class DeploymentError(PrefectMLError):
 
 class CampaignFailedError(PrefectMLError):
     """A campaign spent its budget and no trial completed; running it again concludes the same."""
+
+
+class TrainingCodeError(PrefectMLError):
+    """Training workers failed in a way every retry meets again (a worker's code raised, or
+    the worker group cannot start): the run ends at once; the message names the node, the
+    worker and the fix."""

@@ -75,6 +75,16 @@ class PrefectMLSettings(BaseSettings):
         "again (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S in every job). After a lost node an "
         "elastic group first asks for the workers the lost node held, until this runs out.",
     )
+    controller_failure_limit: int = Field(
+        default=2,
+        ge=0,
+        le=100,
+        title="Worker group starts that may fail in a row",
+        description="A training's worker group that fails to start (not placed within the "
+        "worker group start timeout, or a worker that died while starting) is tried again at "
+        "most this many times in a row before the run ends with the reason; a group that "
+        "starts resets the count. Ray Train's own default retries for ever.",
+    )
     max_shipped_mb: float = Field(
         default=100.0,
         gt=0,
