@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from prefect_ml.integrations import tenancy
+from prefect_ml.integrations import processes, tenancy
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
 
 MIN_KEY_BYTES = 32  # of a signing key: guessing one is out of reach
@@ -448,7 +448,9 @@ def check_port_free(host: str, port: int, field: str) -> None:
             probe.bind((host, port))
         except OSError as exc:
             raise ConfigurationError(
-                field, f"{host}:{port} is not available ({exc.strerror}); choose another --port"
+                field,
+                f"{host}:{port} is not available ({exc.strerror}; held by "
+                f"{processes.port_holder(port)}); stop that process or choose another --port",
             ) from None
 
 
@@ -564,9 +566,10 @@ def _bundled_haproxy() -> str:
 # (`frontend prometheus`: `bind :9101`) on every interface, with no setting for their address.
 # Ray starts HAProxy as `$RAY_SERVE_HAPROXY_BINARY_PATH -db -f <config> [-sf <pids> ...]`: this
 # script binds those two on 127.0.0.1 in the config and runs HAProxy with Ray's arguments; the
-# serving frontend keeps the host asked for. The config is rewritten in place (a copy renamed
-# over it) because Ray finds its HAProxy processes by that path in their command line, to
-# signal the old ones on a reload.
+# serving frontend keeps the host asked for. HAProxy gets a parent-death signal (util-linux's
+# setpriv, where there is one): Ray does not stop it when its worker is killed. The config is
+# rewritten in place (a copy renamed over it) because Ray finds its HAProxy processes by that
+# path in their command line, to signal the old ones on a reload.
 _HAPROXY_ON_LOOPBACK = r"""#!/bin/sh
 # Written by prefect-ml (integrations/settings.py): HAProxy's stats and Prometheus on loopback.
 previous=
@@ -577,6 +580,10 @@ for argument in "$@"; do
     fi
     previous=$argument
 done
+# HAProxy dies with the Ray worker that starts it: a killed Ray leaves no ingress holding ports.
+if command -v setpriv >/dev/null 2>&1; then
+    exec setpriv --pdeathsig KILL -- {haproxy} "$@"
+fi
 exec {haproxy} "$@"
 """
 

@@ -266,6 +266,40 @@ def test_haproxy_starts_through_a_script_that_binds_stats_and_prometheus_on_loop
     )
 
 
+def test_haproxy_started_through_the_script_dies_with_the_process_that_started_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 37: a SIGKILLed serve left its HAProxy running (parent 1) on the stats and metrics
+    ports, and every later serve on the machine crash-looped on them. Here the real HAProxy's
+    parent (a Ray worker, for Ray) is SIGKILLed: HAProxy goes with it."""
+    import tempfile
+
+    import psutil
+
+    from prefect_ml.integrations.settings import haproxy_private_paths
+    from tests.helpers import free_port, wait_for
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    script = haproxy_private_paths()[BINARY]
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(
+        "defaults\n  mode http\n  timeout connect 1s\n  timeout client 1s\n"
+        f"  timeout server 1s\nfrontend serving\n  bind 127.0.0.1:{free_port()}\n"
+    )
+    parent = subprocess.Popen(["sh", "-c", '"$0" -db -f "$1" & wait', script, str(config)])
+    wait_for(lambda: bool(psutil.Process(parent.pid).children()), 30, "HAProxy to start")
+    (haproxy,) = psutil.Process(parent.pid).children()
+    try:
+        wait_for(lambda: "haproxy" in haproxy.name(), 30, "the script to exec HAProxy")
+        parent.kill()
+        parent.wait()
+        gone, _alive = psutil.wait_procs([haproxy], timeout=30)
+        assert gone, f"HAProxy {haproxy.pid} outlived the process that started it"
+    finally:
+        if haproxy.is_running():
+            haproxy.kill()
+
+
 def test_each_haproxy_binary_keeps_its_own_script(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
