@@ -6,12 +6,19 @@ Per-epoch metrics travel in the checkpoints the workers commit, not in Ray's rep
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from prefect_ml.integrations import collectives, storage, tracking
 from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig, train_epochs
+from prefect_ml.integrations.errors import TrainingCodeError
+from prefect_ml.integrations.resources import describe_placement, free_per_node
+from prefect_ml.integrations.settings import get_settings
 
 if TYPE_CHECKING:
     from prefect_ml.integrations.resources import ResourceRequest
@@ -68,6 +75,53 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
     ray.train.report({"epoch": config.epochs})
 
 
+@contextlib.contextmanager
+def placement_watch(
+    request: ResourceRequest,
+    logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
+    notice_s: float = 5.0,
+    repeat_s: float = 30.0,
+) -> Iterator[None]:
+    """While a fit runs: a worker group that Ray has not placed ``notice_s`` after asking is
+    logged with what it asks and what each node has free, every ``repeat_s`` until placed,
+    instead of a silent ``training 0/N``. The fit's group is a placement group that appeared
+    after the watch began and is pending."""
+    import ray.util
+
+    before = set(ray.util.placement_group_table())
+    stop = threading.Event()
+
+    def watch() -> None:
+        pending_since: dict[str, float] = {}
+        last_notice = float("-inf")
+        while not stop.wait(1.0):
+            now = time.monotonic()
+            pending = {
+                pg_id: len(info["bundles"])
+                for pg_id, info in ray.util.placement_group_table().items()
+                if pg_id not in before and info["state"] == "PENDING"
+            }
+            pending_since = {pg: pending_since.get(pg, now) for pg in pending}
+            waited = [pg for pg, since in pending_since.items() if now - since >= notice_s]
+            if waited and now - last_notice >= repeat_s:
+                last_notice = now
+                logger.warning(
+                    "Ray has not placed the training worker group for %.0f s: %s. It waits "
+                    "until the resources are free (PREFECT_ML_WORKER_GROUP_START_TIMEOUT_S, "
+                    "then tries again).",
+                    now - pending_since[waited[0]],
+                    describe_placement(request.describe(), pending[waited[0]], free_per_node()),
+                )
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def fit(
     config: TrainLoopConfig,
     *,
@@ -76,6 +130,7 @@ def fit(
     max_failures: int,
     ray_storage_url: str,
     name: str,
+    logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
     collective_timeout_s: int = 1800,
     elastic_resize_s: float = 60.0,
 ) -> None:
@@ -86,12 +141,20 @@ def fit(
     workers still placeable, and while healthy below ``max`` looks for room every
     ``elastic_resize_s`` seconds, restarting bigger from the last checkpoint when it finds some.
     A collective that waits longer than ``collective_timeout_s`` (a hung or lost peer) fails
-    the group instead of hanging it.
+    the group instead of hanging it. A group that Ray cannot place at once is reported on
+    ``logger`` (:func:`placement_watch`).
+
+    Raises:
+        TrainingCodeError: a worker's code raised an error that every retry meets again, or the
+            group failed to start more than PREFECT_ML_CONTROLLER_FAILURE_LIMIT times in a row
+            (:mod:`integrations.train_failures`); other failures past ``max_failures`` raise
+            Ray Train's own error.
     """
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import ControllerError, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from prefect_ml.integrations import devices
+    from prefect_ml.integrations.train_failures import FailFast
 
     use_gpu = request.gpus > 0
     # Ray Train adds the accelerator resource itself from ``accelerator_type``.
@@ -119,6 +182,21 @@ def fit(
             storage_path=storage_path,
             storage_filesystem=storage_filesystem,
             failure_config=FailureConfig(max_failures=max_failures),
+            # The stub types callbacks as Ray Train v1's (Ray Tune's) Callback.
+            callbacks=[
+                FailFast(  # type: ignore[list-item]
+                    code=f"the model {config.model}",
+                    request=request.describe(),
+                    start_failure_limit=get_settings().controller_failure_limit,
+                    max_failures=max_failures,
+                )
+            ],
         ),
     )
-    trainer.fit()
+    try:
+        with placement_watch(request, logger or logging.getLogger(__name__)):
+            trainer.fit()
+    except ControllerError as exc:
+        if isinstance(exc.controller_failure, TrainingCodeError):
+            raise exc.controller_failure from exc
+        raise

@@ -133,6 +133,40 @@ def cluster_nodes() -> list[dict[str, float]]:
     ]
 
 
+def free_per_node() -> dict[str, dict[str, tuple[float, float]]]:
+    """Each alive node's CPUs, GPUs and custom resources as (free now, total), by IP address;
+    Ray must be initialised."""
+    import ray
+    from ray._private.state import available_resources_per_node  # Ray's DeveloperAPI
+
+    free = available_resources_per_node()  # a resource all in use is left out
+    return {
+        node["NodeManagerAddress"]: {
+            name: (float(free.get(node["NodeID"], {}).get(name, 0.0)), float(total))
+            for name, total in node["Resources"].items()
+            if not name.startswith(("node:", ACCELERATOR_PREFIX))
+            and name not in ("memory", "object_store_memory")
+        }
+        for node in ray.nodes()
+        if node.get("Alive")
+    }
+
+
+def describe_placement(
+    request: str, count: int, nodes: dict[str, dict[str, tuple[float, float]]]
+) -> str:
+    """``"2 worker(s) x (1 CPU) asked; free now: node 10.0.0.1: 0 of 2 CPU; ..."``."""
+    shown = "; ".join(
+        f"node {node}: "
+        + ", ".join(
+            f"{_amount(free)} of {_amount(total)} {name}"
+            for name, (free, total) in sorted(resources.items())
+        )
+        for node, resources in sorted(nodes.items())
+    )
+    return f"{count} worker(s) x ({request}) asked; free now: {shown or 'no node alive'}"
+
+
 def _per_node(resources: dict[str, float], node: dict[str, float]) -> int | None:
     """Copies of ``resources`` one node holds at once; None when it asks for nothing."""
     fits = [
@@ -218,6 +252,8 @@ def check_fits(
             f"{flag_of(fields.accelerator_type)} to a type the cluster has or unset it, "
             f"{elsewhere}",
         )
+    # Each node's totals, so the user sees what one worker can have at most.
+    listed = "; ".join(_node_summary(n) for n in nodes[:8]) + ("; ..." if nodes[8:] else "")
     # The first resource that alone cannot hold ``count`` copies is the one to name.
     short = [
         (name, field)
@@ -239,11 +275,11 @@ def check_fits(
         )
     else:  # each resource alone would do, but no node has them all together
         field = fields.cpus
-        listed = "; ".join(_node_summary(n) for n in nodes[:8]) + ("; ..." if nodes[8:] else "")
-        problem = f"only {fits} fit at once, each on one node with all of it (nodes: {listed})"
+        problem = f"only {fits} fit at once, each on one node with all of it"
     raise ConfigurationError(
         field,
-        f"{asked}, {problem}; ask for less ({flag_of(field)}, {flag_of(fields.count)}) {elsewhere}",
+        f"{asked}, {problem}; ask for less ({flag_of(field)}, {flag_of(fields.count)}) "
+        f"{elsewhere}. Each node's total: {listed or 'no node'}",
     )
 
 
@@ -270,4 +306,9 @@ def _node_summary(node: dict[str, float]) -> str:
         parts[-1] += f" ({', '.join(types)})"
     if node.get("memory"):
         parts.append(_gb(node["memory"]))
+    parts.extend(
+        f"{_amount(amount)} {name}"
+        for name, amount in sorted(node.items())
+        if name not in RESERVED_RESOURCES and not name.startswith((ACCELERATOR_PREFIX, "node:"))
+    )
     return ", ".join(parts)

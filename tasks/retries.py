@@ -18,6 +18,7 @@ from prefect_ml.integrations.errors import (
     CampaignFailedError,
     ConfigurationError,
     EnvironmentCheckError,
+    TrainingCodeError,
 )
 from prefect_ml.integrations.leases import LeaseLostError
 from prefect_ml.integrations.settings import get_settings
@@ -33,6 +34,7 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
     ConfigurationError,
     EnvironmentCheckError,
     CampaignFailedError,
+    TrainingCodeError,  # a worker's code raises the same error on every attempt
     LeaseLostError,  # another driver carries the run on; this one must not write again
     ValidationError,
 )

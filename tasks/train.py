@@ -28,7 +28,7 @@ from prefect_ml.integrations import (
 )
 from prefect_ml.integrations.checkpoints import CheckpointStore, VerifiedCheckpoint
 from prefect_ml.integrations.early_stopping import EarlyStopping, StopDecision
-from prefect_ml.integrations.errors import CheckpointError, PrefectMLError
+from prefect_ml.integrations.errors import CheckpointError, PrefectMLError, TrainingCodeError
 from prefect_ml.integrations.leases import Lease
 from prefect_ml.integrations.prefect_server import RAY_TAG
 from prefect_ml.integrations.ray_cluster import ray_session, shipped_code
@@ -432,6 +432,7 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
                         max_failures=params.training.max_failures,
                         ray_storage_url=settings.ray_storage_url,
                         name=f"{run_id}-{int(time.time())}",
+                        logger=logger,
                         collective_timeout_s=params.training.collective_timeout_s,
                         elastic_resize_s=params.training.elastic_resize_s,
                     )
@@ -440,6 +441,8 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
             except Exception as exc:
                 lease.ensure_held()  # the run is the new driver's to mark
                 tracking.finish_run(client, run_id, status="FAILED")
+                if isinstance(exc, TrainingCodeError):  # says what to fix before running again
+                    raise TrainingCodeError(f"training run {run_id} failed: {exc}") from exc
                 raise PrefectMLError(
                     f"training run {run_id} failed: {exc}. Run the same command again to "
                     "resume from its last verified checkpoint."

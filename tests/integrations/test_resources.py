@@ -143,6 +143,16 @@ def test_custom_resources_pin_copies_to_the_nodes_that_declare_them() -> None:
         _fits(request, 1, [CPU_NODE])
 
 
+def test_a_refusal_lists_each_nodes_totals_custom_resources_too() -> None:
+    """What one worker can have at most, node by node (issue 37: checked against totals)."""
+    fast = {"CPU": 1.0, "fast_disk": 1.0, "node:10.0.0.2": 1.0, "object_store_memory": 1e9}
+    with pytest.raises(ConfigurationError) as refused:
+        _fits(ResourceRequest(cpus=2), 3, [CPU_NODE, fast])
+    assert refused.value.message.endswith(
+        "Each node's total: 2 CPU, 0 GPU, 8 GB; 1 CPU, 0 GPU, 1 fast_disk"
+    )
+
+
 def test_a_custom_resource_mapping_may_not_name_resources_with_their_own_fields() -> None:
     for reserved in ({"CPU": 1.0}, {"GPU": 1.0}, {"accelerator_type:A10G": 1.0}):
         with pytest.raises(ValueError, match="own parameters"):
