@@ -13,7 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from prefect_ml.integrations.errors import TrainingCodeError
 from prefect_ml.integrations.resources import ResourceRequest, cluster_nodes, placeable
+from prefect_ml.integrations.train_failures import DETERMINISTIC_ERRORS
 from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec, TrialWorker
 
 if TYPE_CHECKING:
@@ -44,9 +46,12 @@ class WorkerLost:
 
 @dataclass(frozen=True)
 class TrialError:
-    """The trial's own code raised: the trial failed, its worker is fine."""
+    """The trial's own code raised: the trial failed, its worker is fine. ``deterministic``:
+    an error of the code itself (a missing module, a model that raises), which the same code
+    raises again; otherwise maybe the machine's (storage, network), which may heal."""
 
     error: str
+    deterministic: bool = False
 
 
 Outcome = Epochs | WorkerLost | TrialError
@@ -137,7 +142,8 @@ class RayTrialPool:
             return WorkerLost(f"its worker process died: {exc}")
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if exc.cause is not None else exc
-            return TrialError(f"{type(cause).__name__}: {cause}")
+            deterministic = isinstance(cause, (*DETERMINISTIC_ERRORS, TrainingCodeError))
+            return TrialError(f"{type(cause).__name__}: {cause}", deterministic)
 
     def replace(self, slot: int) -> bool:
         """Start a worker in place of the dead one when the cluster still holds one more copy

@@ -27,10 +27,15 @@ from prefect_ml.integrations.epoch_trainer import (
     TrainLoopConfig,
     make_optimizer,
 )
-from prefect_ml.integrations.errors import CheckpointError, PrefectMLError
+from prefect_ml.integrations.errors import (
+    CheckpointError,
+    PrefectMLError,
+    TrainingCodeError,
+)
 from prefect_ml.integrations.ray_training import fit
 from prefect_ml.integrations.resources import ResourceRequest
 from prefect_ml.integrations.shards import Shard, open_shard
+from prefect_ml.integrations.train_failures import DETERMINISTIC_ERRORS, fix_for
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,10 @@ class TrialWorker:
             self._distributed = DistributedTrial(spec)
             return self._distributed.next_reports()
         shards = {split: self._shard(spec.loop, split) for split in ("train", "val")}
-        self._trainer = EpochTrainer(spec.loop, shards=shards)
+        try:
+            self._trainer = EpochTrainer(spec.loop, shards=shards)
+        except DETERMINISTIC_ERRORS as exc:
+            raise TrainingCodeError(self._setup_failure(spec, exc)) from exc
         self._committer = EpochCommitter(self._trainer.store, spec.loop.retention())
         history = self._trainer.committed_metrics()
         reports = [
@@ -117,6 +125,16 @@ class TrialWorker:
         if self._epoch >= spec.loop.epochs:
             return reports
         return reports + self.advance()
+
+    def _setup_failure(self, spec: TrialSpec, error: BaseException) -> str:
+        """Where the trial's model could not be built, why, and what to do: every trial of the
+        campaign meets the same error on this node."""
+        code = f"the model {spec.loop.model}"
+        return (
+            f"trial {spec.number} could not build {code} on node {self.node} (trial worker pid "
+            f"{os.getpid()}): {type(error).__name__}: {error}. To fix it: "
+            f"{fix_for(error.__cause__ or error, code)}"
+        )
 
     def advance(self) -> list[EpochReport]:
         """Train the next epoch and commit its checkpoint in the background."""

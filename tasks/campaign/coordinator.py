@@ -75,6 +75,7 @@ class Tally:
     pruned: int = 0
     failed: int = 0
     failures_in_a_row: int = 0
+    transient_in_a_row: bool = False  # a failure of the streak may heal (storage, a lost worker)
     first_error: str | None = None
     best: float | None = None
     target_reached_at: float | None = None  # Unix time
@@ -154,8 +155,14 @@ class Coordinator:
                     trial.user_attrs.get(studies.ERROR_ATTR),
                 )
                 self._count(trial.number, trial.state.name, values, error)
-        self.tally.failures_in_a_row = 0  # a streak counts within one run: the code may be fixed
+        # A streak counts within one run: the code may be fixed.
+        self.tally.failures_in_a_row, self.tally.transient_in_a_row = 0, False
         return [trial.number for trial in interrupted]
+
+    @property
+    def stopped_by_failures(self) -> bool:
+        """Whether the last trials failed ``max_consecutive_failures`` times in a row."""
+        return self.tally.failures_in_a_row >= self.rules.max_consecutive_failures
 
     @property
     def remaining(self) -> int | None:
@@ -264,16 +271,18 @@ class Coordinator:
         running = self.running.pop(slot)
         values: dict[str, float] = {}
         error: str | None = None
+        transient = False  # a failure that may heal: a worker lost too often, a storage error
         if isinstance(outcome, Epochs):
             verdict, values, error = self._decide(running, outcome.reports, writer)
         elif isinstance(outcome, WorkerLost):
             # Not the trial's fault as far as we know (OOM killer, lost node): run it again.
-            verdict, error = "retry", outcome.reason
+            verdict, error, transient = "retry", outcome.reason, True
             if not pool.replace(slot):
                 self.closed.add(slot)
         else:
             assert isinstance(outcome, TrialError)
             verdict, error = "fail", outcome.error
+            transient = not outcome.deterministic
         if verdict == "continue":
             pool.advance(slot)
             self.running[slot] = running
@@ -287,7 +296,7 @@ class Coordinator:
             self.logger.warning("Trial %d: %s; it runs again", running.trial.number, error)
             writer.trial_ended(running.trial.number, "FAIL", {}, f"interrupted: {error}")
         else:
-            self._finish(running, VERDICT_STATES[verdict], values, writer, error)
+            self._finish(running, VERDICT_STATES[verdict], values, writer, error, transient)
         if slot in self.closed:
             self._closed(pool, slot)
         elif not early and self._can_start(deadline):
@@ -350,6 +359,7 @@ class Coordinator:
         values: dict[str, float],
         writer: TrackingWriter,
         error: str | None = None,
+        transient: bool = False,
     ) -> None:
         """Record a trial's end: counted here at once, told to the study in the background."""
         trial = running.trial
@@ -370,7 +380,7 @@ class Coordinator:
                 writer.trial_ended(trial.number, state, shown, error)
 
         told_future.add_done_callback(record)
-        self._count(trial.number, state, shown, error)
+        self._count(trial.number, state, shown, error, transient)
         if state == "FAIL":
             self.logger.warning("Trial %d failed: %s", trial.number, error)
 
@@ -391,17 +401,25 @@ class Coordinator:
             for report in reports:
                 trial.report(report.metrics[self.names[0]], report.epoch)
 
-    def _count(self, number: int, state: str, values: dict[str, float], error: str | None) -> None:
+    def _count(
+        self,
+        number: int,
+        state: str,
+        values: dict[str, float],
+        error: str | None,
+        transient: bool = False,
+    ) -> None:
         tally = self.tally
         if state == "COMPLETE":
             tally.complete += 1
-            tally.failures_in_a_row = 0
+            tally.failures_in_a_row, tally.transient_in_a_row = 0, False
         elif state == "PRUNED":
             tally.pruned += 1
-            tally.failures_in_a_row = 0
+            tally.failures_in_a_row, tally.transient_in_a_row = 0, False
         else:
             tally.failed += 1
             tally.failures_in_a_row += 1
+            tally.transient_in_a_row = tally.transient_in_a_row or transient
             tally.first_error = tally.first_error or f"trial {number}: {error}"
         value = values.get(self.names[0])
         if state == "COMPLETE" and value is not None and math.isfinite(value):

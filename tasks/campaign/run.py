@@ -340,14 +340,7 @@ class CampaignRun:
         )
         if not best:
             tracking.finish_run(client, parent, "FAILED")
-            message = (
-                f"campaign {self.sweep.campaign}: no trial completed "
-                f"({tally.failed} failed, {tally.pruned} pruned). "
-                f"First failure: {tally.first_error}"
-            )
-            if self.coordinator.remaining:  # stopped early (a failure streak): a rerun goes on
-                raise PrefectMLError(f"{message}. Trials left in the budget run on a retry.")
-            raise CampaignFailedError(message)
+            raise self._nothing_completed()
         tracking.finish_run(client, parent)
         if writer.errors:
             self.logger.warning("Some MLflow writes failed: %s", "; ".join(writer.errors[:3]))
@@ -365,6 +358,32 @@ class CampaignRun:
             timings={**self.timings, "conclude_seconds": time.monotonic() - concluding},
             target_reached_at=tally.target_reached_at,
         )
+
+    def _nothing_completed(self) -> PrefectMLError:
+        """Why no trial completed, and whether a retry (Prefect's, with the trials left in the
+        budget) can change that: not when the trials' own code failed them in a row."""
+        tally, name = self.coordinator.tally, self.sweep.campaign
+        counts = (
+            f"no trial completed ({tally.failed} failed, {tally.pruned} pruned). "
+            f"First failure: {tally.first_error}"
+        )
+        if self.coordinator.stopped_by_failures:
+            limit = self.coordinator.rules.max_consecutive_failures
+            stop = (
+                f"campaign {name} stopped: {limit} trials in a row failed "
+                f"(sweep.max_consecutive_failures); {counts}"
+            )
+            if not tally.transient_in_a_row:
+                return CampaignFailedError(
+                    f"{stop}. Every trial fails this way: fix that, then run the campaign again "
+                    "(it resumes by name)."
+                )
+            return PrefectMLError(f"{stop}. Trials left in the budget run on a retry.")
+        if self.coordinator.remaining:  # stopped early (the timeout): a rerun goes on
+            return PrefectMLError(
+                f"campaign {name}: {counts}. Trials left in the budget run on a retry."
+            )
+        return CampaignFailedError(f"campaign {name}: {counts}")
 
 
 def run_campaign(params: CampaignParams, data: PreparedData) -> CampaignResult:

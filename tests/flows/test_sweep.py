@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import optuna
 import pytest
+import ray
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 from prefect.client.orchestration import get_client
@@ -203,6 +205,43 @@ def test_a_campaign_where_every_trial_fails_shows_the_first_failure(
     run = tracking.trial_runs(client, "1", parent.info.run_id)[failed.number]
     assert run.info.status == "FAILED"
     assert "picky_model refuses hidden=" in run.data.tags[tracking.ERROR_TAG]
+
+
+LACKING = "tests.fixtures.faulty_code:model_needing_a_module_the_nodes_lack"
+
+
+@pytest.mark.full  # a campaign on Ray whose trials all fail, about 20 s (tests/tiers.py)
+def test_trials_that_cannot_import_the_user_s_model_fail_at_once_and_stop_the_campaign(
+    home: PrefectMLSettings,
+) -> None:
+    params = _params("cannot-import", epochs=2, n_trials=20, max_consecutive_failures=3)
+    params = params.model_copy(
+        update={"model": CampaignParams().model.model_copy(update={"model": LACKING})}
+    )
+    started = time.monotonic()
+
+    state = hpo_campaign(params, return_state=True)
+
+    assert time.monotonic() - started < 60
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    assert "3 trials in a row failed" in message and "sweep.max_consecutive_failures" in message
+    for reason in (
+        "No module named 'a_module_the_nodes_lack'",
+        LACKING,  # the user function
+        f"on node {ray.util.get_node_ip_address()} (trial worker pid",  # where it ran
+        "pip install",  # the fixes
+        "PREFECT_ML_ALLOWED_MODULES",
+    ):
+        assert reason in message, reason
+    trials = _study(home, "cannot-import").trials
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    assert len(failed) >= 3 and all(t.state != TrialState.COMPLETE for t in trials)
+    assert LACKING in failed[0].user_attrs[studies.ERROR_ATTR]
+    client = tracking.client_for(home.resolved_tracking_uri)
+    [parent] = client.search_runs(["1"], f"tags.`{tracking.CAMPAIGN_PARENT_TAG}` != ''")
+    run = tracking.trial_runs(client, "1", parent.info.run_id)[failed[0].number]
+    assert "a_module_the_nodes_lack" in run.data.tags[tracking.ERROR_TAG]
 
 
 def test_several_objectives_give_a_pareto_front(home: PrefectMLSettings) -> None:

@@ -326,6 +326,27 @@ def test_failures_in_a_row_stop_the_campaign_with_the_first_error(
     assert "refuses this lr" in study.trials[1].user_attrs[studies.ERROR_ATTR]
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_streak_may_heal_only_when_one_of_its_failures_may(
+    tmp_path: Path, writer: TrackingWriter, deterministic: bool
+) -> None:
+    """A streak of the trials' own code errors ends the campaign for good; one with an error
+    that may heal (storage, network) leaves the trials left in the budget to a retry."""
+
+    def raises(spec: TrialSpec, epoch: int, attempt: int) -> Outcome:
+        if spec.number == 2:
+            return TrialError("OSError: the storage did not answer", deterministic)
+        return TrialError("ModuleNotFoundError: No module named 'x'", deterministic=True)
+
+    study = study_of(RAISES, RAISES, RAISES)
+    campaign = coordinator(study, tmp_path, budget=10, max_consecutive_failures=3)
+
+    campaign.run(FakePool(1, raises), writer)
+
+    assert campaign.stopped_by_failures
+    assert campaign.tally.transient_in_a_row is not deterministic
+
+
 def test_a_trial_whose_worker_dies_runs_again_with_its_parameters_and_counts_once(
     tmp_path: Path, writer: TrackingWriter
 ) -> None:
