@@ -15,9 +15,7 @@ same version.
 
 from __future__ import annotations
 
-import fnmatch
 import importlib.util
-import os
 import sysconfig
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ from typing import Any
 
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
 from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.worker_setup import ExpectedCode, content_hash, package_files
 
 # Never shipped (Ray's gitignore-style patterns, also applied when measuring).
 EXCLUDES = (
@@ -67,6 +66,19 @@ class CodePlan:
             return {}
         return {"py_modules": [str(p.path) for p in packages], "excludes": list(EXCLUDES)}
 
+    def expected_code(self, *, ship_project: bool, version: str) -> ExpectedCode:
+        """What the job's workers must import (:func:`worker_setup.use_shipped_code`): each
+        shipped package from its shipped folder, prefect-ml checked by its content hash; an
+        installed prefect-ml (``version`` on the driver) from the nodes' site-packages."""
+        shipped = [*([self.project] if ship_project else []), *self.user]
+        return ExpectedCode(
+            shipped=[package.name for package in shipped],
+            installed=[] if ship_project else [self.project.name],
+            project_hash=content_hash(self.project.path, EXCLUDES) if ship_project else None,
+            project_version=version,
+            excludes=list(EXCLUDES),
+        )
+
     def describe(self, *, ship_project: bool) -> str:
         """For logs and tags: ``shipped prefect_ml (0.6 MB), my_models (0.01 MB)``."""
         shipped = [*([self.project] if ship_project else []), *self.user]
@@ -79,19 +91,11 @@ class CodePlan:
         return text
 
 
-def _excluded(name: str) -> bool:
-    return any(fnmatch.fnmatch(name, pattern) for pattern in EXCLUDES)
-
-
 def package_size(path: Path) -> int:
     """Bytes Ray uploads for ``path``: its files, links followed, excludes left out."""
     if path.is_file():
         return path.stat().st_size
-    total = 0
-    for folder, subfolders, files in os.walk(path, followlinks=True):
-        subfolders[:] = [name for name in subfolders if not _excluded(name)]
-        total += sum((Path(folder) / name).stat().st_size for name in files if not _excluded(name))
-    return total
+    return sum(file.stat().st_size for _, file in package_files(path, EXCLUDES))
 
 
 def _installed_roots() -> tuple[Path, ...]:

@@ -20,23 +20,29 @@ from pathlib import Path
 from typing import Any
 
 from prefect_ml.integrations import devices, storage
+from prefect_ml.integrations.code_shipping import EXCLUDES
+from prefect_ml.integrations.worker_setup import content_hash
 
 # Compared between the driver and each node, in this order.
-COMPARED = ("python", "ray", "torch", "prefect-ml")
+COMPARED = ("python", "ray", "torch", "prefect-ml", "prefect-ml content")
 
 
 def imported_versions() -> dict[str, str]:
-    """The Python of this process and the versions of ray, torch and prefect-ml it imports."""
+    """The Python of this process, the versions of ray, torch and prefect-ml it imports, and
+    the content hash of that prefect_ml (:func:`worker_setup.content_hash`, 12 digits): the
+    same version may be other code (a checkout, a partial copy)."""
     import ray
     import torch
 
     import prefect_ml
 
+    folder = Path(prefect_ml.__file__).parent
     return {
         "python": platform.python_version(),
         "ray": ray.__version__,
         "torch": torch.__version__,
         "prefect-ml": prefect_ml.__version__,
+        "prefect-ml content": content_hash(folder, EXCLUDES)[:12],
     }
 
 
@@ -145,7 +151,8 @@ def version_differences(
     """How a node's :func:`imported_versions` differ from the driver's.
 
     Fatal: another ray or another Python minor version (Ray and cloudpickle need them equal),
-    and another prefect-ml when the node's installed one runs (``prefect_ml_shipped`` False).
+    another prefect-ml when the node's installed one runs (``prefect_ml_shipped`` False), and
+    other prefect_ml content whatever the version (the node's workers run other code).
     Warnings: another Python patch release, and another torch, with which jobs may still run.
     prefect-ml shipped with the job (True), or a local Ray's (None), is the driver's own code.
     """
@@ -166,6 +173,13 @@ def _consequence(package: str, driver: str, node: str) -> tuple[bool, str]:
         return True, "what the driver pickles may not load there; use one Python on every node"
     if package == "python":
         return False, "usually harmless, but Ray compares Python versions to the patch release"
+    if package == "prefect-ml content":
+        return True, (
+            "the node's workers import other prefect_ml code than the driver's (from the folder "
+            "in its row); remove that copy from the node's Python path, set "
+            "PREFECT_ML_SHIP_CODE=always to ship the driver's code, or install the driver's "
+            "prefect-ml there"
+        )
     if package == "torch":
         return False, (
             "jobs may still run, but collectives and checkpoints across torch versions are not "

@@ -78,13 +78,15 @@ def _connect(settings: PrefectMLSettings, env_vars: dict[str, str]) -> None:
     mode = settings.ship_code
 
     # Not through Ray Client (ray://): the hook, a function, would travel through the client
-    # server, a path no test here runs; those jobs keep Ray's own address lookup.
-    hook = {} if str(settings.ray_address).startswith("ray://") else setup_hook()
+    # server, a path no test here runs; those jobs keep Ray's own address lookup and sys.path.
+    ray_client = str(settings.ray_address).startswith("ray://")
 
     def join(ship_project: bool) -> None:
+        expected = plan.expected_code(ship_project=ship_project, version=_driver_version())
         runtime_env = {
-            "env_vars": env_vars,
-            **hook,
+            # A copy: Ray adds the hook's key to it, and a second join has another hook.
+            "env_vars": dict(env_vars),
+            **({} if ray_client else setup_hook(expected)),
             **plan.runtime_env(ship_project=ship_project),
         }
         ray.init(

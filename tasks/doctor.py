@@ -97,12 +97,13 @@ def node_checks(
         cause = getattr(report, "cause", None) or report  # a RayTaskError's str is a traceback
         return [Check(name, False, f"the probe failed: {type(cause).__name__}: {cause}")]
     versions = report.versions
+    imported = f"content {versions['prefect-ml content']}, from {report.prefect_ml_from}"
     if prefect_ml_shipped is None:
         prefect_ml = f"prefect-ml {versions['prefect-ml']} (local Ray: this process's code)"
     elif prefect_ml_shipped:
-        prefect_ml = f"prefect-ml {driver['prefect-ml']} shipped"
+        prefect_ml = f"prefect-ml {driver['prefect-ml']} shipped ({imported})"
     else:
-        prefect_ml = f"prefect-ml {versions['prefect-ml']} installed ({report.prefect_ml_from})"
+        prefect_ml = f"prefect-ml {versions['prefect-ml']} installed ({imported})"
     detail = "\n".join(
         (
             f"host {report.host}: python {versions['python']}, ray {versions['ray']}, "

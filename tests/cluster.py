@@ -125,7 +125,15 @@ class LocalCluster:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def _start(self, name: str, ip: str, cpus: int, resources: dict[str, float], *args: str):
+    def _start(
+        self,
+        name: str,
+        ip: str,
+        cpus: int,
+        resources: dict[str, float],
+        *args: str,
+        hidden: Sequence[Path] | None = None,
+    ) -> ClusterNode:
         log = self.root / f"{name}.log"
         command = [
             _ray_executable(),
@@ -140,7 +148,8 @@ class LocalCluster:
             "--disable-usage-stats",
             *args,
         ]
-        hide = ["sh", "-c", _HIDE_AND_RUN, "sh", *map(str, self.hidden), "--"]
+        folders = self.hidden if hidden is None else hidden
+        hide = ["sh", "-c", _HIDE_AND_RUN, "sh", *map(str, folders), "--"]
         work = self.root / name
         work.mkdir(parents=True, exist_ok=True)
         process = subprocess.Popen(
@@ -172,9 +181,22 @@ class LocalCluster:
         return node
 
     def add_node(
-        self, name: str, ip: str, cpus: int, resources: dict[str, float] | None = None
+        self,
+        name: str,
+        ip: str,
+        cpus: int,
+        resources: dict[str, float] | None = None,
+        *,
+        visible: Sequence[str] = (),
     ) -> ClusterNode:
-        node = self._start(name, ip, cpus, resources or {}, f"--address={self.address}")
+        """Join a node; ``visible`` names folders of the checkout it sees (hidden on the others),
+        e.g. ``prefect_ml``: a node with a partial copy of the project at the driver's path."""
+        hidden = [
+            path for path in self.hidden if path.name not in visible or path.parent != REPO_ROOT
+        ]
+        node = self._start(
+            name, ip, cpus, resources or {}, f"--address={self.address}", hidden=hidden
+        )
         self.wait_for_nodes(self.alive_count())
         return node
 
@@ -298,6 +320,19 @@ def cli_command(*arguments: str) -> list[str]:
     """``prefect-ml <arguments>`` as this Python runs it."""
 
     return [sys.executable, "-m", "prefect_ml.flows.cli", *arguments]
+
+
+def run_doctor(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``prefect-ml doctor`` in ``env`` (:func:`cli_environment`), its table wide enough that a
+    node's row keeps each of its lines on one; the table is on stderr."""
+    return subprocess.run(
+        cli_command("doctor"),
+        cwd=REPO_ROOT,
+        env={**env, "COLUMNS": "400"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def bucket_keys(moto_s3: MotoS3, prefix: str) -> list[str]:

@@ -20,6 +20,7 @@ import pytest
 
 import prefect_ml
 from prefect_ml.integrations import ray_training, tracking
+from prefect_ml.integrations.node_report import imported_versions
 from tests.cluster import (
     WORKER_IPS,
     ClusterNode,
@@ -28,6 +29,7 @@ from tests.cluster import (
     cli_command,
     cli_environment,
     cli_process,
+    run_doctor,
 )
 from tests.conftest import REPO_ROOT
 from tests.helpers import free_port, wait_for
@@ -306,3 +308,48 @@ def test_a_campaign_runs_the_trials_of_a_lost_node_again_from_their_checkpoints(
     assert retried, "the lost trial ran again from its checkpoint"
     assert all(r.data.tags[tracking.NODE_TAG] == WORKER_IPS[1] for r in retried)
     assert "runs again" in output
+
+
+def test_a_node_with_a_partial_copy_at_the_drivers_path_trains_the_shipped_code(
+    cluster: LocalCluster,
+    tmp_path: Path,
+    s3_bucket: str,
+    mlflow_s3_server: str,
+) -> None:
+    """A node that sees the checkout's ``prefect_ml/`` folder of links at the driver's path, its
+    linked folders missing (a host sharing a filesystem with a partial or older copy), runs the
+    shipped prefect-ml: Ray puts the driver's working directory ahead of the shipped packages on
+    every worker's path, and before the worker setup hook pinned them, every worker there failed
+    with ``No module named 'prefect_ml.integrations...'``. The doctor's row for every node, that
+    one too, shows the shipped copy with the driver's content hash."""
+    stale = cluster.add_node(
+        "node-stale", "127.0.0.6", 1, {"stale_copy": 1}, visible=["prefect_ml"]
+    )
+    env = cli_environment(cluster, tmp_path / "home", f"{s3_bucket}/stale", mlflow_s3_server)
+    try:
+        result = subprocess.run(
+            [
+                *cli_command("train", "--experiment", "cluster-stale", "--epochs", "1"),
+                *("--model-name", "cluster-stale", "--workers", "1"),
+                *("--worker-resources", '{"stale_copy": 1}'),
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+        nodes = cluster.alive_count()  # the stale node among them
+        doctor = run_doctor(env)
+    finally:
+        stale.stop()
+        cluster.wait_for_nodes(cluster.alive_count())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run,) = _runs(mlflow_s3_server, "cluster-stale")
+    assert run.data.tags[ray_training.WORKER_NODES_TAG] == "127.0.0.6"
+    assert run.data.tags[tracking.CODE_TAG].startswith("shipped prefect_ml")
+
+    assert doctor.returncode == 0, doctor.stderr[-6000:]
+    assert "node 127.0.0.6" in doctor.stderr
+    shipped = f"shipped (content {imported_versions()['prefect-ml content']}, from /tmp/ray/"
+    assert doctor.stderr.count(shipped) == nodes, doctor.stderr[-6000:]

@@ -21,9 +21,19 @@ import ray
 import torch
 
 import prefect_ml
-from prefect_ml.integrations.node_report import NodeReport, version_differences
+from prefect_ml.integrations.node_report import (
+    NodeReport,
+    imported_versions,
+    version_differences,
+)
 from prefect_ml.tasks.doctor import node_checks, storage_host_checks
-from tests.cluster import ClusterNode, LocalCluster, bucket_keys, cli_command, cli_environment
+from tests.cluster import (
+    ClusterNode,
+    LocalCluster,
+    bucket_keys,
+    cli_environment,
+    run_doctor,
+)
 from tests.conftest import REPO_ROOT
 from tests.s3 import MotoS3
 
@@ -95,14 +105,7 @@ def test_doctor_probes_every_node_and_fails_only_the_one_without_credentials(
         cluster, tmp_path / "home", f"{s3_bucket}/doctor", f"sqlite:///{tmp_path}/m.db"
     )
     try:
-        result = subprocess.run(
-            cli_command("doctor"),
-            cwd=REPO_ROOT,
-            env={**env, "COLUMNS": "400"},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        result = run_doctor(env)
     finally:
         bare.stop()
         cluster.wait_for_nodes(cluster.alive_count())
@@ -115,13 +118,15 @@ def test_doctor_probes_every_node_and_fails_only_the_one_without_credentials(
     ray_row = next(row for row in rows if row[0] == "ray")
     assert ray_row[1] == "ok" and "shipped prefect_ml" in ray_row[2]
     node_rows = {row[0].removeprefix("node "): row for row in rows if row[0].startswith("node ")}
+    driver_content = imported_versions()["prefect-ml content"]
     assert node_rows.pop(bare.ip)
     for address, node in _by_address(cluster, set(node_rows)).items():
         name, status, detail = node_rows[address]
         assert status == "ok", detail
         assert (
             f"python {platform.python_version()}, ray {ray.__version__}, "
-            f"torch {torch.__version__}, prefect-ml {prefect_ml.__version__} shipped"
+            f"torch {torch.__version__}, prefect-ml {prefect_ml.__version__} shipped "
+            f"(content {driver_content}, from /"
         ) in detail
         expected = f"{node.cpus} CPU, 0 GPU" + "".join(
             f", {key} {value:g}" for key, value in sorted(node.resources.items())
@@ -186,6 +191,9 @@ def test_file_storage_on_several_hosts_warns_and_version_differences_are_graded(
     assert differences("python", f"{major}.{int(minor) + 1}.0") == [("python", True)]
     assert differences("prefect-ml", "0.0.1") == [], "the shipped copy is the driver's code"
     assert differences("prefect-ml", "0.0.1", shipped=False) == [("prefect-ml", True)]
+    other_code = [("prefect-ml content", True)]
+    assert differences("prefect-ml content", "0" * 12) == other_code, "shipped or not"
+    assert differences("prefect-ml content", "0" * 12, shipped=False) == other_code
 
     older_torch = dataclasses.replace(report, versions={**report.versions, "torch": "2.0.0"})
     main, torch_row = node_checks(record, older_torch, driver, prefect_ml_shipped=True)
