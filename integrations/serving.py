@@ -412,6 +412,7 @@ class Placement(BaseModel):
     max_queued_requests: int = -1  # -1: no limit
     retry_after_s: float = 1.0
     access_log: bool = True
+    deploy_timeout_s: float = 120.0  # every replica ready by then, or the deployment fails
     request: ResourceRequest  # one replica's CPUs, GPUs (fractions share one), GPU type, memory
 
     def deployment_options(self, allow_surge: bool) -> dict[str, Any]:
@@ -522,34 +523,66 @@ def deploy(
     A roll starts the new replicas next to the old ones when the cluster has room for one more;
     otherwise (a full cluster) old replicas stop first and requests queue meanwhile. With ``tls``
     (certificate, key) the proxy serves HTTPS only.
+
+    Raises:
+        DeploymentError: a replica failed to start (Serve gives up after
+            ``max_constructor_retry_count`` tries) or the replicas were not all ready within
+            ``placement.deploy_timeout_s`` (a replica that hangs while it loads, or that Ray
+            cannot place: Serve would wait for ever). A new application is deleted then; a
+            roll's old replicas serve on, and the caller deploys the old version again.
     """
     import ray
 
     start_http(placement.host, placement.port, tls)
+    existed = placement.app_name in serve.status().applications
     # Free resources summed over the cluster: a surge replica that still finds no single node
     # with room waits a moment for an old replica to drain, as without surge.
     allow_surge = placeable(placement.request, [ray.available_resources()]) >= 1
     server = cast(Deployment, ModelServer)  # the decorator made the class a Deployment
     deployment = server.options(**placement.deployment_options(allow_surge))
-    try:
-        serve.run(
-            deployment.bind(served.model_dump(), options.model_dump()),
-            name=placement.app_name,
-            route_prefix=placement.route_prefix,
-        )
-    except RuntimeError as exc:
-        raise DeploymentError(
-            f"{served.uri} did not deploy as {placement.app_name!r}: {_replica_failure(placement)}"
-        ) from exc
+    target = serve.RunTarget(
+        target=deployment.bind(served.model_dump(), options.model_dump()),
+        name=placement.app_name,
+        route_prefix=placement.route_prefix,
+    )
+    # Not serve.run: it waits for the application without a bound.
+    serve.run_many([target], wait_for_applications_running=False)
+    failure = _wait_running(placement.app_name, placement.deploy_timeout_s)
+    if failure is None:
+        return
+    if not existed:
+        serve.delete(placement.app_name)  # nothing left deployed half-way
+    raise DeploymentError(f"{served.uri} did not deploy as {placement.app_name!r}: {failure}")
 
 
-def _replica_failure(placement: Placement) -> str:
-    """The last line of the replica's error, which Serve keeps in the deployment status."""
-    app = serve.status().applications.get(placement.app_name)
+def _wait_running(app_name: str, timeout_s: float) -> str | None:
+    """None once the application runs; otherwise why it does not: the replica's error when
+    Serve gave up on it, or what Serve says about the replicas still starting at the bound."""
+    from ray.serve.schema import ApplicationStatus
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(app_name)
+        status = app.status if app else ApplicationStatus.DEPLOYING
+        if status == ApplicationStatus.RUNNING:
+            return None
+        lines = _deployment_message(app_name)
+        if status == ApplicationStatus.DEPLOY_FAILED:  # the last line of the replica's error
+            return lines[-1] if lines else "see the Ray Serve controller log"
+        if time.monotonic() >= deadline:
+            said = " ".join(lines) or "no replica reported (see the Ray Serve controller log)"
+            bound = f"{timeout_s:g} s (serving.deploy_timeout_s)"
+            return f"its replicas were not ready within {bound}: {said}"
+        time.sleep(0.5)
+
+
+def _deployment_message(app_name: str) -> list[str]:
+    """The lines Serve keeps in the deployment's status: a replica's error, or why replicas
+    are still starting (not placed, or a slow constructor)."""
+    app = serve.status().applications.get(app_name)
     deployment = app.deployments.get(DEPLOYMENT_NAME) if app else None
     message = deployment.message if deployment else ""
-    lines = [line for line in message.splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "see the Ray Serve controller log"
+    return [line.strip() for line in message.splitlines() if line.strip()]
 
 
 def running_replicas(app_name: str) -> int:

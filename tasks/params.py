@@ -1012,6 +1012,13 @@ class ServingParams(_Section):
         description="A request whose body has not all arrived by then gets a 408 (slow clients "
         "cannot hold a replica).",
     )
+    deploy_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        title="Deploy timeout (s)",
+        description="Every replica must have loaded the model by then, or the deployment fails "
+        "with the replica's error (a new application is removed; a roll keeps the old version).",
+    )
     replica_cpus: float = Field(1.0, gt=0, title="CPUs per replica", description="CPUs reserved.")
     replica_gpus: float = Field(
         0.0, ge=0, title="GPUs per replica", description="GPUs reserved; fractions share a GPU."

@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from prefect_ml.integrations import served_models, tenancy, tls, tracking
-from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import cluster_nodes
 from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
@@ -216,6 +216,7 @@ def placement(params: ServingParams) -> serving.Placement:
                 "max_queued_requests",
                 "retry_after_s",
                 "access_log",
+                "deploy_timeout_s",
             }
         ),
         request=params.replica_request(),
@@ -315,6 +316,27 @@ def serving_markdown(result: ServingResult) -> str:
 {smoke_text}"""
 
 
+def deploy_or_roll_back(
+    served: served_models.ServedModel,
+    current: served_models.ServedModel | None,
+    options: serving.ReplicaOptions,
+    where: serving.Placement,
+    tls_pair: tuple[Path, Path] | None,
+) -> None:
+    """Deploy ``served``; when that fails in a roll, deploy ``current`` again: Serve's target
+    is then the version that serves, not the one that failed (which Serve would start again
+    for any replica it replaces or adds)."""
+    from prefect_ml.integrations import serving
+
+    try:
+        serving.deploy(served, options, where, tls=tls_pair)
+    except DeploymentError as exc:
+        if current is None or current.identity() == served.identity():
+            raise
+        serving.deploy(current, options, where, tls=tls_pair)
+        raise DeploymentError(f"{exc}; {current.name} v{current.version} serves on") from exc
+
+
 def serve_registered_model(
     model_name: str, alias: str, model_version: str | None, params: ServingParams
 ) -> ServingResult:
@@ -352,7 +374,7 @@ def serve_registered_model(
         if report is None or report.promoted:
             logger.info("Deploying %s v%s to %s", served.name, served.version, url)
             options = replica_options(params, token)
-            serving.deploy(served, options, placement(params), tls=tls_pair)
+            deploy_or_roll_back(served, current, options, placement(params), tls_pair)
             record_served(served, current, params.app_name, url)
         smoke = smoke_request(url, token, certificate) if params.smoke_test else None
     result = ServingResult(

@@ -480,6 +480,17 @@ def _pickle_format(model_dir: Path) -> None:
     (model_dir / "data" / "model.pt2").rename(model_dir / "data" / "model.pth")
 
 
+def _broken_version(served: Served, damage: Callable[[Path], None], seed: int) -> str:
+    """A new version of digits-classifier, its artifact damaged by ``damage``."""
+    version = register_classifier(
+        served.settings, "digits-classifier", FEATURES, DIGITS.target, seed=seed, alias=None
+    )
+    client = tracking.client_for(served.settings.resolved_tracking_uri)
+    source = client.get_model_version_download_uri("digits-classifier", version)
+    damage(Path(source.removeprefix("file://")))
+    return version
+
+
 @pytest.mark.parametrize(
     ("damage", "reason"),
     [(_without_mlmodel, "MLmodel"), (_pickle_format, "with pickle, which runs code")],
@@ -487,12 +498,7 @@ def _pickle_format(model_dir: Path) -> None:
 def test_a_version_that_cannot_load_fails_the_flow_and_the_old_one_keeps_serving(
     served: Served, damage: Callable[[Path], None], reason: str
 ) -> None:
-    version = register_classifier(
-        served.settings, "digits-classifier", FEATURES, DIGITS.target, seed=3, alias=None
-    )
-    client = tracking.client_for(served.settings.resolved_tracking_uri)
-    source = client.get_model_version_download_uri("digits-classifier", version)
-    damage(Path(source.removeprefix("file://")))
+    version = _broken_version(served, damage, seed=3)
 
     serving_before = _served_version(served.url)
     broken = served.params().model_copy(update={"model_version": version})
@@ -502,6 +508,61 @@ def test_a_version_that_cannot_load_fails_the_flow_and_the_old_one_keeps_serving
     assert f"models:/digits-classifier/{version} did not deploy" in state.message
     assert reason in state.message
     assert serving_before is not None and _served_version(served.url) == serving_before
+
+
+def test_a_new_application_whose_replica_cannot_load_fails_with_its_error_and_is_removed(
+    served: Served,
+) -> None:
+    version = _broken_version(served, _without_mlmodel, seed=4)
+    params = served.params(app_name="never-loads", route_prefix="/never-loads")
+    started = time.monotonic()
+
+    state = serve_model(params.model_copy(update={"model_version": version}), return_state=True)
+
+    assert state.is_failed()
+    assert time.monotonic() - started < 180  # Serve gives up after 3 tries of the constructor
+    assert f"models:/digits-classifier/{version} did not deploy" in str(state.message)
+    assert "MLmodel" in str(state.message)  # the replica's own error
+    assert "never-loads" not in serve.status().applications, "left deployed half-way"
+
+
+def test_replicas_that_are_never_ready_fail_the_deployment_at_its_bound(served: Served) -> None:
+    """A replica Serve keeps waiting for (here one Ray cannot place: CPUs held by an actor;
+    equally a replica whose load hangs) fails the deployment at ``deploy_timeout_s`` with what
+    Serve says about it, where Serve would wait for ever."""
+    import ray
+
+    free = ray.available_resources().get("CPU", 0.0)
+    holder = ray.remote(num_cpus=free - 0.5)(_Holder).remote()
+    ray.get(holder.ready.remote())
+    params = served.params(
+        app_name="never-placed", route_prefix="/never-placed", replica_cpus=1, deploy_timeout_s=45
+    )
+    outcome: list[Any] = []
+    started = time.monotonic()
+    try:
+        thread = threading.Thread(
+            target=lambda: outcome.append(serve_model(params, return_state=True)), daemon=True
+        )
+        thread.start()
+        thread.join(timeout=240)
+    finally:
+        ray.kill(holder)
+
+    assert outcome, "the deployment did not end within 240 s"
+    state = outcome[0]
+    assert state.is_failed() and time.monotonic() - started < 240
+    message = str(state.message)
+    assert "were not ready within 45 s (serving.deploy_timeout_s)" in message
+    assert "to be scheduled" in message  # what Serve says about the replica
+    assert "never-placed" not in serve.status().applications
+
+
+class _Holder:
+    """Holds CPUs while it lives."""
+
+    def ready(self) -> bool:
+        return True
 
 
 def _served_version(url: str) -> str | None:
