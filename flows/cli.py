@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 import types
 import typing
@@ -26,10 +27,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from prefect_ml.integrations import alerts, prefect_server, storage, timeline
+from prefect_ml.integrations import alerts, prefect_server, processes, storage, timeline
 from prefect_ml.integrations.errors import ConfigurationError, PrefectMLError
 from prefect_ml.integrations.redaction import masked
 from prefect_ml.integrations.settings import (
+    check_haproxy_ports,
     get_settings,
     prepare_process_environment,
     running_local_server,
@@ -264,6 +266,7 @@ def _run_flow(flow_name: str, params: BaseModel) -> Any:
     from prefect_ml.integrations.ray_cluster import ray_session
 
     settings = get_settings()
+    _stop_on_signals()
     with timeline.start_up(), contextlib.ExitStack() as stack:
         timeline.mark("parameters checked")
         stack.enter_context(_clear_errors())
@@ -274,9 +277,8 @@ def _run_flow(flow_name: str, params: BaseModel) -> Any:
         # Prefect's API (when it is ephemeral) starts here rather than in the flow run, so the
         # timeline shows its share. Started beside Ray in a thread, it took as long as both in
         # turn on 2 cores (BENCHMARKS.md, start-up), and delayed a failed Ray start's error.
-        prefect_server.start_ephemeral_api()
-        flow_fn = _flow(flow_name)
-        state = flow_fn(params=params, return_state=True)
+        prefect_server.start_ephemeral_api(settings)
+        state = _in_flow_thread(flow_name, _flow(flow_name), params)
     if not state.is_completed():
         error = state.result(raise_on_failure=False)
         console.print(f"[bold red]{flow_name} failed:[/bold red] {escape(str(error))}")
@@ -284,7 +286,111 @@ def _run_flow(flow_name: str, params: BaseModel) -> Any:
     return state.result()
 
 
-@click.group()
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or a supervisor's SIGTERM reached this command."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
+
+
+# A stopped command that has not ended this long after the signal (or at a second one) ends at
+# once, with every process it started: the issue's bound is 10 s.
+STOP_DEADLINE_S = 8.0
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM raise :class:`Interrupted` in the main thread, once; a command that
+    has not ended :data:`STOP_DEADLINE_S` later, or gets a second signal, ends at once."""
+    received: list[int] = []
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        if received:
+            _end_now(signum)
+        received.append(signum)
+        deadline = threading.Timer(STOP_DEADLINE_S, _end_now, args=(signum,))
+        deadline.daemon = True
+        deadline.start()
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _end_now(signum: int) -> None:
+    processes.stop_descendants(grace_s=1.0)
+    os._exit(128 + signum)
+
+
+def _in_flow_thread(flow_name: str, flow_fn: Any, params: BaseModel) -> Any:
+    """Run the flow in a thread and wait here, in the main thread, where signals arrive.
+
+    Whatever the flow does, a signal then stops the command: in the main thread, Ray Train's
+    fit installs its own SIGINT handler, which only aborts the fit (the task then failed, was
+    retried or hung on a dead API) and never ended the command."""
+    runs: list[UUID] = []
+
+    def running(_flow: Any, flow_run: Any, _state: Any) -> None:
+        runs.append(flow_run.id)
+
+    flow_fn = flow_fn.with_options(on_running=[*flow_fn.on_running_hooks, running])
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(flow_fn(params=params, return_state=True))
+        except BaseException as exc:  # raised again in the main thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name=f"prefect-ml {flow_name}", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+    except Interrupted as stop:
+        _stop_now(flow_name, stop, runs)
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
+def _stop_now(flow_name: str, stop: Interrupted, runs: list[UUID]) -> typing.NoReturn:
+    """Record the flow run as Cancelled, stop everything this command started (its local Ray,
+    HAProxy, then the ephemeral API that recorded it) and exit with the signal's status. The
+    flow's thread is left as it is: the work it was doing resumes in the next command."""
+    console.print(f"[yellow]{stop}: stopping {flow_name}[/yellow]")
+    message = f"stopped by {stop}; the same command resumes it"
+    for run_id in runs:
+        try:
+            prefect_server.mark_stopped(run_id, message)
+        except Exception as exc:  # the API may have died with the terminal's process group
+            console.print(f"could not mark flow run {run_id} Cancelled: {escape(str(exc))}")
+    api_pid = prefect_server.ephemeral_api_pid()
+    processes.stop_descendants(spare=[api_pid] if api_pid else [])
+    prefect_server.stop_ephemeral_api()
+    marked = f"flow run {runs[-1]} marked Cancelled" if runs else "no flow run began"
+    console.print(
+        f"[bold yellow]{flow_name} stopped by {stop}:[/bold yellow] {marked}; "
+        "run the same command again to resume it"
+    )
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(stop.exit_code)
+
+
+class _Commands(click.Group):
+    """A command stopped by a signal before or after its flow run (starting Ray, serving in
+    the foreground) exits with the signal's status, not click's "Aborted!" and 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Interrupted as stop:
+            console.print(f"[yellow]stopped by {stop}[/yellow]")
+            raise SystemExit(stop.exit_code) from None
+
+
+@click.group(cls=_Commands)
 def app() -> None:
     """prefect-ml: Prefect flows for Ray-distributed PyTorch training tracked in MLflow."""
     # Like `python -m`, resolve user code (`--model my_project.models:build`) from here.
@@ -292,33 +398,34 @@ def app() -> None:
     prepare_process_environment()
 
 
-def _stop_on_sigterm() -> None:
-    """A process manager's SIGTERM stops the foreground server the way Ctrl-C does."""
-
-    def interrupt(_signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-
-
 def _serve_in_foreground(
     app_name: str, follow: Callable[[], Any] | None, watch_seconds: float
 ) -> None:
-    """Keep the application up until Ctrl-C; every ``watch_seconds`` call ``follow`` (which rolls
-    the application when the alias moved). The application is deleted on the way out."""
+    """Keep the application up until Ctrl-C or SIGTERM (:class:`Interrupted`); every
+    ``watch_seconds`` call ``follow`` (which rolls the application when the alias moved). The
+    application is deleted on the way out."""
     from ray import serve
 
-    _stop_on_sigterm()
+    _stop_on_signals()
     console.print("[bold]Serving until Ctrl-C[/bold]")
     try:
         while True:
             time.sleep(watch_seconds if follow else 3600)
             if follow:
                 follow()
-    except KeyboardInterrupt:
-        console.print("Stopping the application")
     finally:
+        console.print("Stopping the application")
         serve.delete(app_name)
+
+
+def _check_serving_ports() -> None:
+    """Before a local Ray starts to serve: HAProxy's stats and metrics ports are free, or the
+    command fails now naming who holds them (a killed serve's HAProxy is ended first)."""
+    import ray
+
+    if not get_settings().ray_address and not ray.is_initialized():
+        with _clear_errors():
+            check_haproxy_ports()
 
 
 def _alias_follower(params: ServeModelParams, served_version: str) -> Callable[[], None]:
@@ -365,6 +472,8 @@ def run(serve_after: bool, **flags: Any) -> None:
         return
     from prefect_ml.integrations.ray_cluster import ray_session
 
+    _stop_on_signals()
+    _check_serving_ports()
     with ray_session(get_settings()):  # the flow's steps share it; it outlives the flow
         outcome = _run_flow("ml_pipeline", params)
         print_outcome(outcome)
@@ -387,6 +496,8 @@ def serve(watch_seconds: float, **flags: Any) -> None:
         raise click.BadParameter("must be >= 0", param_hint="--watch")
     from prefect_ml.integrations.ray_cluster import ray_session
 
+    _stop_on_signals()
+    _check_serving_ports()
     with ray_session(get_settings()):  # the application lives as long as this block
         result = _run_flow("serve_model", params)
         print_serving(result)
@@ -453,7 +564,7 @@ def ui(host: str, port: int) -> None:
             f"[yellow]The Prefect API on {host} is plain HTTP: its auth string crosses the "
             "network in clear. Put a TLS proxy in front (deployments/README.md).[/yellow]"
         )
-    _stop_on_sigterm()
+    _stop_on_signals()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_clear_errors())
         auth_string, generated = prefect_server.server_auth_string(settings)

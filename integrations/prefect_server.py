@@ -3,6 +3,7 @@ the deployments that ``deployments/prefect.yaml`` describes so one process can s
 
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import logging
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import httpx
 import yaml
 
-from prefect_ml.integrations import timeline
+from prefect_ml.integrations import processes, timeline
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
 from prefect_ml.integrations.redaction import masked
 from prefect_ml.integrations.settings import (
@@ -64,16 +65,59 @@ def ui_url(api_url: str) -> str:
     return api_url.rstrip("/").removesuffix("/api")
 
 
-def start_ephemeral_api() -> None:
+def start_ephemeral_api(settings: PrefectMLSettings) -> None:
     """Start Prefect's ephemeral API now when no server is configured (``PREFECT_API_URL``
     unset), as the first flow run would start it, so that it starts while other things do;
-    flow runs in this process then use it."""
+    flow runs in this process then use it.
+
+    It starts deaf to the terminal's Ctrl-C, so that a stopped command can still record how
+    its run ended before it stops the server (:func:`stop_ephemeral_api`); it is recorded
+    under the home, and one that a killed command left behind is ended here."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import get_current_settings
 
     if get_current_settings().api.url is None and not (server := SubprocessASGIServer()).running:
-        server.start()  # once per process: a command's later flow runs (serve --watch) reuse it
+        records = settings.prefect_home / "ephemeral"
+        processes.end_orphans(records)
+        with processes.ctrl_c_passes_by():
+            server.start()  # once per process: a command's later flow runs (serve --watch) reuse it
+        assert server.server_process is not None  # started, or start() raised
+        record = processes.record_child(records, server.server_process.pid)
+        atexit.register(record.unlink, missing_ok=True)
         timeline.mark("Prefect API started")
+
+
+def ephemeral_api_pid() -> int | None:
+    """The process id of this process's ephemeral API, or None when it runs none."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    process = SubprocessASGIServer().server_process
+    return process.pid if process is not None else None
+
+
+def stop_ephemeral_api() -> None:
+    """Stop this process's ephemeral API, when it runs one (a record left behind names a
+    process that ended, and the next start drops it)."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    SubprocessASGIServer().stop()
+
+
+def mark_stopped(flow_run_id: UUID, message: str) -> None:
+    """Mark a flow run, and its task runs that had not ended, Cancelled with ``message``: the
+    command running them was stopped (Ctrl-C, SIGTERM); the same command resumes the work."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.states import Cancelled
+
+    with get_client(sync_client=True) as client:
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+        for task_run in task_runs:
+            if task_run.state is not None and not task_run.state.is_final():
+                client.set_task_run_state(task_run.id, Cancelled(message=message), force=True)
+        client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
 
 
 def server_is_up(api_url: str, timeout: float = 2.0) -> bool:

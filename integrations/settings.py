@@ -440,8 +440,11 @@ def get_settings() -> PrefectMLSettings:
     return PrefectMLSettings()
 
 
-def check_port_free(host: str, port: int, field: str) -> None:
-    """Fail before starting a server whose port is taken, naming the parameter to change."""
+def check_port_free(
+    host: str, port: int, field: str, change: str = "choose another --port"
+) -> None:
+    """Fail before starting a server whose port is taken, naming the parameter to change and
+    the process that holds the port."""
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -450,7 +453,7 @@ def check_port_free(host: str, port: int, field: str) -> None:
             raise ConfigurationError(
                 field,
                 f"{host}:{port} is not available ({exc.strerror}; held by "
-                f"{processes.port_holder(port)}); stop that process or choose another --port",
+                f"{processes.port_holder(port)}); stop that process or {change}",
             ) from None
 
 
@@ -543,6 +546,24 @@ def haproxy_private_paths() -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(folder),
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(folder / "server-state"),
     }
+
+
+def check_haproxy_ports() -> None:
+    """Before a Ray started here serves through HAProxy: end the HAProxy that a killed serve
+    left on this machine (started with our private config, no Ray worker above it), then fail
+    at once when the stats or metrics port is still taken, naming the process that holds it,
+    instead of HAProxy's endless "Address already in use" restarts inside Ray."""
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        return
+    if config := os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"):
+        processes.end_orphan_haproxy(config)
+    host = "127.0.0.1" if haproxy_on_loopback() else "0.0.0.0"
+    for variable, default in (
+        ("RAY_SERVE_HAPROXY_STATS_PORT", "8404"),
+        ("RAY_SERVE_HAPROXY_METRICS_PORT", "9101"),
+    ):
+        port = int(os.environ.get(variable, default))
+        check_port_free(host, port, variable, f"set {variable} to a free port")
 
 
 def haproxy_on_loopback() -> bool:

@@ -90,8 +90,9 @@ from prefect.client.orchestration import get_client
 from prefect.server.api.server import SubprocessASGIServer
 
 from prefect_ml.integrations.prefect_server import start_ephemeral_api
+from prefect_ml.integrations.settings import get_settings
 
-start_ephemeral_api()
+start_ephemeral_api(get_settings())
 server = SubprocessASGIServer()
 process = server.server_process
 with get_client(sync_client=True) as client:
@@ -102,7 +103,11 @@ with get_client(sync_client=True) as client:
 
 @pytest.mark.usefixtures("clean_client_environment")
 def test_the_ephemeral_api_started_early_is_the_one_flow_runs_use(tmp_path: Path) -> None:
-    environment = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    environment = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_ML_HOME": str(tmp_path),
+    }
     used = subprocess.run(
         [sys.executable, "-c", EARLY_API_CHECK],
         env=environment,
