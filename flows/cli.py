@@ -266,7 +266,6 @@ def _run_flow(flow_name: str, params: BaseModel) -> Any:
     from prefect_ml.integrations.ray_cluster import ray_session
 
     settings = get_settings()
-    _stop_on_signals()
     with timeline.start_up(), contextlib.ExitStack() as stack:
         timeline.mark("parameters checked")
         stack.enter_context(_clear_errors())
@@ -278,6 +277,7 @@ def _run_flow(flow_name: str, params: BaseModel) -> Any:
         # timeline shows its share. Started beside Ray in a thread, it took as long as both in
         # turn on 2 cores (BENCHMARKS.md, start-up), and delayed a failed Ray start's error.
         prefect_server.start_ephemeral_api(settings)
+        _stop_on_signals()  # after ray.init, whose SIGTERM handler aborts the process
         state = _in_flow_thread(flow_name, _flow(flow_name), params)
     if not state.is_completed():
         error = state.result(raise_on_failure=False)
