@@ -210,3 +210,41 @@ def test_a_sigkilled_serve_leaves_no_ingress_and_serving_again_stops_on_ctrl_c(
                 os.killpg(server.pid, signal.SIGKILL)
     assert "stopped by SIGINT" in log_path.read_text(errors="replace")
     assert not _serving(url)
+
+
+def test_a_sweep_stopped_by_ctrl_c_ends_within_10_s_and_resumes_to_exactly_n_trials(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    """Ctrl-C to a campaign with trials finished and one mid-way: the command ends within the
+    bound with 130 and none of its processes (trial workers included), the interrupted trial
+    is not left RUNNING for ever, and the same command completes the budget exactly."""
+    from optuna.trial import TrialState
+
+    from prefect_ml.integrations import studies
+    from tests.e2e.test_campaign_resume import _command, _env, _killable, _trials
+
+    n_trials = 4
+    command, env = _command("stopped", n_trials), _env(home)
+    log_path = tmp_path / "sweep.log"
+    first = _start(command, env, log_path)
+    try:
+        wait_while_running(
+            first,
+            log_path,
+            lambda: _killable(home, "stopped"),
+            400,
+            "finished trials and one mid-way",
+        )
+        _stop(first, signal.SIGINT, log_path)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert "stopped by SIGINT" in log_path.read_text(errors="replace")
+
+    again = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    trials = _trials(home, "stopped")
+    assert len([t for t in trials if studies.counts_toward_budget(t)]) == n_trials
+    assert all(t.state != TrialState.RUNNING for t in trials), "nothing left RUNNING"
