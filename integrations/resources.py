@@ -153,7 +153,10 @@ def free_per_node() -> dict[str, dict[str, tuple[float, float]]]:
 
 
 def describe_placement(
-    request: str, count: int, nodes: dict[str, dict[str, tuple[float, float]]]
+    request: str,
+    count: int,
+    nodes: dict[str, dict[str, tuple[float, float]]],
+    what: str = "worker(s)",
 ) -> str:
     """``"2 worker(s) x (1 CPU) asked; free now: node 10.0.0.1: 0 of 2 CPU; ..."``."""
     shown = "; ".join(
@@ -164,7 +167,7 @@ def describe_placement(
         )
         for node, resources in sorted(nodes.items())
     )
-    return f"{count} worker(s) x ({request}) asked; free now: {shown or 'no node alive'}"
+    return f"{count} {what} x ({request}) asked; free now: {shown or 'no node alive'}"
 
 
 def _per_node(resources: dict[str, float], node: dict[str, float]) -> int | None:

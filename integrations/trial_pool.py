@@ -9,12 +9,19 @@ finished calls, and Ray's errors become our outcome types here, at the boundary 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prefect_ml.integrations.errors import TrainingCodeError
-from prefect_ml.integrations.resources import ResourceRequest, cluster_nodes, placeable
+from prefect_ml.integrations.resources import (
+    ResourceRequest,
+    cluster_nodes,
+    describe_placement,
+    free_per_node,
+    placeable,
+)
 from prefect_ml.integrations.train_failures import DETERMINISTIC_ERRORS
 from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec, TrialWorker
 
@@ -28,6 +35,14 @@ REPLACEMENT_WAIT_S = 60.0
 # with it: it is tried this many times, this far apart.
 REPLACEMENT_ATTEMPTS = 3
 REPLACEMENT_RETRY_S = 2.0
+# Workers that Ray has not started this long after they were asked for are reported with what
+# they ask and what each node has free, again every PLACEMENT_REPEAT_S (as a training's group is,
+# ray_training.placement_watch), instead of a campaign that waits in silence.
+PLACEMENT_NOTICE_S = 5.0
+PLACEMENT_REPEAT_S = 30.0
+TIMEOUT_SETTING = "PREFECT_ML_WORKER_GROUP_START_TIMEOUT_S"
+
+Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
 
 @dataclass(frozen=True)
@@ -88,35 +103,106 @@ class TrialPool(Protocol):
 
 
 class RayTrialPool:
-    """:class:`TrialPool` over warm Ray actors; closing it kills them, freeing their CPUs."""
+    """:class:`TrialPool` over warm Ray actors; closing it kills them, freeing their CPUs.
 
-    def __init__(self, size: int, *, request: ResourceRequest, driver_only: bool) -> None:
+    Ray leaves an actor it cannot place pending for ever. The pool waits ``start_timeout_s``
+    for its workers (Ray Train's bound for a worker group, the same setting), saying what the
+    missing ones wait for, and then runs with those started: a busy cluster runs fewer trials
+    at a time, as Ray Tune does, and the campaign still ends. None started is an error.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        request: ResourceRequest,
+        driver_only: bool,
+        start_timeout_s: float,
+        logger: Logger | None = None,
+    ) -> None:
         """``size`` actors placed with ``request``; ``driver_only`` actors hold nothing (their
-        Ray Train workers hold the request)."""
+        Ray Train workers hold the request).
+
+        Raises:
+            TrainingCodeError: no worker started within ``start_timeout_s`` (not retried by
+                Prefect: other work holds the cluster, which a retry seconds later meets again).
+        """
         self._request = request
         self._placed = ResourceRequest(cpus=0) if driver_only else request
+        self._logger = logger or logging.getLogger(__name__)
         self._pending: dict[Any, int] = {}  # ObjectRef -> slot
-        self._workers: list[Any] = self._start(size)  # None: a closed slot
+        self._workers: list[Any] = self._start(size, start_timeout_s)  # None: a closed slot
+        if len(self._workers) < size:
+            placement = self._placement(size)
+            if not self._workers:
+                raise TrainingCodeError(
+                    f"no trial worker of the campaign started within {start_timeout_s:g} s "
+                    f"({TIMEOUT_SETTING}): Ray could not place them: {placement}. To fix it: "
+                    "free those resources (another job holds them), run fewer or smaller "
+                    "trials at once (--concurrency, --trial-cpus, --trial-gpus, "
+                    f"--trial-memory-gb), or raise {TIMEOUT_SETTING}; then run the same "
+                    "command again (the campaign resumes by name)."
+                )
+            self._logger.warning(
+                "Running %d trial(s) at a time, not %d: Ray started only %d trial worker(s) "
+                "within %g s (%s): %s",
+                len(self._workers),
+                size,
+                len(self._workers),
+                start_timeout_s,
+                TIMEOUT_SETTING,
+                placement,
+            )
 
     @property
     def size(self) -> int:
         return len(self._workers)
 
-    def _start(self, count: int, timeout: float | None = None) -> list[Any]:
+    def _placement(self, count: int) -> str:
+        return describe_placement(self._placed.describe(), count, free_per_node(), "trial(s)")
+
+    def _start(self, count: int, timeout: float) -> list[Any]:
+        """The workers of ``count`` asked for that are ready within ``timeout`` seconds; the
+        others are killed (a pending actor never starts after that). A worker whose process
+        died while starting raises RayActorError."""
         import ray
 
         actor_class = ray.remote(TrialWorker).options(
             **self._placed.actor_options(), max_restarts=0
         )
-        workers: list[Any] = [actor_class.remote() for _ in range(count)]
+        asked: list[Any] = [actor_class.remote() for _ in range(count)]
         threads = max(1, int(self._request.cpus))
+        waiting = {worker.ready.remote(threads): worker for worker in asked}
+        started: list[Any] = []
+        began, last_notice = time.monotonic(), float("-inf")
         try:
-            ray.get([worker.ready.remote(threads) for worker in workers], timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            for worker in workers:
+            while waiting and (left := began + timeout - time.monotonic()) > 0:
+                ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=min(left, 1))
+                for ref in ready:
+                    ray.get(ref)
+                    started.append(waiting.pop(ref))
+                now = time.monotonic()
+                due = now - began >= PLACEMENT_NOTICE_S and now - last_notice >= PLACEMENT_REPEAT_S
+                if waiting and due:
+                    last_notice = now
+                    self._logger.warning(
+                        "Ray has started %d of %d trial worker(s) after %.0f s: %s. The "
+                        "campaign waits up to %g s (%s) for the others, then runs with those "
+                        "started.",
+                        len(started),
+                        count,
+                        now - began,
+                        self._placement(count),
+                        timeout,
+                        TIMEOUT_SETTING,
+                    )
+        except BaseException:
+            for worker in asked:
                 ray.kill(worker)
             raise
-        return workers
+        for worker in waiting.values():
+            ray.kill(worker)
+        return started
 
     def begin(self, slot: int, spec: TrialSpec) -> None:
         self._pending[self._workers[slot].begin.remote(spec)] = slot
@@ -158,13 +244,14 @@ class RayTrialPool:
             if placeable(self._placed, cluster_nodes()) <= live:
                 return False
             try:
-                self._workers[slot] = self._start(1, timeout=REPLACEMENT_WAIT_S)[0]
-                return True
-            except ray.exceptions.GetTimeoutError:
-                return False
+                started = self._start(1, REPLACEMENT_WAIT_S)
             except ray.exceptions.RayActorError:
                 # Placed on the dying node before Ray declared it dead: ask again once it has.
                 time.sleep(REPLACEMENT_RETRY_S)
+                continue
+            if started:
+                self._workers[slot] = started[0]
+            return bool(started)
         return False
 
     def finish(self) -> None:

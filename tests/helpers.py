@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -220,6 +221,26 @@ def blob_trainer(checkpoint_url: str, device: Any = None, **config: Any) -> Epoc
         device=device,
         shards={"train": shard, "val": shard},
     )
+
+
+class _CpuHolder:
+    def ready(self) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def holding_cpus(count: int) -> Iterator[None]:
+    """Other work on the session Ray: ``count`` started actors holding one CPU each, killed
+    when the block ends."""
+    import ray
+
+    holders = [ray.remote(num_cpus=1)(_CpuHolder).remote() for _ in range(count)]
+    try:
+        ray.get([holder.ready.remote() for holder in holders], timeout=120)
+        yield
+    finally:
+        for holder in holders:
+            ray.kill(holder)
 
 
 def ray_train_workers() -> list[psutil.Process]:

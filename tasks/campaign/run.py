@@ -208,6 +208,8 @@ class CampaignRun:
                         count,
                         request=self.sweep.trial_request(),
                         driver_only=self.sweep.trial_workers > 1,
+                        start_timeout_s=self.settings.worker_group_start_timeout_s,
+                        logger=self.logger,
                     ) as pool:
                         self.logger.info(
                             "Campaign %s: %d parallel trial workers, budget %s trials",

@@ -8,6 +8,7 @@ worker process, a distributed trial stopped at an epoch boundary, the campaign's
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -32,7 +33,7 @@ from prefect_ml.integrations.tracking import RESUMED_TAG, WORKER_TAG
 from prefect_ml.tasks.campaign.identity import CampaignIdentity
 from prefect_ml.tasks.params import CampaignParams
 from prefect_ml.tasks.sweep import CampaignResult
-from tests.helpers import wait_for
+from tests.helpers import holding_cpus, wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -335,3 +336,53 @@ def test_a_second_coordinator_on_a_running_campaign_is_refused(home: PrefectMLSe
     assert "last heartbeat" in message and "s ago" in message
     with pytest.raises(KeyError):
         _study(home, "held")  # not even created
+
+
+@pytest.mark.full  # a campaign that first waits out its placement timeout, about 25 s (tiers.py)
+def test_a_campaign_runs_with_the_trial_workers_ray_could_place_and_says_so(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Other work holds one of the session Ray's 2 CPUs: of 2 trial workers one is placed; the
+    campaign says what the other waits for, then runs its trials one at a time."""
+    monkeypatch.setenv("PREFECT_ML_WORKER_GROUP_START_TIMEOUT_S", "15")
+    logger = logging.getLogger("prefect.task_runs")  # the campaign task's run logger
+    logger.addHandler(caplog.handler)
+    try:
+        with holding_cpus(1):
+            result = hpo_campaign(_params("half-placed", epochs=2, n_trials=3, concurrency=2))
+    finally:
+        logger.removeHandler(caplog.handler)
+
+    assert (result.finished, result.complete) == (3, 3)
+    node = ray.util.get_node_ip_address()
+    assert "of 2 trial worker(s) after" in caplog.text  # while it waited
+    assert f"2 trial(s) x (1 CPU) asked; free now: node {node}: 0 of 2 CPU" in caplog.text
+    # Said once (each record reaches caplog twice: through the handler and by propagation).
+    said = {id(r) for r in caplog.records if "Running 1 trial(s) at a time, not 2" in r.message}
+    assert len(said) == 1
+
+
+@pytest.mark.full  # a campaign that waits out its placement timeout, about 20 s (tiers.py)
+def test_a_campaign_whose_trial_workers_ray_cannot_place_ends_at_the_timeout(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other work holds both CPUs: no trial worker is placed; the campaign ends when the
+    timeout runs out, with the request, each node's free resources and the fixes, and Prefect
+    does not retry it (a retry would wait the same way)."""
+    monkeypatch.setenv("PREFECT_ML_WORKER_GROUP_START_TIMEOUT_S", "10")
+    started = time.monotonic()
+    with holding_cpus(2):
+        state = hpo_campaign(_params("unplaced", epochs=2, n_trials=2), return_state=True)
+
+    assert time.monotonic() - started < 60
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    node = ray.util.get_node_ip_address()
+    for reason in (
+        "no trial worker of the campaign started within 10 s",
+        f"2 trial(s) x (1 CPU) asked; free now: node {node}: 0 of 2 CPU",
+        "--concurrency",
+        "PREFECT_ML_WORKER_GROUP_START_TIMEOUT_S",
+    ):
+        assert reason in message, reason
+    assert not _study(home, "unplaced").trials, "no trial was started"

@@ -1,18 +1,27 @@
-"""The trial pool's replacement of a lost worker on a real (local) Ray: a replacement that dies
-with the node it landed on is tried again; one the cluster has no room for closes its slot."""
+"""The trial pool on a real (local) Ray: its first workers on a busy cluster (those placed
+within the timeout run, none placed is an error, and the wait is said); the replacement of a
+lost worker (one that dies with the node it landed on is tried again; one the cluster has no
+room for closes its slot)."""
 
 from __future__ import annotations
 
+import logging
+import re
+import time
 from typing import Any
 
 import pytest
 
 from prefect_ml.integrations import trial_pool
+from prefect_ml.integrations.errors import TrainingCodeError
 from prefect_ml.integrations.resources import ResourceRequest
 from prefect_ml.integrations.trial_pool import RayTrialPool
 from prefect_ml.integrations.trial_worker import TrialWorker
+from tests.helpers import holding_cpus, wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+ONE_CPU = ResourceRequest(cpus=1)
 
 
 class FirstReplacementDies(RayTrialPool):
@@ -20,13 +29,14 @@ class FirstReplacementDies(RayTrialPool):
     node dead, so it still counts as room): its actor dies before it is ready."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.doomed = 1
+        self.doomed = 0  # the pool's first workers start
         super().__init__(*args, **kwargs)
+        self.doomed = 1  # its first replacement dies
 
-    def _start(self, count: int, timeout: float | None = None) -> list[Any]:
+    def _start(self, count: int, timeout: float) -> list[Any]:
         import ray
 
-        if timeout is not None and self.doomed:  # a replacement, not the pool's first workers
+        if self.doomed:
             self.doomed -= 1
             doomed = ray.remote(TrialWorker).options(num_cpus=1, max_restarts=0).remote()
             ray.kill(doomed)
@@ -38,7 +48,7 @@ def test_a_replacement_that_dies_with_its_node_is_started_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(trial_pool, "REPLACEMENT_RETRY_S", 0.1)
-    with FirstReplacementDies(1, request=ResourceRequest(cpus=1), driver_only=False) as pool:
+    with FirstReplacementDies(1, request=ONE_CPU, driver_only=False, start_timeout_s=120) as pool:
         assert pool.replace(0), "the second attempt got a worker"
         assert pool.doomed == 0
         pool.finish()  # the new worker answers
@@ -53,9 +63,8 @@ def test_a_replacement_the_cluster_has_no_room_for_closes_its_slot(
     import ray
 
     monkeypatch.setattr(trial_pool, "REPLACEMENT_WAIT_S", 3.0)
-    request = ResourceRequest(cpus=1)
-    holder = ray.remote(TrialWorker).options(**request.actor_options(), max_restarts=0)
-    with RayTrialPool(2, request=request, driver_only=False) as pool:
+    holder = ray.remote(TrialWorker).options(**ONE_CPU.actor_options(), max_restarts=0)
+    with RayTrialPool(2, request=ONE_CPU, driver_only=False, start_timeout_s=120) as pool:
         ray.kill(pool._workers[0])  # the lost worker
         squatter = holder.remote()
         try:
@@ -64,3 +73,49 @@ def test_a_replacement_the_cluster_has_no_room_for_closes_its_slot(
             pool.finish()  # the open slot answers; the closed one is skipped
         finally:
             ray.kill(squatter)
+
+
+def test_a_busy_cluster_runs_the_workers_placed_within_the_timeout_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Other work holds one of the session Ray's 2 CPUs: of 2 workers one starts; the pool
+    says what the other waits for and, at the timeout, that it runs with one."""
+    import ray
+
+    monkeypatch.setattr(trial_pool, "PLACEMENT_NOTICE_S", 1.0)
+    logger = logging.getLogger("test.trial_pool")
+    node = ray.util.get_node_ip_address()
+    with caplog.at_level(logging.WARNING, logger.name), holding_cpus(1):
+        with RayTrialPool(
+            2, request=ONE_CPU, driver_only=False, start_timeout_s=8, logger=logger
+        ) as pool:
+            assert pool.size == 1
+            pool.finish()  # the started worker answers
+    waiting, running = (r.getMessage() for r in caplog.records)  # one notice: repeats are 30 s
+    # The placed worker may still be starting at the notice: 0 or 1 of 2 have started.
+    assert re.match(r"Ray has started [01] of 2 trial worker\(s\) after \d+ s: ", waiting)
+    assert f"2 trial(s) x (1 CPU) asked; free now: node {node}: 0 of 2 CPU" in waiting
+    assert running.startswith("Running 1 trial(s) at a time, not 2")
+    assert "within 8 s (PREFECT_ML_WORKER_GROUP_START_TIMEOUT_S)" in running
+
+
+def test_a_pool_ray_cannot_place_at_all_ends_at_its_timeout_and_leaves_nothing_pending() -> None:
+    """Both CPUs held: no worker starts; the pool ends at its timeout with the request, each
+    node's free resources and the fixes, and its pending actors are gone (they would take the
+    CPUs once free, for a campaign that has ended)."""
+    import ray
+
+    started = time.monotonic()
+    with holding_cpus(2), pytest.raises(TrainingCodeError) as ended:
+        RayTrialPool(2, request=ONE_CPU, driver_only=False, start_timeout_s=4)
+    assert time.monotonic() - started < 60
+    message = str(ended.value)
+    node = ray.util.get_node_ip_address()
+    for reason in (
+        "no trial worker of the campaign started within 4 s",
+        f"2 trial(s) x (1 CPU) asked; free now: node {node}: 0 of 2 CPU",
+        "--concurrency",
+        "raise PREFECT_ML_WORKER_GROUP_START_TIMEOUT_S",
+    ):
+        assert reason in message, reason
+    wait_for(lambda: ray.available_resources().get("CPU") == 2, 60, "both CPUs free again")
