@@ -20,6 +20,8 @@ from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.shards import ArrayShard
 from tests.fixtures.user_code import blobs
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
 if TYPE_CHECKING:
     import psutil
 
@@ -54,6 +56,20 @@ def wait_while_running(
 
 def _tail(log: Path, characters: int = 4000) -> str:
     return log.read_text(errors="replace")[-characters:] if log.exists() else "(no log)"
+
+
+def start_job(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """``command`` from the checkout in its own process group, as a shell starts a job (a
+    signal to the group reaches everything it started); its output in ``log``."""
+    with log.open("wb") as output:
+        return subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def cli_env(home: Path, **settings: str) -> dict[str, str]:
@@ -229,18 +245,17 @@ class _CpuHolder:
 
 
 @contextlib.contextmanager
-def holding_cpus(count: int) -> Iterator[None]:
-    """Other work on the session Ray: ``count`` started actors holding one CPU each, killed
-    when the block ends."""
+def holding_cpus(cpus: float) -> Iterator[None]:
+    """Other work on the session Ray: a started actor holding ``cpus`` CPUs, killed when the
+    block ends."""
     import ray
 
-    holders = [ray.remote(num_cpus=1)(_CpuHolder).remote() for _ in range(count)]
+    holder = ray.remote(num_cpus=cpus)(_CpuHolder).remote()
     try:
-        ray.get([holder.ready.remote() for holder in holders], timeout=120)
+        ray.get(holder.ready.remote(), timeout=120)
         yield
     finally:
-        for holder in holders:
-            ray.kill(holder)
+        ray.kill(holder)
 
 
 def ray_train_workers() -> list[psutil.Process]:

@@ -19,7 +19,7 @@ from prefect.client.schemas.sorting import FlowRunSort
 from prefect_ml.integrations import tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
-from tests.helpers import cli_env, wait_while_running
+from tests.helpers import cli_env, holding_cpus, wait_while_running
 
 pytestmark = pytest.mark.e2e
 
@@ -126,33 +126,28 @@ def test_a_worker_group_waiting_for_resources_says_what_it_waits_for(
     once the CPU is free the training goes on and finishes."""
     import ray
 
-    @ray.remote(num_cpus=1)
-    class Holder:
-        def ready(self) -> bool:
-            return True
-
-    holder = Holder.remote()  # type: ignore[attr-defined]
-    ray.get(holder.ready.remote())
     env = cli_env(home.home_dir, PREFECT_ML_RAY_ADDRESS=ray.get_runtime_context().gcs_address)
     command = [sys.executable, "-m", "prefect_ml.flows.cli", "train", "--workers", "2"]
     command += ["--epochs", "1"]
     log_path = tmp_path / "train.log"
     (node,) = {node["NodeManagerAddress"] for node in ray.nodes()}
     notice = f"2 worker(s) x (1 CPU) asked; free now: node {node}: 1 of 2 CPU"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-    try:
-        wait_while_running(
-            process,
-            log_path,
-            lambda: notice in " ".join(log_path.read_text(errors="replace").split()),
-            300,
-            "the notice of what the worker group waits for",
-        )
-    finally:
-        ray.kill(holder)
-        returncode = process.wait(timeout=600)
+    with holding_cpus(1):
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        try:
+            wait_while_running(
+                process,
+                log_path,
+                lambda: notice in " ".join(log_path.read_text(errors="replace").split()),
+                300,
+                "the notice of what the worker group waits for",
+            )
+        except BaseException:
+            process.kill()
+            raise
+    returncode = process.wait(timeout=600)
     assert returncode == 0, log_path.read_text(errors="replace")[-3000:]
     assert "Ray has not placed the training worker group" in log_path.read_text()

@@ -32,7 +32,7 @@ from tests.e2e.ui_driver import (
     submit_run,
     wait_for_state,
 )
-from tests.helpers import cold_env, free_port, wait_for
+from tests.helpers import cold_env, free_port, start_job, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -80,18 +80,6 @@ class PrefectUI:
         )
 
 
-def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as output:
-        return subprocess.Popen(
-            command,
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
 def _wait_for_output(process: subprocess.Popen[bytes], log: Path, marker: str) -> str:
     """The process's output once it printed ``marker``; fails if it exited first."""
     wait_for(lambda: marker in log.read_text() or process.poll() is not None, 180, marker)
@@ -122,7 +110,7 @@ def prefect_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectUI]:
     # Its repossessor revokes expired concurrency leases every second instead of every 15 s
     # (test_fault_promises waits on one).
     server_env = {**env, "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "1"}
-    server = _start([str(BIN / "prefect-ml"), "ui", "--port", str(free_port())], server_env, log)
+    server = start_job([str(BIN / "prefect-ml"), "ui", "--port", str(free_port())], server_env, log)
     output = _wait_for_output(server, log, "Next, in another terminal")  # its last line
     ui_url = output.split("Prefect UI:")[1].split()[0]
     assert ui_url.startswith("http://127.0.0.1:")
@@ -219,7 +207,7 @@ def test_prefect_deploy_registers_prefect_yaml_and_a_process_worker_runs_its_dep
 
     worker_log = tmp_path / "worker.log"
     worker_command = [prefect, "worker", "start", "--pool", "ml-process"]
-    worker = _start(worker_command, prefect_ui.env, worker_log)
+    worker = start_job(worker_command, prefect_ui.env, worker_log)
     try:
         values = {
             "training": {"workers": 1, "epochs": 1},
@@ -384,7 +372,7 @@ def served(
         for k, v in prefect_ui.env.items()
         if k not in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")
     }
-    deploy = _start([str(BIN / "prefect-ml"), "deploy", "--alert-block", alert_block], env, log)
+    deploy = start_job([str(BIN / "prefect-ml"), "deploy", "--alert-block", alert_block], env, log)
     try:
         output = _wait_for_output(deploy, log, "Ctrl-C stops")
         assert f"Alerts: through custom-webhook/{alert_block}" in " ".join(output.split())

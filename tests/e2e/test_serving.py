@@ -36,7 +36,14 @@ from prefect_ml.integrations.serving import listening
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import ServeModelParams
 from tests.e2e.test_resume_after_kill import _kill_tree
-from tests.helpers import cli_env, flow_run_artifacts, free_port, register_classifier, wait_for
+from tests.helpers import (
+    cli_env,
+    flow_run_artifacts,
+    free_port,
+    holding_cpus,
+    register_classifier,
+    wait_for,
+)
 
 MAX_ROWS = 50
 MAX_BODY = 200_000
@@ -533,21 +540,17 @@ def test_replicas_that_are_never_ready_fail_the_deployment_at_its_bound(served: 
     import ray
 
     free = ray.available_resources().get("CPU", 0.0)
-    holder = ray.remote(num_cpus=free - 0.5)(_Holder).remote()
-    ray.get(holder.ready.remote())
     params = served.params(
         app_name="never-placed", route_prefix="/never-placed", replica_cpus=1, deploy_timeout_s=45
     )
     outcome: list[Any] = []
     started = time.monotonic()
-    try:
+    with holding_cpus(free - 0.5):
         thread = threading.Thread(
             target=lambda: outcome.append(serve_model(params, return_state=True)), daemon=True
         )
         thread.start()
         thread.join(timeout=240)
-    finally:
-        ray.kill(holder)
 
     assert outcome, "the deployment did not end within 240 s"
     state = outcome[0]
@@ -556,13 +559,6 @@ def test_replicas_that_are_never_ready_fail_the_deployment_at_its_bound(served: 
     assert "were not ready within 45 s (serving.deploy_timeout_s)" in message
     assert "to be scheduled" in message  # what Serve says about the replica
     assert "never-placed" not in serve.status().applications
-
-
-class _Holder:
-    """Holds CPUs while it lives."""
-
-    def ready(self) -> bool:
-        return True
 
 
 def _served_version(url: str) -> str | None:

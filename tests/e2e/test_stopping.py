@@ -33,6 +33,7 @@ from tests.helpers import (
     committed_epochs,
     free_port,
     register_classifier,
+    start_job,
     wait_for,
     wait_while_running,
 )
@@ -66,19 +67,6 @@ def _alive(pids: list[int]) -> list[str]:
         except psutil.NoSuchProcess:
             pass
     return running
-
-
-def _start(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    """The command in its own process group, as a shell starts a job; its output in the log."""
-    with log_path.open("wb") as log:
-        return subprocess.Popen(
-            command,
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
 
 
 def _none_alive(pids: list[int]) -> bool:
@@ -126,7 +114,7 @@ def test_a_stopped_training_ends_within_10_s_leaves_nothing_and_resumes(
     env = cold_env(home.home_dir) if cold else cli_env(home.home_dir)
     env["PREFECT_ML_ALLOWED_MODULES"] = "tests"
     log_path = tmp_path / "first.log"
-    first = _start(TRAIN, env, log_path)
+    first = start_job(TRAIN, env, log_path)
     storage_dir = home.home_dir / "storage"
     wait_while_running(
         first, log_path, lambda: 1 in committed_epochs(storage_dir), 400, "the epoch-1 checkpoint"
@@ -193,7 +181,7 @@ def test_a_sigkilled_serve_leaves_no_ingress_and_serving_again_stops_on_ctrl_c(
     url = f"http://127.0.0.1:{port}"
     for attempt, signum in enumerate((signal.SIGKILL, signal.SIGINT)):
         log_path = tmp_path / f"serve-{attempt}.log"
-        server = _start(command, env, log_path)
+        server = start_job(command, env, log_path)
         try:
             started = time.monotonic()
             wait_while_running(server, log_path, lambda: _serving(url), 240, "/healthz")
@@ -226,7 +214,7 @@ def test_a_sweep_stopped_by_ctrl_c_ends_within_10_s_and_resumes_to_exactly_n_tri
     n_trials = 4
     command, env = _command("stopped", n_trials), _env(home)
     log_path = tmp_path / "sweep.log"
-    first = _start(command, env, log_path)
+    first = start_job(command, env, log_path)
     try:
         wait_while_running(
             first,
