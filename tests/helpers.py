@@ -239,6 +239,19 @@ def blob_trainer(checkpoint_url: str, device: Any = None, **config: Any) -> Epoc
     )
 
 
+def latest_failed_flow_run_message() -> str:
+    """The state message of the flow run that started last on the session's Prefect API,
+    which must have failed."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        (latest,) = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)
+    assert latest.state is not None
+    assert latest.state.is_failed(), latest.state
+    return str(latest.state.message)
+
+
 class _CpuHolder:
     def ready(self) -> None:
         return None

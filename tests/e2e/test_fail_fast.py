@@ -13,13 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.sorting import FlowRunSort
 
 from prefect_ml.integrations import tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
-from tests.helpers import cli_env, holding_cpus, wait_while_running
+from tests.helpers import (
+    cli_env,
+    holding_cpus,
+    latest_failed_flow_run_message,
+    wait_while_running,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -43,14 +46,6 @@ def _train(home: PrefectMLSettings, *flags: str) -> tuple[subprocess.CompletedPr
     (training,) = tracking.client_for(home.resolved_tracking_uri).search_runs(["1"])
     assert training.info.status == "FAILED"
     return run, ended - training.info.start_time / 1000
-
-
-def _latest_flow_run_message() -> str:
-    with get_client(sync_client=True) as client:
-        (latest,) = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)
-        assert latest.state is not None
-        assert latest.state.is_failed(), latest.state
-        return str(latest.state.message)
 
 
 @pytest.mark.usefixtures("ray_cluster", "prefect_harness")
@@ -87,7 +82,7 @@ def test_a_workers_deterministic_error_ends_the_training_at_once_with_the_reason
     where = re.search(rf"worker rank \d on node {re.escape(node)}: .*? in (\w+) \(", output)
     assert where, output[-3000:]
     assert where[1] == model.rsplit(":", 1)[1], "the user's function that raised"
-    message = _latest_flow_run_message()
+    message = latest_failed_flow_run_message()
     assert reason in message and fix in message, message
     print(f"prefect-ml train ended {seconds:.1f} s after its training run started")
     assert seconds < WITHIN_S, f"ended {seconds:.0f} s after its training run started"
@@ -112,7 +107,7 @@ def test_a_request_no_node_can_hold_is_refused_before_any_compute_naming_each_no
     reason = "3 worker(s) x (2 CPU) asked, the cluster has 2 CPU in total, the largest node 2 CPU"
     for expected in (reason, "Each node's total: 2 CPU, 0 GPU"):
         assert expected in output, output[-3000:]
-        assert expected in _latest_flow_run_message()
+        assert expected in latest_failed_flow_run_message()
     client = tracking.client_for(home.resolved_tracking_uri)
     assert client.search_runs(["1"]) == [], "no training run started"
 

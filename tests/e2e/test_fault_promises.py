@@ -26,9 +26,9 @@ from prefect_ml.tasks.data import PreparedData, inspect_dataset, preprocess_data
 from prefect_ml.tasks.params import TrainModelParams, section_options
 from prefect_ml.tasks.train import TrainResult, train, train_distributed
 from tests.e2e import test_prefect_ui
-from tests.e2e.test_prefect_ui import PrefectUI, _start
+from tests.e2e.test_prefect_ui import PrefectUI
 from tests.fixtures.faulty_code import BUDGET_FILE
-from tests.helpers import committed_epochs, ray_train_workers, wait_for
+from tests.helpers import committed_epochs, ray_train_workers, start_job, wait_for
 from tests.s3 import TEST_BUCKET, MotoS3
 
 pytestmark = pytest.mark.e2e
@@ -236,7 +236,7 @@ def test_a_killed_runs_ray_slot_frees_itself(prefect_ui: PrefectUI, tmp_path: Pa
 
     def run(name: str, mode: str) -> subprocess.Popen[bytes]:
         command = [sys.executable, "-c", _SLOT_HOLDER, RAY_TAG, str(tmp_path / name), mode]
-        return _start(command, env, tmp_path / f"{name}.log")
+        return start_job(command, env, tmp_path / f"{name}.log")
 
     first = run("first", "hold")
     second: subprocess.Popen[bytes] | None = None

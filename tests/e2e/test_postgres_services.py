@@ -21,8 +21,8 @@ from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.study_claims import StudyClaim
 from prefect_ml.tasks.params import CampaignParams
 from tests.conftest import REPO_ROOT
-from tests.e2e.test_prefect_ui import BIN, _start, _stop, _wait_for_output
-from tests.helpers import cold_env, free_port
+from tests.e2e.test_prefect_ui import BIN, _stop, _wait_for_output
+from tests.helpers import cold_env, free_port, start_job
 from tests.postgres import PostgresServer
 
 pytestmark = pytest.mark.e2e
@@ -138,7 +138,7 @@ def test_prefect_ml_ui_keeps_its_flow_runs_in_postgresql(
     env = cold_env(tmp_path / "home")
     env["PREFECT_ML_PREFECT_DATABASE_URL"] = postgres_database
     log = tmp_path / "ui.log"
-    server = _start([str(BIN / "prefect-ml"), "ui", "--port", str(free_port())], env, log)
+    server = start_job([str(BIN / "prefect-ml"), "ui", "--port", str(free_port())], env, log)
     try:
         output = " ".join(
             _wait_for_output(server, log, "Next, in another terminal").split()
