@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from prefect_ml.integrations import processes, tenancy
+from prefect_ml.integrations import tenancy
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
 
 MIN_KEY_BYTES = 32  # of a signing key: guessing one is out of reach
@@ -445,6 +445,8 @@ def check_port_free(
 ) -> None:
     """Fail before starting a server whose port is taken, naming the parameter to change and
     the process that holds the port."""
+    from prefect_ml.integrations import processes  # psutil: not on a torch-only GPU machine
+
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -553,6 +555,8 @@ def check_haproxy_ports() -> None:
     left on this machine (started with our private config, no Ray worker above it), then fail
     at once when the stats or metrics port is still taken, naming the process that holds it,
     instead of HAProxy's endless "Address already in use" restarts inside Ray."""
+    from prefect_ml.integrations import processes  # psutil: not on a torch-only GPU machine
+
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         return
     if config := os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"):
