@@ -219,5 +219,5 @@ def test_prefect_ml_trains_on_a_tls_cluster_and_serves_over_https(
         if server.poll() is None:
             _kill_tree(server)
     text = log.read_text(errors="replace")
-    assert server.returncode == 0, text[-3000:]
+    assert server.returncode == 128 + signal.SIGINT, text[-3000:]  # a stopped command's status
     assert f"{url}/predict" in text, "the CLI names the https endpoint"
