@@ -51,7 +51,7 @@ from prefect_ml.integrations.catalog import build_model, enable_gradient_checkpo
 from prefect_ml.integrations.checkpoints import CheckpointStore, RetentionPolicy
 from prefect_ml.integrations.distributed_checkpoint import ShardedSnapshot
 from prefect_ml.integrations.early_stopping import EarlyStopping, History
-from prefect_ml.integrations.errors import CheckpointError, ConfigurationError
+from prefect_ml.integrations.errors import CheckpointError, ConfigurationError, ModelStepError
 from prefect_ml.integrations.shards import EpochOrder, Shard, epoch_seed, open_shard
 
 if TYPE_CHECKING:
@@ -523,6 +523,9 @@ class EpochTrainer:
                     schedule=config.pipeline_schedule,
                 )
         self.communication: model_parallel.Communication | None = None  # of one step, tp/pp
+        # A RuntimeError in the forward of this process's first step is the model's own (a
+        # shape its layers do not take): the same on every retry, so it ends the run.
+        self.stepped = False
         self.optimizer = hooks.configured_optimizer(model) or make_optimizer(
             config.optimizer, self.model.parameters(), config.lr, config.weight_decay
         )
@@ -824,14 +827,25 @@ class EpochTrainer:
                 loss = self.pipeline.train_step(features, targets)
             self.optimizer.step()
             return loss
-        with precision_context(self.config.precision, self.device):
-            if self.hooked:
-                loss = model(hooks.batch_of(self.network, features, targets), step).float()
-            else:
-                loss = self.loss(model(features), targets)
+        try:
+            with precision_context(self.config.precision, self.device):
+                if self.hooked:
+                    loss = model(hooks.batch_of(self.network, features, targets), step).float()
+                else:
+                    loss = self.loss(model(features), targets)
+        except RuntimeError as exc:
+            if self.stepped:
+                raise
+            raise ModelStepError(
+                f"the model {self.config.model} failed its first training step on this "
+                f"worker (a batch of shape {list(features.shape)}, the data's sample shape "
+                f"{list(self.config.input_shape)}): {exc}. Fix the model so that its forward "
+                "and loss run on such a batch"
+            ) from exc
         scaler.scale(loss).backward()
         scaler.step(self.optimizer)
         scaler.update()
+        self.stepped = True
         return loss.detach() if self.reports else loss.detach() * 0.0
 
     def _model_validation(self, batch_size: int) -> dict[str, torch.Tensor]:

@@ -44,3 +44,8 @@ class TrainingCodeError(PrefectMLError):
     """Training workers failed in a way every retry meets again (a worker's code raised, or
     the worker group cannot start): the run ends at once; the message names the node, the
     worker and the fix."""
+
+
+class ModelStepError(PrefectMLError, ValueError):
+    """The user's model failed its first training step (its forward or loss): an error of its
+    code that every retry meets again, not one of the machine."""

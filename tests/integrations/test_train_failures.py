@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import traceback
+from pathlib import Path
 
 import pytest
 from ray.exceptions import ActorDiedError
@@ -20,7 +21,7 @@ from ray.train.v2._internal.execution.controller.state import (
 )
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
-from prefect_ml.integrations.errors import TrainingCodeError
+from prefect_ml.integrations.errors import ModelStepError, TrainingCodeError
 from prefect_ml.integrations.resources import describe_placement
 from prefect_ml.integrations.train_failures import (
     FailFast,
@@ -29,6 +30,7 @@ from prefect_ml.integrations.train_failures import (
     deterministic,
     innermost_frame,
 )
+from tests.helpers import blob_trainer
 
 
 def test_a_python_error_of_the_workers_code_is_deterministic_a_death_or_io_error_is_not() -> None:
@@ -124,3 +126,21 @@ def test_placement_is_described_per_node() -> None:
     assert (
         describe_placement("2 CPU", 3, {}) == "3 worker(s) x (2 CPU) asked; free now: no node alive"
     )
+
+
+def test_a_model_whose_first_step_fails_on_its_shapes_is_a_deterministic_error(
+    tmp_path: Path,
+) -> None:
+    """torch raises a shape mismatch as a RuntimeError, which may also be a collective's (a
+    peer lost): in the forward of a worker's first step it is the model's, and ends the run."""
+    trainer = blob_trainer(
+        tmp_path.as_uri(), model="tests.fixtures.worker_faults:model_of_the_wrong_width"
+    )
+    with pytest.raises(ModelStepError) as failed:
+        trainer.run_epoch(1)
+    message = str(failed.value)
+    model = "the model tests.fixtures.worker_faults:model_of_the_wrong_width"
+    assert f"{model} failed its first training step on this worker" in message
+    assert "the data's sample shape [4]" in message and "mat1 and mat2" in message
+    assert deterministic({0: failed.value}) == [0]
+    assert deterministic({0: RuntimeError("mat1 and mat2 shapes cannot be multiplied")}) == []
