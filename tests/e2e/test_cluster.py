@@ -11,8 +11,10 @@ by being shipped with each job.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,8 @@ from tests.cluster import (
     run_doctor,
 )
 from tests.conftest import REPO_ROOT
-from tests.helpers import free_port, wait_for
+from tests.e2e.test_fail_fast import WITHIN_S
+from tests.helpers import free_port, latest_failed_flow_run_message, wait_for
 from tests.s3 import MotoS3
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster]
@@ -142,6 +145,38 @@ def test_workers_asking_for_a_custom_resource_land_only_on_the_node_that_has_it(
     message = " ".join((refused.stdout + refused.stderr).split())
     assert "sweep.trial_resources" in message and "0 nvme in total" in message
     assert "--trial-resources" in message
+
+
+def test_code_the_nodes_lack_ends_the_training_at_once_naming_the_nodes_and_the_fix(
+    cluster: LocalCluster, tmp_path: Path, s3_bucket: str, mlflow_s3_server: str
+) -> None:
+    """Issue 37's case: the model needs code that the driver has (the checkout's
+    ``examples.sequence``) and the nodes lack (not shipped; the folder hidden there). Every
+    worker fails the same way; the run ends within a minute of its start naming each failing
+    worker's node, the module and the fixes, in the command's output and the flow run's state
+    message. Before, Ray Train restarted the worker group for ever (controller_failure_limit -1)."""
+    env = cli_environment(cluster, tmp_path / "home", f"{s3_bucket}/lacking", mlflow_s3_server)
+    train = cli_command("train", "--experiment", "cluster-lacking", "--epochs", "1")
+    train += ["--workers", "2", "--model", "tests.fixtures.worker_faults:"]
+    train[-1] += "model_importing_a_package_the_nodes_lack"
+    train += ["--model-options", json.dumps({"module": "examples.sequence"})]
+    run = subprocess.run(train, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    ended = time.time()
+
+    output = " ".join((run.stdout + run.stderr).split())  # unwrap the console's lines
+    assert run.returncode == 1, output[-3000:]
+    reason = "ModuleNotFoundError: No module named 'examples.sequence'"
+    fixes = ("pip install", "PREFECT_ML_SHIP_CODE=always", "PREFECT_ML_ALLOWED_MODULES")
+    for expected in (reason, *fixes, "not retried"):
+        assert expected in output, output[-3000:]
+    named = set(re.findall(r"worker rank \d on node (\S+): ModuleNotFoundError", output))
+    assert named and named <= {node.ip for node in cluster.nodes}, output[-3000:]
+    assert reason in latest_failed_flow_run_message()
+    (training,) = _runs(mlflow_s3_server, "cluster-lacking")
+    assert training.info.status == "FAILED"
+    seconds = ended - training.info.start_time / 1000
+    print(f"prefect-ml train ended {seconds:.1f} s after its training run started")
+    assert seconds < WITHIN_S, f"ended {seconds:.0f} s after its training run started"
 
 
 def test_the_pipeline_runs_on_the_cluster_and_survives_a_lost_node(
