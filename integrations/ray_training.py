@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING, Any
 from prefect_ml.integrations import collectives, storage, tracking
 from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig, train_epochs
 from prefect_ml.integrations.errors import TrainingCodeError
-from prefect_ml.integrations.resources import describe_placement, free_per_node
+from prefect_ml.integrations.resources import (
+    PLACEMENT_NOTICE_S,
+    PLACEMENT_REPEAT_S,
+    describe_placement,
+    free_per_node,
+)
 from prefect_ml.integrations.settings import get_settings
 
 if TYPE_CHECKING:
@@ -79,11 +84,10 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
 def placement_watch(
     request: ResourceRequest,
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
-    notice_s: float = 5.0,
-    repeat_s: float = 30.0,
 ) -> Iterator[None]:
-    """While a fit runs: a worker group that Ray has not placed ``notice_s`` after asking is
-    logged with what it asks and what each node has free, every ``repeat_s`` until placed,
+    """While a fit runs: a worker group that Ray has not placed ``PLACEMENT_NOTICE_S`` after
+    asking is logged with what it asks and what each node has free, every
+    ``PLACEMENT_REPEAT_S`` until placed,
     instead of a silent ``training 0/N``. The fit's group is a placement group that appeared
     after the watch began and is pending."""
     import ray.util
@@ -102,8 +106,8 @@ def placement_watch(
                 if pg_id not in before and info["state"] == "PENDING"
             }
             pending_since = {pg: pending_since.get(pg, now) for pg in pending}
-            waited = [pg for pg, since in pending_since.items() if now - since >= notice_s]
-            if waited and now - last_notice >= repeat_s:
+            waited = [pg for pg, t in pending_since.items() if now - t >= PLACEMENT_NOTICE_S]
+            if waited and now - last_notice >= PLACEMENT_REPEAT_S:
                 last_notice = now
                 logger.warning(
                     "Ray has not placed the training worker group for %.0f s: %s. It waits "

@@ -152,6 +152,13 @@ def free_per_node() -> dict[str, dict[str, tuple[float, float]]]:
     }
 
 
+# Work that Ray has not placed this long after it was asked for (a training's worker group, a
+# campaign's trial workers) is reported with what it asks and what each node has free, and again
+# every PLACEMENT_REPEAT_S while it waits: a user sees why nothing moves.
+PLACEMENT_NOTICE_S = 5.0
+PLACEMENT_REPEAT_S = 30.0
+
+
 def describe_placement(
     request: str,
     count: int,

@@ -87,13 +87,11 @@ def _error_text(error: BaseException) -> str:
 def innermost_frame(traceback_text: str) -> str:
     """``"build (/path/models.py:12)"``: the innermost frame of a formatted traceback that is
     not Python's or an installed package's (where the user's code raised), or ""."""
-    library = (sysconfig.get_paths()["stdlib"], "/site-packages/", "<")
+    stdlib = sysconfig.get_paths()["stdlib"]
     frames = [
         frame
         for frame in _FRAME.finditer(traceback_text)
-        if not frame["file"].startswith(library[0])
-        and library[1] not in frame["file"]
-        and not frame["file"].startswith(library[2])
+        if not frame["file"].startswith((stdlib, "<")) and "/site-packages/" not in frame["file"]
     ]
     if not frames:
         return ""

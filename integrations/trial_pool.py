@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from prefect_ml.integrations.errors import TrainingCodeError
 from prefect_ml.integrations.resources import (
+    PLACEMENT_NOTICE_S,
+    PLACEMENT_REPEAT_S,
     ResourceRequest,
     cluster_nodes,
     describe_placement,
@@ -35,11 +37,6 @@ REPLACEMENT_WAIT_S = 60.0
 # with it: it is tried this many times, this far apart.
 REPLACEMENT_ATTEMPTS = 3
 REPLACEMENT_RETRY_S = 2.0
-# Workers that Ray has not started this long after they were asked for are reported with what
-# they ask and what each node has free, again every PLACEMENT_REPEAT_S (as a training's group is,
-# ray_training.placement_watch), instead of a campaign that waits in silence.
-PLACEMENT_NOTICE_S = 5.0
-PLACEMENT_REPEAT_S = 30.0
 TIMEOUT_SETTING = "PREFECT_ML_WORKER_GROUP_START_TIMEOUT_S"
 
 Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
