@@ -168,7 +168,7 @@ def print_outcome(outcome: Any) -> None:
     table.add_column("value")
     for name, value in outcome.evaluation.metrics.items():
         table.add_row(f"test {name}", f"{value:.4f}")
-    from prefect_ml.tasks.report import training_notes  # imports Prefect: not at module load
+    from prefect_ml.tasks.register import training_notes  # imports Prefect: not at module load
 
     registration, trained = outcome.registration, outcome.trained
     table.add_row("model version", f"{registration.model_name} v{registration.version}")

@@ -1,4 +1,5 @@
-"""The registry step: log the model, register a version, move the alias only if it is better."""
+"""The registry step: log the model, register a version, move the alias only if it is better,
+and publish the training summary a person reads (markdown, metrics table, links)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prefect import get_run_logger, task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
@@ -17,7 +19,6 @@ from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.problems import Direction
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.evaluate import Evaluation
-from prefect_ml.tasks.report import publish_summary_artifacts
 from prefect_ml.tasks.train import TrainResult, current_flow_run_id, trained_model
 
 __all__ = ["Registration", "register"]
@@ -209,6 +210,102 @@ def register_model(
         promoted=decision.promoted,
         reason=decision.reason,
         previous_champion=decision.previous_version,
+    )
+
+
+def summary_markdown(
+    trained: TrainResult,
+    evaluation: Evaluation,
+    registration: Registration,
+    run_link: str,
+    version_link: str,
+) -> str:
+    metric_rows = (
+        "\n".join(f"| test {name} | {value:.4f} |" for name, value in evaluation.metrics.items())
+        + "\n"
+        + "\n".join(
+            f"| last epoch {name} | {value:.4f} |" for name, value in trained.epoch_metrics.items()
+        )
+    )
+    resumed = (
+        f"resumed from epoch {trained.resumed_from_epoch}"
+        if trained.resumed_from_epoch
+        else "from scratch"
+    )
+    if trained.early_stopped:
+        resumed += f"; early stopping ended it at {trained.early_stopped}"
+    outcome_notes = "".join(
+        f"\n- **{label}**: {text}" for label, text in training_notes(trained, registration)
+    )
+    verdict = "**promoted**" if registration.promoted else "**not promoted**"
+    if trained.reused:
+        verdict = "**reused**"
+    data = trained.data
+    layout_note = (
+        "Parquet shards streamed by the workers"
+        if data.layout == "parquet"
+        else "arrays each worker reads whole"
+    )
+    return f"""# Training summary
+
+| metric | value |
+|---|---|
+{metric_rows}
+
+- **Data**: fingerprint `{data.fingerprint}`, rows {data.rows}, splits at `{data.splits_url}`
+  ({data.layout}: {layout_note})
+- **Training**: {trained.final_epoch} epochs ({resumed}), checkpoints at `{trained.checkpoint_url}`
+- **MLflow run**: [{trained.run_id}]({run_link})
+- **Model**: [`{registration.model_uri}`]({version_link})
+- **Alias `{registration.alias}`**: {verdict} — {registration.reason}{outcome_notes}
+"""
+
+
+def training_notes(trained: TrainResult, registration: Registration) -> list[tuple[str, str]]:
+    """What a summary adds about early stopping and reuse, as (label, text) lines."""
+    notes = [("Evaluated epoch", f"{trained.best_epoch} (its checkpoint is the registered model)")]
+    if trained.reused:
+        notes.append(
+            (
+                "Reused",
+                f"MLflow run {trained.run_id} and {registration.model_name} "
+                f"v{registration.version} were already trained and registered for this identity; "
+                "nothing was trained again (--force trains a new run)",
+            )
+        )
+    return notes
+
+
+def publish_summary_artifacts(
+    trained: TrainResult, evaluation: Evaluation, registration: Registration
+) -> None:
+    """Markdown summary, a metrics table and a link to the MLflow run on the current flow run."""
+    settings = get_settings()
+    uri = settings.resolved_tracking_uri
+    run_link = tracking.run_url(uri, trained.experiment_id, trained.run_id)
+    version_link = tracking.model_version_url(uri, registration.model_name, registration.version)
+    create_markdown_artifact(
+        summary_markdown(trained, evaluation, registration, run_link, version_link),
+        key="training-summary",
+        description=f"{registration.model_name} v{registration.version}",
+    )
+    create_table_artifact(
+        [
+            {"metric": f"test_{name}", "value": round(value, 6)}
+            for name, value in evaluation.metrics.items()
+        ]
+        + [
+            {"metric": "model_version", "value": registration.version},
+            {"metric": "promoted", "value": str(registration.promoted)},
+        ],
+        key="test-metrics",
+        description="Held-out test metrics and the registry decision",
+    )
+    create_link_artifact(run_link, link_text=f"MLflow run {trained.run_id}", key="mlflow-run")
+    create_link_artifact(
+        version_link,
+        link_text=f"{registration.model_name} v{registration.version} in the MLflow registry",
+        key="registered-model",
     )
 
 

@@ -15,8 +15,7 @@ from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.data import PreparedData
 from prefect_ml.tasks.evaluate import Evaluation
 from prefect_ml.tasks.params import TrainModelParams
-from prefect_ml.tasks.register import Registration
-from prefect_ml.tasks.report import publish_summary_artifacts
+from prefect_ml.tasks.register import Registration, publish_summary_artifacts
 from prefect_ml.tasks.train import (
     RESUMED_FROM_TAG,
     TrainResult,
