@@ -6,10 +6,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from prefect_ml.integrations.config import Role, fields_with, searchable
 from prefect_ml.tasks.params import (
     CampaignParams,
+    ModelParams,
     PipelineParams,
     SweepParams,
+    TrainingParams,
     TrainModelParams,
     with_trial_values,
 )
@@ -153,6 +156,29 @@ def test_early_stopping_and_force_are_not_searchable(name: str) -> None:
     space = {name: {"type": "int", "low": 0, "high": 3}}
     with pytest.raises(ValidationError, match=f"'{name}' is not a tunable parameter"):
         SweepParams.model_validate({"search_space": space})
+
+
+def test_the_role_marked_on_a_field_decides_the_run_identity_and_the_search_space() -> None:
+    """One mark, two readers: a run's identity holds exactly the training fields a campaign may
+    tune, and every field marked with a role is refused in a search space."""
+    tunable = searchable(ModelParams) | searchable(TrainingParams)
+    assert tunable == {
+        *("hidden", "depth", "channels", "dropout"),
+        *("epochs", "batch_size", "lr", "optimizer", "weight_decay", "scheduler", "seed"),
+        "precision",
+    }
+    assert set(TrainingParams().identity()) == searchable(TrainingParams)
+    assert fields_with(TrainingParams, Role.EARLY_STOPPING) == {
+        "early_stopping_patience",
+        "early_stopping_min_delta",
+        "early_stopping_metric",
+    }
+    marked = fields_with(ModelParams, *Role) | fields_with(TrainingParams, *Role)
+    assert {"model", "workers", "use_gpu", "strategy", "force"} <= marked
+    for name in marked:
+        space = {name: {"type": "categorical", "choices": [1]}}
+        with pytest.raises(ValidationError, match=f"'{name}' is not a tunable parameter"):
+            SweepParams.model_validate({"search_space": space})
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,255 @@
+"""The sweep section: what a campaign searches, how it chooses, its budget and its width.
+
+The search space names model and training fields; those a campaign may tune are the ones that
+carry no :class:`~prefect_ml.integrations.config.Role` (operational, early stopping, not
+searchable).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from prefect_ml.integrations import problems
+from prefect_ml.integrations.config._base import Section, searchable
+from prefect_ml.integrations.config.model import ModelParams
+from prefect_ml.integrations.config.resources import (
+    CustomResources,
+    accelerator_field,
+    memory_field,
+    resources_field,
+    to_bytes,
+)
+from prefect_ml.integrations.config.training import TrainingParams
+from prefect_ml.integrations.resources import ResourceRequest, custom_resources
+
+EPOCH_METRICS = tuple(problems.EPOCH_METRICS)  # of every task type; each flow checks its own
+
+
+# Grid search: values per dimension and trials in the whole grid, checked before any is built
+# (Optuna's GridSampler holds every combination in memory).
+MAX_GRID_POINTS = 10_000
+MAX_GRID_TRIALS = 100_000
+
+
+class SearchDimension(Section):
+    """One tuned parameter: a float or int range, or a list of choices."""
+
+    type: Literal["float", "int", "categorical"] = Field(
+        title="Type", description="'float' and 'int' are ranges [low, high]; 'categorical' picks."
+    )
+    low: float | None = Field(None, title="Low", description="Lower bound (float and int).")
+    high: float | None = Field(None, title="High", description="Upper bound (float and int).")
+    log: bool = Field(False, title="Log scale", description="Sample on a log scale (low > 0).")
+    step: float | None = Field(
+        None, gt=0, title="Step", description="Grid step (int and float; required by 'grid')."
+    )
+    choices: list[str | int | float | bool] | None = Field(
+        None, title="Choices", description="Values of a 'categorical' dimension."
+    )
+
+    @model_validator(mode="after")
+    def _check_dimension(self) -> SearchDimension:
+        if self.type == "categorical":
+            if not self.choices:
+                raise ValueError("choices must be a non-empty list for a 'categorical' dimension")
+            return self
+        if self.low is None or self.high is None:
+            raise ValueError(f"a '{self.type}' dimension needs both low and high")
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low:g}) must be smaller than high ({self.high:g})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log scale needs low > 0 (got low={self.low:g})")
+        if self.log and self.step is not None:
+            raise ValueError("log and step cannot be combined")
+        return self
+
+    def candidate_values(self) -> list[Any]:
+        """Values that must all be valid training parameters: the bounds or every choice."""
+        if self.type == "categorical":
+            return list(self.choices or [])
+        assert self.low is not None and self.high is not None  # checked by the validator
+        if self.type == "int":
+            return [int(self.low), int(self.high)]
+        return [self.low, self.high]
+
+    def grid_size(self) -> int:
+        """How many values a grid search visits, counted without building them."""
+        if self.type == "categorical":
+            return len(self.choices or [])
+        assert self.low is not None and self.high is not None
+        if self.step is None and self.type == "float":
+            raise ValueError("a float dimension needs a step for grid search")
+        step = self.step or 1
+        if self.type == "int" and step != int(step):
+            raise ValueError(f"an int dimension's step must be a whole number (got {step:g})")
+        span = (self.high - self.low) / step  # inf for a range beyond float's: capped below
+        return int(min(span, float(2**62)) + 1e-9) + 1
+
+    def grid(self) -> list[Any]:
+        """Every value a grid search visits (at most :data:`MAX_GRID_POINTS`)."""
+        size = self.grid_size()
+        if size > MAX_GRID_POINTS:
+            raise ValueError(
+                f"the grid has {size:,} values, more than {MAX_GRID_POINTS:,}; raise its step or "
+                "narrow low and high"
+            )
+        if self.type == "categorical":
+            return list(self.choices or [])
+        assert self.low is not None and self.high is not None
+        if self.type == "int":
+            return list(range(int(self.low), int(self.high) + 1, int(self.step or 1)))
+        assert self.step is not None
+        return [self.low + i * self.step for i in range(size)]
+
+
+def default_search_space() -> dict[str, SearchDimension]:
+    return {
+        "lr": SearchDimension(type="float", low=1e-4, high=1e-1, log=True),
+        "hidden": SearchDimension(type="int", low=32, high=256),
+        "dropout": SearchDimension(type="float", low=0.0, high=0.5),
+        "optimizer": SearchDimension(type="categorical", choices=["adam", "sgd"]),
+    }
+
+
+class SweepParams(Section):
+    """The campaign: what to search, how to choose, how much to spend and how wide to run."""
+
+    campaign: str = Field(
+        "default",
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        title="Campaign name",
+        description="Names the Optuna study; running the same name again continues it.",
+    )
+    search_space: dict[str, SearchDimension] = Field(
+        default_factory=default_search_space,
+        title="Search space",
+        description='Tuned parameters, e.g. {"lr": {"type": "float", "low": 1e-4, "high": 0.1, '
+        '"log": true}}; names are model or training parameters.',
+    )
+    objectives: dict[str, Literal["maximize", "minimize"]] = Field(
+        default_factory=lambda: {"val_accuracy": "maximize"},  # type: ignore[arg-type,return-value]
+        title="Objectives",
+        description="Validation metric(s) of the last epoch and their direction "
+        f"({', '.join(EPOCH_METRICS)}); several give a Pareto front.",
+    )
+    sampler: Literal["tpe", "random", "cmaes", "grid"] = Field(
+        "tpe", title="Sampler", description="How Optuna proposes the next trial."
+    )
+    sampler_seed: int | None = Field(0, title="Sampler seed", description="Seed of the sampler.")
+    pruner: Literal["median", "hyperband", "successive_halving", "none"] = Field(
+        "median",
+        title="Pruner",
+        description="Stops unpromising trials early (single objective only).",
+    )
+    n_trials: int | None = Field(
+        20, ge=1, title="Trials", description="Trials to finish (completed, pruned or failed)."
+    )
+    timeout_seconds: float | None = Field(
+        None, gt=0, title="Timeout (s)", description="Stop starting new trials after this long."
+    )
+    concurrency: int = Field(2, ge=1, title="Concurrency", description="Trials run in parallel.")
+    trial_cpus: float = Field(1.0, gt=0, title="CPUs per trial", description="CPUs per trial.")
+    trial_gpus: float = Field(
+        0.0, ge=0, title="GPUs per trial", description="GPUs per trial (per worker with >1)."
+    )
+    trial_accelerator_type: str | None = accelerator_field(
+        "GPU type per trial", "trials", "trial_gpus"
+    )
+    trial_memory_gb: float | None = memory_field(
+        "Memory per trial (GB)", "each trial (each worker with >1)"
+    )
+    trial_resources: CustomResources = resources_field("Custom resources per trial", "trials")
+    trial_workers: int = Field(
+        1,
+        ge=1,
+        title="Workers per trial",
+        description="1: a trial trains in one warm process; >1: each trial is a Ray Train run.",
+    )
+    max_consecutive_failures: int = Field(
+        10,
+        ge=1,
+        title="Failures in a row",
+        description="Stop the campaign after this many trials in a row failed.",
+    )
+    stop_at: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        title="Stop at value",
+        description="Start no more trials once an epoch reaches this value of the first "
+        "objective (e.g. 0.97 val_accuracy); running trials finish.",
+    )
+
+    @model_validator(mode="after")
+    def _check_sweep(self) -> SweepParams:
+        if self.n_trials is None and self.timeout_seconds is None:
+            raise ValueError("set a budget: n_trials and/or timeout_seconds")
+        if not self.search_space:
+            raise ValueError("search_space is empty; name at least one parameter to tune")
+        if not self.objectives:
+            raise ValueError("objectives is empty; e.g. {'val_accuracy': 'maximize'}")
+        unknown = [name for name in self.objectives if name not in EPOCH_METRICS]
+        if unknown:
+            raise ValueError(f"unknown objective {unknown}; choose from {list(EPOCH_METRICS)}")
+        if len(self.objectives) > 1 and "pruner" in self.model_fields_set and self.pruner != "none":
+            raise ValueError("pruning needs a single objective; set --pruner none")
+        if self.trial_accelerator_type and not self.trial_gpus:
+            raise ValueError("trial_accelerator_type places GPU trials: set --trial-gpus as well")
+        trials = 1
+        for name, dimension in self.search_space.items():
+            _check_searchable(name, dimension)
+            if self.sampler == "grid":
+                try:
+                    trials *= len(dimension.grid())
+                except ValueError as exc:
+                    raise ValueError(f"search_space.{name}: {exc}") from exc
+        if trials > MAX_GRID_TRIALS:
+            sizes = {name: d.grid_size() for name, d in self.search_space.items()}
+            raise ValueError(
+                f"search_space: the grid has {trials:,} combinations {sizes}, more than "
+                f"{MAX_GRID_TRIALS:,}; coarsen the largest dimension"
+            )
+        return self
+
+    @property
+    def effective_pruner(self) -> str:
+        return self.pruner if len(self.objectives) == 1 else "none"
+
+    def trial_request(self) -> ResourceRequest:
+        """What one trial process (or, with several workers, each of its workers) reserves."""
+        return ResourceRequest(
+            cpus=self.trial_cpus,
+            gpus=self.trial_gpus,
+            accelerator_type=self.trial_accelerator_type,
+            memory_bytes=to_bytes(self.trial_memory_gb),
+            custom=custom_resources(self.trial_resources),
+        )
+
+
+# The sections a campaign searches, by name: its fields that carry no role are tunable.
+SEARCHABLE_SECTIONS: dict[str, type[Section]] = {"model": ModelParams, "training": TrainingParams}
+
+
+def section_of(name: str) -> str | None:
+    """The searchable section (``model`` or ``training``) that has a field ``name``."""
+    return next((s for s, m in SEARCHABLE_SECTIONS.items() if name in m.model_fields), None)
+
+
+def _check_searchable(name: str, dimension: SearchDimension) -> None:
+    """``name`` is a tunable model or training field and every candidate value is valid for it."""
+    section = section_of(name)
+    if section is None or name not in searchable(SEARCHABLE_SECTIONS[section]):
+        tunable = sorted(n for m in SEARCHABLE_SECTIONS.values() for n in searchable(m))
+        raise ValueError(f"search_space: '{name}' is not a tunable parameter; use one of {tunable}")
+    model = SEARCHABLE_SECTIONS[section]
+    for value in dimension.candidate_values():
+        try:
+            model.model_validate({name: value})
+        except ValidationError as exc:
+            problem = exc.errors()[0]["msg"]
+            raise ValueError(
+                f"search_space.{name}: {value!r} is not a valid {name}: {problem}"
+            ) from None
