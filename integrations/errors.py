@@ -1,4 +1,5 @@
-"""The one error root of prefect-ml and its few specific kinds."""
+"""The one error root of prefect-ml and its few specific kinds, and which errors of a worker's
+code every retry meets again (what a Ray Train run and a campaign's trial pool do not retry)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,34 @@ class TrainingCodeError(PrefectMLError):
 class ModelStepError(PrefectMLError, ValueError):
     """The user's model failed its first training step (its forward or loss): an error of its
     code that every retry meets again, not one of the machine."""
+
+
+# Errors of a worker's own code that the same code raises again on every attempt. Errors of
+# the machine (OSError: storage, network, timeouts) and of torch.distributed (RuntimeError:
+# a peer that died) are not among them.
+DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (
+    ImportError,
+    SyntaxError,
+    NameError,
+    AttributeError,
+    TypeError,
+    ValueError,
+    LookupError,
+    ArithmeticError,
+    AssertionError,
+    NotImplementedError,
+    ConfigurationError,
+)
+
+
+def fix_for(error: BaseException, code: str) -> str:
+    """What the user does about a worker's deterministic ``error`` in ``code`` (the model)."""
+    if isinstance(error, ImportError):
+        module = getattr(error, "name", None) or "the module"
+        return (
+            f"{module} cannot be imported on that node: install it there (pip install ... on "
+            "every node, or in the nodes' image), or let the job ship it "
+            "(PREFECT_ML_SHIP_CODE=always, and a module of your own listed in "
+            "PREFECT_ML_ALLOWED_MODULES)"
+        )
+    return f"fix {code} so that it runs on the workers"

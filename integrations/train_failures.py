@@ -35,29 +35,13 @@ from ray.train.v2._internal.execution.controller.state import (
 )
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
-from prefect_ml.integrations.errors import ConfigurationError, TrainingCodeError
+from prefect_ml.integrations.errors import DETERMINISTIC_ERRORS, TrainingCodeError, fix_for
 from prefect_ml.integrations.resources import describe_placement, free_per_node
 
 if TYPE_CHECKING:
     from ray.train.v2._internal.execution.controller.state import TrainControllerState
     from ray.train.v2._internal.execution.worker_group import WorkerGroup, WorkerGroupPollStatus
 
-# Errors of a worker's own code that the same code raises again on every attempt. Errors of
-# the machine (OSError: storage, network, timeouts) and of torch.distributed (RuntimeError:
-# a peer that died) are not among them.
-DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (
-    ImportError,
-    SyntaxError,
-    NameError,
-    AttributeError,
-    TypeError,
-    ValueError,
-    LookupError,
-    ArithmeticError,
-    AssertionError,
-    NotImplementedError,
-    ConfigurationError,
-)
 # Worker failures that are a process or node going away: retried, and the other ranks' errors
 # in the same poll may be its collateral (a collective that lost its peer).
 DEATHS = (RayActorError, WorkerHealthCheckFailedError)
@@ -107,19 +91,6 @@ def deterministic(failures: Mapping[int, BaseException]) -> list[int]:
     return sorted(
         rank for rank, error in failures.items() if isinstance(error, DETERMINISTIC_ERRORS)
     )
-
-
-def fix_for(error: BaseException, code: str) -> str:
-    """What the user does about a worker's deterministic ``error`` in ``code`` (the model)."""
-    if isinstance(error, ImportError):
-        module = getattr(error, "name", None) or "the module"
-        return (
-            f"{module} cannot be imported on that node: install it there (pip install ... on "
-            "every node, or in the nodes' image), or let the job ship it "
-            "(PREFECT_ML_SHIP_CODE=always, and a module of your own listed in "
-            "PREFECT_ML_ALLOWED_MODULES)"
-        )
-    return f"fix {code} so that it runs on the workers"
 
 
 def code_failure_message(failures: list[WorkerFailure], code: str, attempt_note: str) -> str:
