@@ -28,14 +28,15 @@ from prefect_ml.integrations.epoch_trainer import (
     make_optimizer,
 )
 from prefect_ml.integrations.errors import (
+    DETERMINISTIC_ERRORS,
     CheckpointError,
     PrefectMLError,
     TrainingCodeError,
+    fix_for,
 )
 from prefect_ml.integrations.ray_training import fit
 from prefect_ml.integrations.resources import ResourceRequest
 from prefect_ml.integrations.shards import Shard, open_shard
-from prefect_ml.integrations.train_failures import DETERMINISTIC_ERRORS, fix_for
 
 
 @dataclass(frozen=True)
