@@ -12,16 +12,19 @@ import logging
 import math
 import time
 import warnings
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import optuna
-
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.libraries import lazy_import
 from prefect_ml.integrations.redaction import masked
 
 if TYPE_CHECKING:
+    import optuna
     from matplotlib.figure import Figure
+else:
+    optuna = lazy_import("optuna")  # about a second: when a campaign runs, not with the flows
 
 logger = logging.getLogger(__name__)
 
@@ -66,23 +69,17 @@ def storage_for(url: str) -> optuna.storages.BaseStorage:
 
 def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Optuna distributions from the validated, declarative search space."""
-    from optuna.distributions import (
-        CategoricalDistribution,
-        FloatDistribution,
-        IntDistribution,
-    )
-
     made: dict[str, Any] = {}
     for name, spec in search_space.items():
         if spec["type"] == "categorical":
-            made[name] = CategoricalDistribution(spec["choices"])
+            made[name] = optuna.distributions.CategoricalDistribution(spec["choices"])
         elif spec["type"] == "int":
             step = int(spec.get("step") or 1)
-            made[name] = IntDistribution(
+            made[name] = optuna.distributions.IntDistribution(
                 int(spec["low"]), int(spec["high"]), log=spec["log"], step=step
             )
         else:
-            made[name] = FloatDistribution(
+            made[name] = optuna.distributions.FloatDistribution(
                 spec["low"], spec["high"], log=spec["log"], step=spec.get("step")
             )
     return made
@@ -97,19 +94,24 @@ def make_sampler(
     if name == "cmaes":
         return optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False)
     if name == "grid":
-        return AskTellGridSampler(grid or {}, seed=seed)
+        return ask_tell_grid_sampler()(grid or {}, seed=seed)
     return optuna.samplers.TPESampler(seed=seed)
 
 
-class AskTellGridSampler(optuna.samplers.GridSampler):
-    """Optuna's grid sampler without its ``study.stop()`` once the grid is exhausted.
+@cache
+def ask_tell_grid_sampler() -> type[optuna.samplers.GridSampler]:
+    """Optuna's grid sampler without its ``study.stop()`` once the grid is exhausted (a class
+    made on first use: its base class is Optuna's).
 
     ``stop()`` only works inside ``study.optimize``; with ask/tell it raises. The campaign caps
     its budget at the grid's size instead.
     """
 
-    def after_trial(self, *args: Any, **kwargs: Any) -> None:
-        return None
+    class AskTellGridSampler(optuna.samplers.GridSampler):
+        def after_trial(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    return AskTellGridSampler
 
 
 def make_pruner(name: str, max_epochs: int) -> optuna.pruners.BasePruner:
@@ -167,14 +169,12 @@ def open_study(
 
 def check_search_space(study: optuna.Study, space: dict[str, Any]) -> None:
     """Refuse a search space the study's existing trials contradict (changed choices, log...)."""
-    from optuna.distributions import check_distribution_compatibility
-
     for trial in study.get_trials(deepcopy=False):
         for name, distribution in trial.distributions.items():
             if name not in space:
                 continue
             try:
-                check_distribution_compatibility(distribution, space[name])
+                optuna.distributions.check_distribution_compatibility(distribution, space[name])
             except ValueError as exc:
                 raise ConfigurationError(
                     f"sweep.search_space.{name}",
@@ -193,13 +193,11 @@ def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.trial.
     checkpoints. Interrupted attempts do not count toward the budget; their retries do. After
     ``MAX_ATTEMPTS`` the trial is not queued again (returns False): the caller fails it for good.
     """
-    from optuna.trial import TrialState
-
     attempt = int(trial.user_attrs.get(ATTEMPT_ATTR, 1))
     if attempt >= MAX_ATTEMPTS:
         return False
     study._storage.set_trial_user_attr(trial._trial_id, INTERRUPTED_ATTR, True)
-    study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+    study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
     study.enqueue_trial(
         trial.params, user_attrs={ROOT_ATTR: root_trial(trial), ATTEMPT_ATTR: attempt + 1}
     )
@@ -208,25 +206,21 @@ def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.trial.
 
 def recover_interrupted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """Requeue the trials a dead coordinator left RUNNING (see :func:`requeue`)."""
-    from optuna.trial import TrialState
-
-    interrupted = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    interrupted = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
     for trial in interrupted:
         if not requeue(study, trial):
             study._storage.set_trial_user_attr(
                 trial._trial_id, ERROR_ATTR, f"interrupted {MAX_ATTEMPTS} times"
             )
-            study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+            study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
     return interrupted
 
 
 def counts_toward_budget(trial: optuna.trial.FrozenTrial) -> bool:
     """Completed, pruned and failed-on-its-own trials are finished; interrupted ones are not."""
-    from optuna.trial import TrialState
-
-    if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
+    if trial.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED):
         return True
-    if trial.state != TrialState.FAIL:
+    if trial.state != optuna.trial.TrialState.FAIL:
         return False
     return not (trial.user_attrs.get(INTERRUPTED_ATTR) or trial.user_attrs.get(NOT_STARTED_ATTR))
 
@@ -241,9 +235,7 @@ def grid_size(grid: dict[str, list[Any]]) -> int:
 
 def best_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """The best trial (one objective) or the Pareto front (several); empty if none completed."""
-    from optuna.trial import TrialState
-
-    if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+    if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         return []
     return list(study.best_trials) if len(study.directions) > 1 else [study.best_trial]
 
