@@ -82,9 +82,12 @@ CHAOS_ARGS ?= --kills 50
 chaos: $(STAMP)
 	$(VENV)/bin/python benchmarks/chaos.py $(CHAOS_ARGS)
 
+# ruff, mypy, and the import contracts of pyproject.toml (layers, no cycles, who imports each
+# external system).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy prefect_ml
+	$(VENV)/bin/lint-imports --no-cache
 
 clean:
 	rm -rf .prefect-ml
