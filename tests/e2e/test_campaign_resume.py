@@ -57,7 +57,7 @@ def _command(campaign: str, n_trials: int, *extra: str) -> list[str]:
 
 
 def _env(home: PrefectMLSettings) -> dict[str, str]:
-    return cli_env(home.home_dir, PREFECT_ML_LOCAL_RAY_CPUS="2")
+    return cli_env(home.home_dir, own_ray=True, PREFECT_ML_LOCAL_RAY_CPUS="2")
 
 
 def _trials(home: PrefectMLSettings, campaign: str) -> list[optuna.trial.FrozenTrial]:

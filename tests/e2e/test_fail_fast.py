@@ -35,9 +35,8 @@ WITHIN_S = 60.0
 def _train(home: PrefectMLSettings, *flags: str) -> tuple[subprocess.CompletedProcess[str], float]:
     """``prefect-ml train`` on the session's Ray and Prefect server; its run, and the seconds
     from its training run's start to the command's end."""
-    import ray
 
-    env = cli_env(home.home_dir, PREFECT_ML_RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    env = cli_env(home.home_dir)
     command = [sys.executable, "-m", "prefect_ml.flows.cli", "train", "--epochs", "2", *flags]
     run = subprocess.run(
         command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
@@ -99,9 +98,8 @@ def test_a_request_no_node_can_hold_is_refused_before_any_compute_naming_each_no
     home: PrefectMLSettings,
 ) -> None:
     """3 workers x 2 CPUs on the session's one node of 2 CPUs: refused at the flow's start."""
-    import ray
 
-    env = cli_env(home.home_dir, PREFECT_ML_RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    env = cli_env(home.home_dir)
     command = [sys.executable, "-m", "prefect_ml.flows.cli", "train", "--workers", "3"]
     command += ["--cpus-per-worker", "2"]
     run = subprocess.run(
@@ -127,7 +125,7 @@ def test_a_worker_group_waiting_for_resources_says_what_it_waits_for(
     once the CPU is free the training goes on and finishes."""
     import ray
 
-    env = cli_env(home.home_dir, PREFECT_ML_RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    env = cli_env(home.home_dir)
     command = [sys.executable, "-m", "prefect_ml.flows.cli", "train", "--workers", "2"]
     command += ["--epochs", "1"]
     log_path = tmp_path / "train.log"

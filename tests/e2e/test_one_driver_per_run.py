@@ -22,6 +22,7 @@ EPOCHS = 2
 MODEL = "tests.fixtures.user_code:slow_model"
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_second_driver_of_a_running_training_is_refused(
     home: PrefectMLSettings, tmp_path: Path
 ) -> None:

@@ -60,7 +60,7 @@ def _kill_tree(process: subprocess.Popen[bytes]) -> None:
 def test_killed_process_resumes_from_last_verified_checkpoint(
     home: PrefectMLSettings, tmp_path: Path
 ) -> None:
-    env = cli_env(home.home_dir)
+    env = cli_env(home.home_dir, own_ray=True)
     log = (tmp_path / "first.log").open("wb")
     first = subprocess.Popen(FIRST, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     storage_dir = home.home_dir / "storage"

@@ -584,6 +584,7 @@ def test_the_cli_serves_in_the_foreground_follows_the_alias_and_stops_on_ctrl_c(
     port = free_port()
     env = cli_env(
         served.settings.home_dir,
+        own_ray=True,
         PREFECT_ML_LOCAL_RAY_CPUS="2",
         # A second Ray on this host: keep its Serve ports apart from the session Ray's.
         RAY_SERVE_FALLBACK_PROXY_HTTP_PORT=str(free_port()),

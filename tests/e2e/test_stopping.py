@@ -111,7 +111,7 @@ def test_a_stopped_training_ends_within_10_s_leaves_nothing_and_resumes(
     """Before: Ctrl-C left the CLI printing ConnectError for minutes (the ephemeral API had died
     with the group, Ray Train's SIGINT handler only aborted the fit); SIGTERM left the
     ephemeral API running as an orphan."""
-    env = cold_env(home.home_dir) if cold else cli_env(home.home_dir)
+    env = cold_env(home.home_dir) if cold else cli_env(home.home_dir, own_ray=True)
     env["PREFECT_ML_ALLOWED_MODULES"] = "tests"
     log_path = tmp_path / "first.log"
     first = start_job(TRAIN, env, log_path)
@@ -158,6 +158,7 @@ def test_a_sigkilled_serve_leaves_no_ingress_and_serving_again_stops_on_ctrl_c(
     port = free_port()
     env = cli_env(
         home.home_dir,
+        own_ray=True,
         PREFECT_ML_LOCAL_RAY_CPUS="2",
         # Its own Ray on this host: its Serve ports apart from the session Ray's (kept the same
         # across both serves, as on a machine where serve starts again).
