@@ -85,3 +85,21 @@ def test_an_unreachable_database_is_named_without_its_password(
         )
     assert "s3cret-pw" not in str(refused.value)
     assert "ml:***@127.0.0.1" in refused.value.message
+
+
+def test_a_grid_campaign_tells_every_point_of_the_grid_with_ask_and_tell(tmp_path: Path) -> None:
+    """Optuna's grid sampler stops the study once the grid is exhausted, which raises outside
+    ``study.optimize`` (its last ``tell``); the campaign's grid sampler does not stop it."""
+    grid = {"optimizer": ["adam", "sgd"]}
+    sampler = studies.make_sampler("grid", 0, grid)
+    assert type(studies.make_sampler("grid", 1, grid)) is type(sampler)  # one class, made once
+    study = studies.open_study(
+        str(tmp_path / "o.journal"), "g", OBJECTIVES, sampler, studies.make_pruner("none", 3)
+    )
+    space = studies.distributions(
+        {"optimizer": {"type": "categorical", "choices": ["adam", "sgd"]}}
+    )
+    for _ in range(studies.grid_size(grid)):
+        trial = study.ask(space)
+        study.tell(trial, 0.5)
+    assert sorted(t.params["optimizer"] for t in study.trials) == ["adam", "sgd"]
