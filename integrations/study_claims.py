@@ -28,16 +28,20 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import Any
-
-import sqlalchemy as sa
-from sqlalchemy.engine import make_url
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 from prefect_ml.integrations import studies
 from prefect_ml.integrations.errors import PrefectMLError
 from prefect_ml.integrations.leases import Heartbeat, LeaseRecord, held_error
+from prefect_ml.integrations.libraries import lazy_import
 from prefect_ml.integrations.redaction import masked
 from prefect_ml.integrations.settings import get_settings
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+else:
+    sa = lazy_import("sqlalchemy")  # when a campaign claims its study, not with the flows
 
 logger = logging.getLogger(__name__)
 
@@ -47,26 +51,33 @@ _CLOCKS = {
     "postgresql": "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)",
     "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
 }
-_METADATA = sa.MetaData()
-CLAIMS = sa.Table(
-    "prefect_ml_study_claims",
-    _METADATA,
-    sa.Column("study", sa.String(512), primary_key=True),  # Optuna's limit on study names
-    sa.Column("holder", sa.String(64), nullable=False),
-    sa.Column("host", sa.String(255), nullable=False),
-    sa.Column("pid", sa.Integer, nullable=False),
-    sa.Column("process_space", sa.String(255), nullable=False),
-    sa.Column("process_start", sa.String(32), nullable=False),
-    sa.Column("what", sa.String(512), nullable=False),
-    sa.Column("written_at", sa.Double, nullable=False),  # the holder's clock, for people only
-    sa.Column("heartbeat", sa.Double, nullable=False),  # the database's clock
-)
 _RECORD_FIELDS = [f.name for f in dataclasses.fields(LeaseRecord) if f.name != "released"]
+
+
+@cache
+def claims_table() -> sa.Table:
+    """The claims' table, one row per claimed study (made on first use, as SQLAlchemy loads)."""
+    return sa.Table(
+        "prefect_ml_study_claims",
+        sa.MetaData(),
+        sa.Column("study", sa.String(512), primary_key=True),  # Optuna's limit on study names
+        sa.Column("holder", sa.String(64), nullable=False),
+        sa.Column("host", sa.String(255), nullable=False),
+        sa.Column("pid", sa.Integer, nullable=False),
+        sa.Column("process_space", sa.String(255), nullable=False),
+        sa.Column("process_start", sa.String(32), nullable=False),
+        sa.Column("what", sa.String(512), nullable=False),
+        sa.Column("written_at", sa.Double, nullable=False),  # the holder's clock, for people only
+        sa.Column("heartbeat", sa.Double, nullable=False),  # the database's clock
+    )
 
 
 def supported(storage_url: str) -> bool:
     """Whether studies in this Optuna storage are claimed in its database."""
-    return studies.is_database(storage_url) and make_url(storage_url).get_backend_name() in _CLOCKS
+    return (
+        studies.is_database(storage_url)
+        and sa.engine.make_url(storage_url).get_backend_name() in _CLOCKS
+    )
 
 
 class StudyClaim:
@@ -100,12 +111,13 @@ class StudyClaim:
     ) -> None:
         self.url, self.study, self.what, self.field = storage_url, study, what, field
         self.expiry_s = expiry_s if expiry_s is not None else get_settings().lease_expiry_s
-        parsed = make_url(storage_url)
+        parsed = sa.engine.make_url(storage_url)
         self.database = masked(storage_url)
         clock = _CLOCKS[parsed.get_backend_name()]
         self._clock: sa.ColumnElement[float] = sa.literal_column(clock, sa.Double)
         self._record = LeaseRecord.mine(uuid.uuid4().hex, what)
         self._engine: sa.Engine | None = None
+        self._claims = claims_table()
         where = f"its claim on study '{study}' ({self.database})"
         self._beats = Heartbeat(what, self._record.holder, where, self.expiry_s, self.renew)
 
@@ -182,7 +194,7 @@ class StudyClaim:
         try:
             if not self.lost:
                 with self._connect().begin() as connection:
-                    connection.execute(sa.delete(CLAIMS).where(*self._ours()))
+                    connection.execute(sa.delete(self._claims).where(*self._ours()))
         except Exception as exc:  # the claim then expires on its own; keep the caller's error
             logger.warning("Could not release the claim on %s (%s); it expires", self.what, exc)
         finally:
@@ -194,7 +206,7 @@ class StudyClaim:
             return False
         with self._connect().begin() as connection:
             changed = connection.execute(
-                sa.update(CLAIMS)
+                sa.update(self._claims)
                 .where(*self._ours())
                 .values(heartbeat=self._clock, written_at=time.time())
             ).rowcount
@@ -208,7 +220,7 @@ class StudyClaim:
         self._beats.raise_if_lost()
 
     def _ours(self) -> tuple[Any, ...]:
-        return CLAIMS.c.study == self.study, CLAIMS.c.holder == self._record.holder
+        return self._claims.c.study == self.study, self._claims.c.holder == self._record.holder
 
     def _row(self) -> dict[str, Any]:
         """Our row's values, the heartbeat as the database's clock."""
@@ -220,7 +232,7 @@ class StudyClaim:
         """Create the study's row as ours; False if it exists (someone holds or held it)."""
         try:
             with self._connect().begin() as connection:
-                connection.execute(sa.insert(CLAIMS).values(**self._row()))
+                connection.execute(sa.insert(self._claims).values(**self._row()))
         except sa.exc.IntegrityError:
             return False
         return True
@@ -230,7 +242,9 @@ class StudyClaim:
         with self._connect().connect() as connection:
             row = (
                 connection.execute(
-                    sa.select(CLAIMS, self._clock.label("now")).where(CLAIMS.c.study == self.study)
+                    sa.select(self._claims, self._clock.label("now")).where(
+                        self._claims.c.study == self.study
+                    )
                 )
                 .mappings()
                 .first()
@@ -244,11 +258,11 @@ class StudyClaim:
         """Replace the row judged free with ours, if it is still as seen; whether it is ours."""
         with self._connect().begin() as connection:
             changed = connection.execute(
-                sa.update(CLAIMS)
+                sa.update(self._claims)
                 .where(
-                    CLAIMS.c.study == self.study,
-                    CLAIMS.c.holder == seen.holder,
-                    CLAIMS.c.heartbeat == heartbeat,
+                    self._claims.c.study == self.study,
+                    self._claims.c.holder == seen.holder,
+                    self._claims.c.heartbeat == heartbeat,
                 )
                 .values(**self._row())
             ).rowcount
@@ -258,9 +272,9 @@ class StudyClaim:
         if self._engine is None:
             engine = sa.create_engine(self.url, **studies.engine_options(self.url))
             try:
-                CLAIMS.create(engine, checkfirst=True)
+                self._claims.create(engine, checkfirst=True)
             except sa.exc.DBAPIError:  # another process created it between our check and create
-                if not sa.inspect(engine).has_table(CLAIMS.name):
+                if not sa.inspect(engine).has_table(self._claims.name):
                     raise
             self._engine = engine
         return self._engine

@@ -275,9 +275,9 @@ def test_predict_flags_mirror_the_predict_parameters_and_bad_ones_exit_2(
 
 def test_the_command_and_its_flows_import_no_ray_optuna_torch_or_mlflow() -> None:
     """``prefect-ml --help`` and the flows' import (Prefect's, when it loads an entrypoint) load
-    none of Ray, Ray Serve, Optuna, torch, MLflow or FastAPI: a step loads each when it needs it
-    (the libraries' owners declare them with :func:`integrations.libraries.lazy_import`)."""
-    late = {"ray", "ray.serve", "optuna", "torch", "mlflow", "fastapi"}
+    none of Ray, Ray Serve, Optuna, torch, MLflow, FastAPI or SQLAlchemy: a step loads each when
+    it needs it (their owners declare them with :func:`integrations.libraries.lazy_import`)."""
+    late = {"ray", "ray.serve", "optuna", "torch", "mlflow", "fastapi", "sqlalchemy"}
     flows = ("cli", "pipeline", "train", "sweep", "serve", "predict")
     probe = (
         "import contextlib, sys\n"

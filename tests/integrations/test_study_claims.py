@@ -25,7 +25,7 @@ from prefect_ml.integrations.leases import (
     LeaseRecord,
     _process_start,
 )
-from prefect_ml.integrations.study_claims import CLAIMS, StudyClaim
+from prefect_ml.integrations.study_claims import StudyClaim, claims_table
 from tests.conftest import REPO_ROOT
 from tests.helpers import free_port, wait_for
 
@@ -55,16 +55,16 @@ def _rival(url: str, **record: Any) -> StudyClaim:
 
 def _age(url: str, seconds: float) -> None:
     """Move the claim's heartbeat ``seconds`` into the database clock's past."""
-    engine = sa.create_engine(url)
+    engine, claims = sa.create_engine(url), claims_table()
     with engine.begin() as connection:
-        connection.execute(sa.update(CLAIMS).values(heartbeat=CLAIMS.c.heartbeat - seconds))
+        connection.execute(sa.update(claims).values(heartbeat=claims.c.heartbeat - seconds))
     engine.dispose()
 
 
 def _rows(url: str) -> list[dict[str, Any]]:
     engine = sa.create_engine(url)
     with engine.connect() as connection:
-        rows = [dict(row) for row in connection.execute(sa.select(CLAIMS)).mappings()]
+        rows = [dict(row) for row in connection.execute(sa.select(claims_table())).mappings()]
     engine.dispose()
     return rows
 
