@@ -1,16 +1,13 @@
 """README's fault-tolerance promises, each on the real systems: a training past
 ``--max-failures`` is marked FAILED with an error that says to run it again, and a retry of the
 step resumes it; the next run aborts a killed writer's incomplete uploads; a hung peer fails
-the group after ``--collective-timeout-s`` and the group restarts from its checkpoint; a killed
-run's Ray slot frees itself."""
+the group after ``--collective-timeout-s`` and the group restarts from its checkpoint. (A killed
+run's Ray slot freeing itself is tested on `prefect-ml ui`'s server, in test_prefect_ui.py.)"""
 
 from __future__ import annotations
 
 import math
-import os
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -20,20 +17,15 @@ from prefect import flow
 
 from prefect_ml.integrations import ray_training, storage, tracking
 from prefect_ml.integrations.errors import PrefectMLError
-from prefect_ml.integrations.prefect_server import RAY_TAG
 from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
 from prefect_ml.tasks.data import PreparedData, inspect_dataset, preprocess_dataset
 from prefect_ml.tasks.params import TrainModelParams, section_options
 from prefect_ml.tasks.train import TrainResult, train, train_distributed
-from tests.e2e import test_prefect_ui
-from tests.e2e.test_prefect_ui import PrefectUI
 from tests.fixtures.faulty_code import BUDGET_FILE
-from tests.helpers import committed_epochs, ray_train_workers, start_job, wait_for
+from tests.helpers import committed_epochs, ray_train_workers, wait_for
 from tests.s3 import TEST_BUCKET, MotoS3
 
 pytestmark = pytest.mark.e2e
-
-prefect_ui = test_prefect_ui.prefect_ui  # `prefect-ml ui`: a real Prefect server, its services on
 
 
 @flow
@@ -196,62 +188,3 @@ def test_a_hung_peer_fails_the_group_after_the_collective_timeout_and_it_restart
     tags = client.get_run(result.run_id).data.tags
     assert 2 <= int(tags[ray_training.STARTED_AT_TAG]) <= epochs, "restarted from a checkpoint"
     assert committed_epochs(storage_dir) == list(range(1, epochs + 1))
-
-
-_SLOT_HOLDER = """
-import sys, time
-from pathlib import Path
-from prefect import flow, task
-
-@task(tags=[sys.argv[1]])
-def occupy() -> None:
-    Path(sys.argv[2]).touch()
-    if sys.argv[3] == "hold":
-        time.sleep(3600)
-
-@flow
-def holder() -> None:
-    occupy()
-
-holder()
-"""
-
-
-def _slot_holders(prefect_ui: PrefectUI) -> list[str]:
-    with prefect_ui.api() as client:  # authenticated; retries the server's 503s
-        response = client.get(f"/concurrency_limits/tag/{RAY_TAG}")
-    response.raise_for_status()
-    return [str(holder) for holder in response.json()["active_slots"]]
-
-
-def test_a_killed_runs_ray_slot_frees_itself(prefect_ui: PrefectUI, tmp_path: Path) -> None:
-    """A run holding the only Ray slot is SIGKILLed; the next run's task, waiting for the slot,
-    starts once the server has revoked the dead run's lease (Prefect's task lease lasts 60 s;
-    the fixture's repossessor looks every second, 15 s by default). ``prefect-ml ui`` is a real
-    server, with its services."""
-    with prefect_ui.api() as client:
-        created = client.post("/concurrency_limits/", json={"tag": RAY_TAG, "concurrency_limit": 1})
-    created.raise_for_status()
-    env = {**prefect_ui.env, "PREFECT_HOME": str(tmp_path / "prefect")}
-
-    def run(name: str, mode: str) -> subprocess.Popen[bytes]:
-        command = [sys.executable, "-c", _SLOT_HOLDER, RAY_TAG, str(tmp_path / name), mode]
-        return start_job(command, env, tmp_path / f"{name}.log")
-
-    first = run("first", "hold")
-    second: subprocess.Popen[bytes] | None = None
-    try:
-        wait_for(lambda: (tmp_path / "first").exists(), 120, "the first run to take the slot")
-        assert len(_slot_holders(prefect_ui)) == 1
-        second = run("second", "finish")
-        os.killpg(first.pid, signal.SIGKILL)  # a lost machine: no release, no renewal
-        first.wait()
-        assert not (tmp_path / "second").exists(), "the dead run's slot was still held"
-        wait_for(lambda: (tmp_path / "second").exists(), 240, "the second run to get the slot")
-        assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()
-        assert _slot_holders(prefect_ui) == []
-    finally:
-        for process in (first, second):
-            if process is not None and process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()

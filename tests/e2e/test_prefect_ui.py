@@ -1,6 +1,7 @@
 """The Prefect way, end to end: `prefect-ml ui` starts a real Prefect server with basic auth, the
 deployments of prefect.yaml are registered on it (by `prefect deploy` and by `prefect-ml deploy`),
-and a person logs in and runs a training from the Prefect UI in headless Chromium."""
+and a person logs in and runs a training from the Prefect UI in headless Chromium; the server's
+services free the Ray slot of a run that was killed."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import httpx
 import pytest
 
 from prefect_ml.integrations import alerts, tracking
-from prefect_ml.integrations.prefect_server import basic_auth_header, server_is_up
+from prefect_ml.integrations.prefect_server import RAY_TAG, basic_auth_header, server_is_up
 from tests.conftest import REPO_ROOT
 from tests.e2e.ui_driver import (
     log_in,
@@ -537,3 +538,62 @@ def test_prefect_ml_alerts_again_updates_the_automations_and_adds_none(
     with prefect_ui.api() as client:
         names = [a["name"] for a in client.post("/automations/filter", json={}).json()]
     assert sorted(names) == sorted([alerts.FAILED_RUN_AUTOMATION, alerts.CHAMPION_AUTOMATION])
+
+
+_SLOT_HOLDER = """
+import sys, time
+from pathlib import Path
+from prefect import flow, task
+
+@task(tags=[sys.argv[1]])
+def occupy() -> None:
+    Path(sys.argv[2]).touch()
+    if sys.argv[3] == "hold":
+        time.sleep(3600)
+
+@flow
+def holder() -> None:
+    occupy()
+
+holder()
+"""
+
+
+def _slot_holders(prefect_ui: PrefectUI) -> list[str]:
+    with prefect_ui.api() as client:  # authenticated; retries the server's 503s
+        response = client.get(f"/concurrency_limits/tag/{RAY_TAG}")
+    response.raise_for_status()
+    return [str(holder) for holder in response.json()["active_slots"]]
+
+
+def test_a_killed_runs_ray_slot_frees_itself(prefect_ui: PrefectUI, tmp_path: Path) -> None:
+    """A run holding the only Ray slot is SIGKILLed; the next run's task, waiting for the slot,
+    starts once the server has revoked the dead run's lease (Prefect's task lease lasts 60 s;
+    the fixture's repossessor looks every second, 15 s by default). ``prefect-ml ui`` is a real
+    server, with its services."""
+    with prefect_ui.api() as client:
+        created = client.post("/concurrency_limits/", json={"tag": RAY_TAG, "concurrency_limit": 1})
+    created.raise_for_status()
+    env = {**prefect_ui.env, "PREFECT_HOME": str(tmp_path / "prefect")}
+
+    def run(name: str, mode: str) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-c", _SLOT_HOLDER, RAY_TAG, str(tmp_path / name), mode]
+        return start_job(command, env, tmp_path / f"{name}.log")
+
+    first = run("first", "hold")
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        wait_for(lambda: (tmp_path / "first").exists(), 120, "the first run to take the slot")
+        assert len(_slot_holders(prefect_ui)) == 1
+        second = run("second", "finish")
+        os.killpg(first.pid, signal.SIGKILL)  # a lost machine: no release, no renewal
+        first.wait()
+        assert not (tmp_path / "second").exists(), "the dead run's slot was still held"
+        wait_for(lambda: (tmp_path / "second").exists(), 240, "the second run to get the slot")
+        assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()
+        assert _slot_holders(prefect_ui) == []
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
