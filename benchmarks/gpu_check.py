@@ -180,7 +180,8 @@ def _trainer(
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig
+    from prefect_ml.integrations.config.loop import TrainLoop
+    from prefect_ml.integrations.epoch_trainer import EpochTrainer
     from prefect_ml.integrations.shards import ArrayShard
 
     def ddp(model: torch.nn.Module) -> torch.nn.Module:
@@ -189,9 +190,9 @@ def _trainer(
             model, device_ids=[device.index] if device.index is not None else None
         )
 
-    config = TrainLoopConfig(
+    config = TrainLoop.from_options(
         splits_url="",
-        input_shape=[FEATURES],
+        sample_shape=[FEATURES],
         num_classes=CLASSES,
         model="mlp",
         model_options={"hidden": 256, "depth": 4, "dropout": 0.0},
@@ -207,6 +208,7 @@ def _trainer(
         run_id="",
         precision=combo["precision"],
         gradient_checkpointing=combo["gradient_checkpointing"],
+        use_gpu=device.type == "cuda",
         strategy=combo["strategy"],
     )
     return EpochTrainer(

@@ -4,7 +4,7 @@ checkpointing cost and save in our training step, against a bare PyTorch loop, i
 An arm is one loop on one workload at one precision, with or without checkpointing:
 
 * ``ours``: ``integrations.epoch_trainer.EpochTrainer`` (the step our Ray Train workers and campaign
-  trials run) built from ``TrainLoopConfig(precision=..., gradient_checkpointing=...)``, on
+  trials run) built from ``TrainLoop.from_options(precision=..., gradient_checkpointing=...)``, on
   in-memory shards, in one process;
 * ``bare``: the bare-limit peer, the same catalog model, Adam and batches in a hand-written loop:
   ``torch.autocast`` around the forward, ``torch.amp.GradScaler`` for fp16 only, and
@@ -272,12 +272,13 @@ class OursArm:
         shards: dict[str, Any],
         checkpoint_url: str,
     ) -> None:
-        from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig
+        from prefect_ml.integrations.config.loop import TrainLoop
+        from prefect_ml.integrations.epoch_trainer import EpochTrainer
         from prefect_ml.integrations.shards import ArrayShard
 
-        config = TrainLoopConfig(
+        config = TrainLoop.from_options(
             splits_url="",
-            input_shape=list(workload.input_shape),
+            sample_shape=list(workload.input_shape),
             num_classes=CLASSES,
             model=workload.model,
             model_options=dict(workload.options),
@@ -293,6 +294,7 @@ class OursArm:
             run_id="",
             precision=precision,
             gradient_checkpointing=checkpointing,
+            use_gpu=device.type == "cuda",
         )
         self.precision, self.device = precision, device
         arrays = {split: ArrayShard(*rows) for split, rows in shards.items()}

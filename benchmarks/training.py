@@ -43,6 +43,7 @@ from benchmarks.common import RESULTS_DIR, embedded_home, save_report  # noqa: E
 if TYPE_CHECKING:
     import torch
 
+    from prefect_ml.integrations.config.loop import TrainLoop
     from prefect_ml.tasks.data import PreparedData
     from prefect_ml.tasks.params import TrainModelParams
     from prefect_ml.tasks.train import TrainResult
@@ -115,7 +116,7 @@ def synthetic_dataset(
 class PlainLoopConfig:
     """What the plain loop (a and b) needs: our workers' config plus how to report and time."""
 
-    loop: dict[str, Any]  # a TrainLoopConfig as a dict (it crosses process boundaries)
+    loop: TrainLoop  # what our workers receive
     report: Report  # None: no Ray at all (a); "epoch" (b); "final" (b-lean)
     marks_path: str  # rank 0 writes its timestamps here (the workers run on this machine)
 
@@ -153,10 +154,9 @@ def plain_loop(config_dict: dict[str, Any]) -> None:
     import torch.nn.functional as F
 
     from prefect_ml.integrations.catalog import build_model
-    from prefect_ml.integrations.epoch_trainer import TrainLoopConfig
 
     config = PlainLoopConfig(**config_dict)
-    loop = TrainLoopConfig(**config.loop)
+    loop, training = config.loop, config.loop.training
     rank, world = 0, 1
     if config.report is not None:
         import ray.train
@@ -164,30 +164,32 @@ def plain_loop(config_dict: dict[str, Any]) -> None:
 
         context = ray.train.get_context()
         rank, world = context.get_world_rank(), context.get_world_size()
-    torch.manual_seed(loop.seed)
-    model = build_model(loop.model, loop.input_shape, loop.num_classes, loop.model_options)
+    torch.manual_seed(training.seed)
+    data = loop.data
+    options = loop.model.factory_options()
+    model = build_model(loop.model.model, data.sample_shape, data.num_classes, options)
     if config.report is not None:
         model = ray.train.torch.prepare_model(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=loop.lr)
-    train_x, train_y = _read_shard(loop.splits_url, "train", rank, world)
-    val_x, val_y = _read_shard(loop.splits_url, "val", rank, world)
-    generator = torch.Generator().manual_seed(loop.seed + rank)
+    optimizer = torch.optim.Adam(model.parameters(), lr=training.lr)
+    train_x, train_y = _read_shard(loop.data.splits_url, "train", rank, world)
+    val_x, val_y = _read_shard(loop.data.splits_url, "val", rank, world)
+    generator = torch.Generator().manual_seed(training.seed + rank)
 
     marks, train_seconds, metrics = [time.time()], [], {}
-    for epoch in range(1, loop.epochs + 1):
+    for epoch in range(1, training.epochs + 1):
         started = time.perf_counter()
         model.train()
         order = torch.randperm(len(train_y), generator=generator)
         loss_sum = 0.0
-        for start in range(0, len(order), loop.batch_size):
-            index = order[start : start + loop.batch_size]
+        for start in range(0, len(order), training.batch_size):
+            index = order[start : start + training.batch_size]
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(train_x[index]), train_y[index])
             loss.backward()
             optimizer.step()
             loss_sum += float(loss.detach()) * len(index)
         train_seconds.append(time.perf_counter() - started)
-        val_loss = _evaluate(model, val_x, val_y, max(loop.batch_size, 256))
+        val_loss = _evaluate(model, val_x, val_y, max(training.batch_size, 256))
         metrics = {"epoch": epoch, "train_loss": loss_sum / len(train_y), "val_loss": val_loss}
         if config.report == "epoch":
             ray.train.report(metrics)
@@ -263,13 +265,13 @@ def run_plain(
     params: TrainModelParams, data: PreparedData, mode: str, report: Report, work_dir: Path
 ) -> Measurement:
     """Run the plain loop in this process (``report=None``) or on a ``TorchTrainer``."""
-    from prefect_ml.tasks.train import loop_config
+    from prefect_ml.tasks.train import train_loop
 
     world = 1 if report is None else WORKERS
     per_worker = data.rows["train"] // world
     marks_path = work_dir / f"marks-{mode}-{time.time_ns()}.json"
-    loop = loop_config(params, data, checkpoint_url="", tracking_uri="", run_id="")
-    config = PlainLoopConfig(loop=asdict(loop), report=report, marks_path=str(marks_path))
+    loop = train_loop(params, data, checkpoint_url="", tracking_uri="", run_id="")
+    config = PlainLoopConfig(loop=loop, report=report, marks_path=str(marks_path))
     started = time.perf_counter()
     if report is None:
         plain_loop(asdict(config))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from prefect_ml.flows.train import prepared_data
-from prefect_ml.tasks.params import CampaignParams, section_options
+from prefect_ml.tasks.params import CampaignParams
 from prefect_ml.tasks.quotas import tenant_tags
 from prefect_ml.tasks.report import published_timeline
 from prefect_ml.tasks.sweep import CampaignResult, campaign
@@ -24,8 +24,4 @@ def hpo_campaign(params: CampaignParams = CampaignParams()) -> CampaignResult:  
     with published_timeline("hpo-campaign"):
         data = prepared_data(params)
         with tenant_tags():  # the tenant's quota counts its Ray-occupying tasks
-            return campaign(
-                data,
-                experiment=params.experiment,
-                **section_options(params.model, params.training, params.sweep),
-            )
+            return campaign(data, params)

@@ -62,11 +62,7 @@ def training_chain(params: TrainModelParams) -> TrainingOutcome:
                 registration=done.registration,
             )
         with tenant_tags():  # the tenant's quota counts its Ray-occupying tasks
-            trained = train(
-                data,
-                experiment=params.experiment,
-                **section_options(params.model, params.training),
-            )
+            trained = train(data, params)
         timeline.mark("trained")
         evaluation = evaluate(trained)
         timeline.mark("evaluated")

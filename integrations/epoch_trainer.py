@@ -49,6 +49,8 @@ from prefect_ml.integrations import (
 )
 from prefect_ml.integrations.catalog import build_model, enable_gradient_checkpointing
 from prefect_ml.integrations.checkpoints import CheckpointStore, RetentionPolicy
+from prefect_ml.integrations.config import TrainingParams
+from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.distributed_checkpoint import ShardedSnapshot
 from prefect_ml.integrations.early_stopping import EarlyStopping, History
 from prefect_ml.integrations.errors import CheckpointError, ConfigurationError, ModelStepError
@@ -58,86 +60,35 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-METRICS_FILE = "metrics.json"
 TRAINER_STATE_FILE = "trainer.json"  # epoch, seed, LR schedule and loss scale, as JSON
 # (a mid-epoch checkpoint adds its step and every rank's RNG state and running train loss)
+METRICS_FILE = "metrics.json"
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 
 
-@dataclass(frozen=True)
-class TrainLoopConfig:
-    """Everything a worker needs, as plain data (it crosses process boundaries)."""
+def best_tracker(training: TrainingParams) -> EarlyStopping | None:
+    """What picks the epoch whose weights the run must keep besides the last: early
+    stopping's best (evaluated and registered), else the best-checkpoint metric's (one
+    patient enough never to stop the run); None when neither is on."""
+    if stopping := training.early_stopping():
+        return stopping
+    if training.best_checkpoint_metric == "none":
+        return None
+    return EarlyStopping.for_metric(training.best_checkpoint_metric, max(1, training.epochs))
 
-    splits_url: str
-    input_shape: list[int]
-    num_classes: int
-    model: str
-    model_options: dict[str, Any]
-    epochs: int
-    batch_size: int
-    lr: float
-    optimizer: str
-    weight_decay: float
-    scheduler: str
-    seed: int
-    checkpoint_url: str
-    tracking_uri: str
-    run_id: str  # MLflow run told where the worker group started; "" for none
-    stop_url: str = ""  # a file whose existence asks the workers to stop after this epoch
-    keep_checkpoints: int = 0  # newest checkpoints that keep their weights; 0 keeps every one
-    best_checkpoint_metric: str = "val_loss"  # also kept; "none" keeps no best
-    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast; fp16 adds a gradient scaler)
-    gradient_checkpointing: bool = False
-    strategy: str = "ddp"  # "ddp" | "fsdp" | "tp" | "pp"; one worker trains unwrapped
-    tensor_parallel_size: int = 0  # tp: workers per tensor-parallel group; 0 = all
-    pipeline_parallel_size: int = 0  # pp: stages per pipeline; 0 = all workers
-    pipeline_microbatches: int = 4
-    pipeline_schedule: str = "1f1b"  # "1f1b" | "gpipe"
-    checkpoint_layout: str = "auto"  # "auto" | "gathered" | "sharded"
-    checkpoint_every_steps: int = 0  # also commit every N steps inside an epoch; 0: epochs only
-    checkpoint_every_seconds: float = 0.0  # also commit once this long since the last; 0: off
-    # Most of rank 0's training time that checkpoints may block it for: an epoch commits its
-    # weights only within it (a group's first and the last always); 0: every epoch's weights.
-    checkpoint_budget: float = 0.05
-    data_layout: str = "arrays"  # how the splits are stored: integrations.shards.LAYOUTS
-    task: str = "classification"  # the task type (integrations.problems): loss and metrics
-    target_mean: float = 0.0  # regression: the targets train standardised by these
-    target_std: float = 1.0
-    # Stop once early_stopping_metric has not improved by more than the min delta for this
-    # many epochs; 0 trains every epoch. Decided from the committed epochs' metrics alone.
-    early_stopping_patience: int = 0
-    early_stopping_min_delta: float = 0.0
-    early_stopping_metric: str = "val_loss"
 
-    def early_stopping(self) -> EarlyStopping | None:
-        if self.early_stopping_patience < 1:
-            return None
-        return EarlyStopping.for_metric(
-            self.early_stopping_metric, self.early_stopping_patience, self.early_stopping_min_delta
-        )
-
-    def best_tracker(self) -> EarlyStopping | None:
-        """What picks the epoch whose weights the run must keep besides the last: early
-        stopping's best (evaluated and registered), else the best-checkpoint metric's (one
-        patient enough never to stop the run); None when neither is on."""
-        if stopping := self.early_stopping():
-            return stopping
-        if self.best_checkpoint_metric == "none" or self.keep_checkpoints < 1:
-            return None
-        return EarlyStopping.for_metric(self.best_checkpoint_metric, max(1, self.epochs))
-
-    def retention(self) -> RetentionPolicy | None:
-        if self.keep_checkpoints < 1:
-            return None
-        metric = None if self.best_checkpoint_metric == "none" else self.best_checkpoint_metric
-        maximised = metric is not None and problems.EPOCH_METRICS.get(metric) == "maximize"
-        return RetentionPolicy(
-            keep_last=self.keep_checkpoints,
-            metric=metric,
-            mode="max" if maximised else "min",
-            metrics_file=METRICS_FILE,
-            kept_files=(METRICS_FILE,),
-        )
+def retention(training: TrainingParams) -> RetentionPolicy:
+    """Which checkpoints keep their weights: the newest ``keep_checkpoints``, and the best by
+    the best-checkpoint metric."""
+    metric = None if training.best_checkpoint_metric == "none" else training.best_checkpoint_metric
+    maximised = metric is not None and problems.EPOCH_METRICS.get(metric) == "maximize"
+    return RetentionPolicy(
+        keep_last=training.keep_checkpoints,
+        metric=metric,
+        mode="max" if maximised else "min",
+        metrics_file=METRICS_FILE,
+        kept_files=(METRICS_FILE,),
+    )
 
 
 @dataclass(frozen=True)
@@ -465,7 +416,7 @@ class EpochTrainer:
 
     def __init__(
         self,
-        config: TrainLoopConfig,
+        config: TrainLoop,
         *,
         rank: int = 0,
         world_size: int = 1,
@@ -478,26 +429,31 @@ class EpochTrainer:
         from prefect_ml.integrations import devices
 
         self.config, self.rank, self.world_size = config, rank, world_size
-        self.layout = model_parallel.MeshLayout.of(config, world_size)
+        self.layout = model_parallel.MeshLayout.of(config.training, world_size)
         # The ranks of one model replica (a tensor-parallel group, a pipeline) read the same
         # shard in the same order; one of them reports the replica's metrics.
         self.data_rank = self.layout.data_rank(rank)
         self.data_world_size = self.layout.data_parallel
         self.reports = self.layout.reports(rank)
-        self.problem = problems.problem(config.task)
+        self.problem = problems.problem(config.data.task)
         self.device = device or torch.device("cpu")
         collectives.check_group_device(self.device)
-        check_precision(config.precision, self.device)
-        torch.manual_seed(epoch_seed(config.seed, 0, 0))  # the same initial weights everywhere
+        check_precision(config.training.precision, self.device)
+        torch.manual_seed(
+            epoch_seed(config.training.seed, 0, 0)
+        )  # the same initial weights everywhere
         model = build_model(
-            config.model, config.input_shape, config.num_classes, config.model_options
+            config.model.model,
+            config.data.sample_shape,
+            config.data.num_classes,
+            config.model.factory_options(),
         )
         # A model with its own steps (integrations.hooks) trains through them; any other
         # through the task's loss and metrics.
         self.hooked = hooks.is_hooked(model)
         if self.hooked:
-            hooks.check_contract(model, strategy=config.strategy)
-        if config.gradient_checkpointing:
+            hooks.check_contract(model, strategy=config.training.strategy)
+        if config.training.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.loss = hooks.loss_function(model, self.problem)
         self.extra_metrics = hooks.metrics_function(model)
@@ -507,31 +463,38 @@ class EpochTrainer:
             self.model = apply_strategy(hooks.step_module(model), "ddp", self.device, prepare_model)
             self.state_module = model
         else:
-            model_parallel.check_precision(config)
+            model_parallel.check_precision(config.training)
             mesh = self.layout.build(self.device) if self.layout.model_parallel > 1 else None
             self.model = apply_strategy(
-                model, config.strategy, self.device, prepare_model, mesh=mesh
+                model, config.training.strategy, self.device, prepare_model, mesh=mesh
             )
             self.network = self.state_module = self.model
-            if config.strategy == "pp" and mesh is not None:
+            if config.training.strategy == "pp" and mesh is not None:
                 self.pipeline = model_parallel.Pipeline(
                     self.model,
                     mesh,
                     self.device,
                     self.loss,
-                    microbatches=config.pipeline_microbatches,
-                    schedule=config.pipeline_schedule,
+                    microbatches=config.training.pipeline_microbatches,
+                    schedule=config.training.pipeline_schedule,
                 )
         self.communication: model_parallel.Communication | None = None  # of one step, tp/pp
         # A RuntimeError in the forward of this process's first step is the model's own (a
         # shape its layers do not take): the same on every retry, so it ends the run.
         self.stepped = False
         self.optimizer = hooks.configured_optimizer(model) or make_optimizer(
-            config.optimizer, self.model.parameters(), config.lr, config.weight_decay
+            config.training.optimizer,
+            self.model.parameters(),
+            config.training.lr,
+            config.training.weight_decay,
         )
-        self.scheduler = make_scheduler(config.scheduler, self.optimizer, config.epochs)
+        self.scheduler = make_scheduler(
+            config.training.scheduler, self.optimizer, config.training.epochs
+        )
         # Loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's range.
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.precision == "fp16")
+        self.scaler = torch.amp.GradScaler(
+            self.device.type, enabled=config.training.precision == "fp16"
+        )
         self.store = CheckpointStore(config.checkpoint_url)
         # Sharded checkpoints coordinate on a gloo group of their own (created here, by every
         # rank in the same order); None for gathered ones.
@@ -548,10 +511,10 @@ class EpochTrainer:
             self._restore(latest.files)
         shards = shards or {
             split: open_shard(
-                config.splits_url,
-                config.data_layout,
+                config.data.splits_url,
+                config.data.layout,
                 split,
-                tuple(config.input_shape),
+                tuple(config.data.sample_shape),
                 self.data_rank,
                 self.data_world_size,
             )
@@ -583,7 +546,9 @@ class EpochTrainer:
         """A shard's features and its task's training targets, on this worker's device."""
         import torch
 
-        targets = self.problem.targets(labels, self.config.target_mean, self.config.target_std)
+        targets = self.problem.targets(
+            labels, self.config.data.target_mean, self.config.data.target_std
+        )
         return (
             torch.from_numpy(features).to(self.device),
             torch.from_numpy(targets).to(self.device),
@@ -659,10 +624,12 @@ class EpochTrainer:
         devices.reset_peak_memory(self.device)
         started = time.perf_counter()
         model.train()
-        order = EpochOrder(config.seed, epoch, self.data_rank)
+        order = EpochOrder(config.training.seed, epoch, self.data_rank)
         first_step, loss_sum = self._epoch_start(epoch, order)  # loss summed on the device
-        steps = math.ceil(self.train.rows / config.batch_size)
-        batches = self.train.batches(config.batch_size, order, self._on_device, skip=first_step)
+        steps = math.ceil(self.train.rows / config.training.batch_size)
+        batches = self.train.batches(
+            config.training.batch_size, order, self._on_device, skip=first_step
+        )
         for step, (features, targets) in enumerate(batches, start=first_step):
             loss_sum += self._train_step(step, features, targets) * len(targets)
             if step + 1 < steps and self._checkpoint_due(step + 1):  # the end commits anyway
@@ -672,8 +639,8 @@ class EpochTrainer:
                     committer.submit_step(epoch, step + 1, files, blocked_since=blocked_since)
         self.scheduler.step()
         train_seconds = time.perf_counter() - started
-        val_batch = max(config.batch_size, 256)
-        with precision_context(config.precision, self.device):
+        val_batch = max(config.training.batch_size, 256)
+        with precision_context(config.training.precision, self.device):
             val_sums = (
                 evaluate_batches(
                     self.pipeline or self.network,
@@ -720,7 +687,7 @@ class EpochTrainer:
             "train_loss": totals[0] / train_rows,
             **(
                 self.problem.validation_metrics(
-                    totals[1 : 1 + len(val_sums)], val_rows, config.target_std
+                    totals[1 : 1 + len(val_sums)], val_rows, config.data.target_std
                 )
                 if val_sums
                 else {}
@@ -745,7 +712,10 @@ class EpochTrainer:
         for rank, (peak, seconds, _, _) in enumerate(rows):
             metrics[f"peak_memory_mib_rank{rank}"] = peak / 2**20
             metrics[f"step_seconds_rank{rank}"] = seconds
-        if self.config.strategy in model_parallel.SIZE_FIELDS and self.layout.model_parallel > 1:
+        if (
+            self.config.training.strategy in model_parallel.SIZE_FIELDS
+            and self.layout.model_parallel > 1
+        ):
             metrics["collectives_per_step"] = max(row[2] for row in rows)
             metrics["p2p_bytes_per_step"] = sum(row[3] for row in rows)
         return metrics
@@ -785,11 +755,11 @@ class EpochTrainer:
         on every worker (a snapshot is a collective), from rank 0's clock for the seconds
         cadence (one tiny all-reduce a step, only when that cadence is on)."""
         config = self.config
-        every = config.checkpoint_every_steps
+        every = config.training.checkpoint_every_steps
         due = every > 0 and steps_done % every == 0
-        if config.checkpoint_every_seconds > 0:
+        if config.training.checkpoint_every_seconds > 0:
             elapsed = time.perf_counter() - self._last_checkpoint
-            late = self.rank == 0 and elapsed >= config.checkpoint_every_seconds
+            late = self.rank == 0 and elapsed >= config.training.checkpoint_every_seconds
             due = collectives.any_worker(late, self.device) or due
         return due
 
@@ -823,12 +793,12 @@ class EpochTrainer:
         model, scaler = self.model, self.scaler
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipeline is not None:  # forward and backward run inside the schedule
-            with precision_context(self.config.precision, self.device):
+            with precision_context(self.config.training.precision, self.device):
                 loss = self.pipeline.train_step(features, targets)
             self.optimizer.step()
             return loss
         try:
-            with precision_context(self.config.precision, self.device):
+            with precision_context(self.config.training.precision, self.device):
                 if self.hooked:
                     loss = model(hooks.batch_of(self.network, features, targets), step).float()
                 else:
@@ -837,9 +807,9 @@ class EpochTrainer:
             if self.stepped:
                 raise
             raise ModelStepError(
-                f"the model {self.config.model} failed its first training step on this "
+                f"the model {self.config.model.model} failed its first training step on this "
                 f"worker (a batch of shape {list(features.shape)}, the data's sample shape "
-                f"{list(self.config.input_shape)}): {exc}. Fix the model so that its forward "
+                f"{list(self.config.data.sample_shape)}): {exc}. Fix the model so that its forward "
                 "and loss run on such a batch"
             ) from exc
         scaler.scale(loss).backward()
@@ -884,8 +854,8 @@ class EpochTrainer:
 
         grouped = dist.is_available() and dist.is_initialized()
         return distributed_checkpoint.resolve_layout(
-            self.config.checkpoint_layout,
-            "ddp" if self.hooked else self.config.strategy,
+            self.config.training.checkpoint_layout,
+            "ddp" if self.hooked else self.config.training.strategy,
             self.world_size if grouped else 1,
         )
 
@@ -943,7 +913,7 @@ class EpochTrainer:
         state = {"model": model_state, "optimizer": optimizer_state}
         trainer_state = {
             "epoch": epoch,
-            "seed": self.config.seed,
+            "seed": self.config.training.seed,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             **resume,
@@ -1024,18 +994,21 @@ def train_epochs(trainer: EpochTrainer) -> None:
     (``checkpoint_budget``), and the last epoch trained always does; any other commits its
     metrics only, so every epoch's metrics reach MLflow, and a run resumed after it replays it
     from the last epoch with weights, in the same data order. The best epoch (of
-    ``config.best_tracker()``) keeps its weights as a CPU copy until the next commit of
+    ``best_tracker``) keeps its weights as a CPU copy until the next commit of
     weights, which commits it first: a run that fails before that replays it too. Every rank
     takes the same branch: the budget's answer, the stop request and the metrics all come from
     the epoch's one collective (:meth:`EpochTrainer.run_epoch`).
     """
     config = trainer.config
-    early_stopping, tracker = config.early_stopping(), config.best_tracker()
+    early_stopping, tracker = config.training.early_stopping(), best_tracker(config.training)
     # A resumed group decides from the committed epochs' metrics, as the first group would have.
     history = trainer.committed_metrics() if tracker else {}
     committer = (
         EpochCommitter(
-            trainer.store, config.retention(), early_stopping=early_stopping, history=history
+            trainer.store,
+            retention(config.training),
+            early_stopping=early_stopping,
+            history=history,
         )
         if trainer.writes_checkpoints  # rank 0; every rank when checkpoints are sharded
         else None
@@ -1043,14 +1016,16 @@ def train_epochs(trainer: EpochTrainer) -> None:
     stopped = stop_requested(config.stop_url, trainer.device) or stopped_early(
         early_stopping, history, trainer.device
     )
-    budget = CheckpointBudget(config.checkpoint_budget, started=time.perf_counter())
+    budget = CheckpointBudget(config.training.checkpoint_budget, started=time.perf_counter())
     best: tuple[int, Snapshot] | None = None  # a best epoch committed without its weights
-    for epoch in range(config.epochs + 1 if stopped else trainer.first_epoch, config.epochs + 1):
+    for epoch in range(
+        config.training.epochs + 1 if stopped else trainer.first_epoch, config.training.epochs + 1
+    ):
         started = time.perf_counter()
         outcome = trainer.run_epoch(epoch, committer, budget)
         history[epoch] = outcome.metrics  # from the collective: the same on every worker
         last = (
-            epoch == config.epochs
+            epoch == config.training.epochs
             or outcome.stop_requested
             or (early_stopping is not None and early_stopping.decide(history) is not None)
         )

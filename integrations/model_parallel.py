@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
+    from prefect_ml.integrations.config import TrainingParams
+
 SIZE_FIELDS = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -91,20 +93,20 @@ class MeshLayout:
     model_parallel: int
 
     @classmethod
-    def of(cls, config: Any, world_size: int) -> MeshLayout:
-        """The layout of a :class:`TrainLoopConfig` on ``world_size`` ranks; raises a
+    def of(cls, training: TrainingParams, world_size: int) -> MeshLayout:
+        """The layout of the training section's strategy on ``world_size`` ranks; raises a
         :class:`ConfigurationError` naming the size field when it does not divide them."""
-        field = SIZE_FIELDS.get(config.strategy)
+        field = SIZE_FIELDS.get(training.strategy)
         if field is None or world_size == 1:
-            return cls(config.strategy, world_size, 1)
-        size = getattr(config, field) or world_size
+            return cls(training.strategy, world_size, 1)
+        size = getattr(training, field) or world_size
         if size < 2 or world_size % size:
             raise ConfigurationError(
                 f"training.{field}",
                 f"{size} must be at least 2 and divide the {world_size} workers; use a "
                 f"--{field.replace('_', '-')} that divides --workers",
             )
-        return cls(config.strategy, world_size // size, size)
+        return cls(training.strategy, world_size // size, size)
 
     @property
     def dim(self) -> str:
@@ -139,14 +141,14 @@ class MeshLayout:
         )
 
 
-def check_precision(config: Any) -> None:
+def check_precision(training: TrainingParams) -> None:
     """Refuse fp16 under tp and pp before any compute: its gradient scaler is per rank, and
     ranks that skip steps on their own shards' overflow diverge."""
-    if config.strategy in SIZE_FIELDS and config.precision == "fp16":
+    if training.strategy in SIZE_FIELDS and training.precision == "fp16":
         raise ConfigurationError(
             "training.precision",
             f"fp16's gradient scaler is per rank and cannot run under --strategy "
-            f"{config.strategy}; use --precision bf16",
+            f"{training.strategy}; use --precision bf16",
         )
 
 

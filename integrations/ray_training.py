@@ -11,11 +11,11 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prefect_ml.integrations import collectives, storage, tracking
-from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig, train_epochs
+from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.epoch_trainer import EpochTrainer, train_epochs
 from prefect_ml.integrations.errors import TrainingCodeError
 from prefect_ml.integrations.resources import (
     PLACEMENT_NOTICE_S,
@@ -44,7 +44,7 @@ def worker_nodes() -> list[str]:
     return collectives.gather_strings(ray.util.get_node_ip_address())
 
 
-def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
+def train_loop_per_worker(config: dict[str, TrainLoop]) -> None:
     """One Ray Train worker: resume from the newest verified checkpoint (mid-epoch ones at
     the step after it), then train epochs until the last one, a stop request, or early
     stopping (``epoch_trainer.train_epochs``: checkpoints every epoch within the checkpoint
@@ -52,20 +52,20 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    config = TrainLoopConfig(**config_dict)
+    loop = config["loop"]
     context = ray.train.get_context()
     trainer = EpochTrainer(
-        config,
+        loop,
         rank=context.get_world_rank(),
         world_size=context.get_world_size(),
         device=ray.train.torch.get_device(),
         prepare_model=ray.train.torch.prepare_model,
     )
     nodes = worker_nodes()
-    if trainer.rank == 0 and config.run_id:
+    if trainer.rank == 0 and loop.run_id:
         tracking.set_tags(
-            tracking.client_for(tracking.worker_uri(config.tracking_uri)),
-            config.run_id,
+            tracking.client_for(tracking.worker_uri(loop.tracking_uri)),
+            loop.run_id,
             {
                 STARTED_AT_TAG: str(trainer.first_epoch),
                 WORLD_SIZE_TAG: str(trainer.world_size),
@@ -77,7 +77,7 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
     train_epochs(trainer)  # checkpoints every epoch within the checkpoint budget
     # Per-epoch metrics travel in the checkpoints. Ray Train v2's report() blocks until its
     # controller polls (every 2 s), which would dominate short epochs: Ray gets one final report.
-    ray.train.report({"epoch": config.epochs})
+    ray.train.report({"epoch": loop.training.epochs})
 
 
 @contextlib.contextmanager
@@ -126,8 +126,14 @@ def placement_watch(
         thread.join()
 
 
+def loop_config(loop: TrainLoop) -> dict[str, TrainLoop]:
+    """``TorchTrainer``'s ``train_loop_config``: the loop itself, which Ray pickles to every
+    worker (a dict, the type Ray Train's run state records)."""
+    return {"loop": loop}
+
+
 def fit(
-    config: TrainLoopConfig,
+    loop: TrainLoop,
     *,
     workers: int | tuple[int, int],
     request: ResourceRequest,
@@ -135,16 +141,15 @@ def fit(
     ray_storage_url: str,
     name: str,
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
-    collective_timeout_s: int = 1800,
-    elastic_resize_s: float = 60.0,
 ) -> None:
     """Run ``train_loop_per_worker`` on Ray Train workers (DDP or FSDP over gloo or NCCL).
 
     ``workers`` as ``(min, max)`` makes the group elastic: it starts with as many as can be
     placed (at least ``min``), after losing a worker restarts from the last checkpoint with the
     workers still placeable, and while healthy below ``max`` looks for room every
-    ``elastic_resize_s`` seconds, restarting bigger from the last checkpoint when it finds some.
-    A collective that waits longer than ``collective_timeout_s`` (a hung or lost peer) fails
+    ``training.elastic_resize_s`` seconds, restarting bigger from the last checkpoint when it
+    finds some. A collective that waits longer than ``training.collective_timeout_s`` (a hung
+    or lost peer) fails
     the group instead of hanging it. A group that Ray cannot place at once is reported on
     ``logger`` (:func:`placement_watch`).
 
@@ -170,16 +175,17 @@ def fit(
     storage_path, storage_filesystem = storage.ray_storage(ray_storage_url)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=asdict(config),
+        train_loop_config=loop_config(loop),
         torch_config=TorchConfig(
-            backend=devices.collective_backend(use_gpu), timeout_s=collective_timeout_s
+            backend=devices.collective_backend(use_gpu),
+            timeout_s=loop.training.collective_timeout_s,
         ),
         scaling_config=ScalingConfig(  # type: ignore[call-arg]  # the stub is Ray Train v1's
             num_workers=workers,  # type: ignore[arg-type]  # Ray's stub omits the elastic tuple
             use_gpu=use_gpu,
             resources_per_worker=resources,
             accelerator_type=request.accelerator_type,
-            elastic_resize_monitor_interval_s=elastic_resize_s,
+            elastic_resize_monitor_interval_s=loop.training.elastic_resize_s,
         ),
         run_config=RunConfig(
             name=name,
@@ -189,7 +195,7 @@ def fit(
             # The stub types callbacks as Ray Train v1's (Ray Tune's) Callback.
             callbacks=[
                 FailFast(  # type: ignore[list-item]
-                    code=f"the model {config.model}",
+                    code=f"the model {loop.model.model}",
                     request=request.describe(),
                     start_failure_limit=get_settings().controller_failure_limit,
                     max_failures=max_failures,

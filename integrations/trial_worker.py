@@ -20,12 +20,13 @@ from pathlib import Path
 
 from prefect_ml.integrations import distributed_checkpoint, storage
 from prefect_ml.integrations.checkpoints import CheckpointStore
+from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.epoch_trainer import (
     METRICS_FILE,
     EpochCommitter,
     EpochTrainer,
-    TrainLoopConfig,
     make_optimizer,
+    retention,
 )
 from prefect_ml.integrations.errors import (
     DETERMINISTIC_ERRORS,
@@ -44,10 +45,10 @@ class TrialSpec:
     """One trial as plain data: the loop config (its checkpoints under the trial) and placement."""
 
     number: int
-    loop: TrainLoopConfig
-    workers: int = 1
-    request: ResourceRequest = ResourceRequest()  # the trial's process, or each of its workers
-    ray_storage_url: str = ""
+    loop: TrainLoop
+    workers: int  # the sweep's trial_workers
+    request: ResourceRequest  # the trial's process, or each of its workers
+    ray_storage_url: str
 
 
 @dataclass(frozen=True)
@@ -97,11 +98,11 @@ class TrialWorker:
         storage.exists(storage.join(Path.cwd().as_uri(), "warm-up"))
         return os.getpid()
 
-    def _shard(self, loop: TrainLoopConfig, split: str) -> Shard:
-        key = (loop.splits_url, split)
+    def _shard(self, loop: TrainLoop, split: str) -> Shard:
+        key = (loop.data.splits_url, split)
         if key not in self._shards:
-            shape = tuple(loop.input_shape)
-            self._shards[key] = open_shard(loop.splits_url, loop.data_layout, split, shape)
+            shape = tuple(loop.data.sample_shape)
+            self._shards[key] = open_shard(loop.data.splits_url, loop.data.layout, split, shape)
         return self._shards[key]
 
     def begin(self, spec: TrialSpec) -> list[EpochReport]:
@@ -116,21 +117,23 @@ class TrialWorker:
             self._trainer = EpochTrainer(spec.loop, shards=shards)
         except DETERMINISTIC_ERRORS as exc:
             raise TrainingCodeError(self._setup_failure(spec, exc)) from exc
-        self._committer = EpochCommitter(self._trainer.store, spec.loop.retention())
+        self._committer = EpochCommitter(self._trainer.store, retention(spec.loop.training))
         history = self._trainer.committed_metrics()
         reports = [
-            EpochReport(spec.number, epoch, metrics, epoch == spec.loop.epochs, os.getpid(), True)
+            EpochReport(
+                spec.number, epoch, metrics, epoch == spec.loop.training.epochs, os.getpid(), True
+            )
             for epoch, metrics in history.items()
         ]
         self._epoch = self._trainer.first_epoch - 1
-        if self._epoch >= spec.loop.epochs:
+        if self._epoch >= spec.loop.training.epochs:
             return reports
         return reports + self.advance()
 
     def _setup_failure(self, spec: TrialSpec, error: BaseException) -> str:
         """Where the trial's model could not be built, why, and what to do: every trial of the
         campaign meets the same error on this node."""
-        code = f"the model {spec.loop.model}"
+        code = f"the model {spec.loop.model.model}"
         return (
             f"trial {spec.number} could not build {code} on node {self.node} (trial worker pid "
             f"{os.getpid()}): {type(error).__name__}: {error}. To fix it: "
@@ -157,7 +160,7 @@ class TrialWorker:
             blocked_since=blocked_since,
         )
         # The commit finishes in the background; the next begin() (or finish()) waits for it.
-        final = self._epoch >= self._spec.loop.epochs
+        final = self._epoch >= self._spec.loop.training.epochs
         return [
             EpochReport(self._spec.number, self._epoch, metrics, final, os.getpid(), node=self.node)
         ]
@@ -209,7 +212,7 @@ class DistributedTrial:
 
     def next_reports(self) -> list[EpochReport]:
         """Wait for the next committed epoch(s); the run's error if it failed first."""
-        last = self._spec.loop.epochs
+        last = self._spec.loop.training.epochs
         while True:
             reports = []
             while self._next_epoch <= last and (found := self._committed(self._next_epoch)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from prefect import get_run_logger, task
@@ -20,6 +20,7 @@ from prefect_ml.integrations import (
     tabular_files,
 )
 from prefect_ml.integrations.catalog import DatasetArrays, load_dataset
+from prefect_ml.integrations.config.loop import Layout, Splits
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.params import (
@@ -38,9 +39,6 @@ Sections = TypeVar("Sections", bound=TrainingSections)
 FORMAT_VERSION = "1"
 
 
-Layout = Literal["arrays", "parquet"]
-
-
 class DataSummary(BaseModel):
     """What ``inspect_data`` learnt without writing anything (``train_rows``: expected, for a
     streamed dataset, whose classes are known once it is prepared)."""
@@ -54,7 +52,7 @@ class DataSummary(BaseModel):
     layout: Layout = "arrays"
 
 
-class PreparedData(BaseModel):
+class PreparedData(Splits):
     """A prepared dataset: where its splits are and what they hold; small enough to pass
     between tasks. What :func:`preprocess` returns and :func:`~prefect_ml.train` takes.
 
@@ -75,17 +73,10 @@ class PreparedData(BaseModel):
     """
 
     fingerprint: str
-    splits_url: str
-    sample_shape: list[int]
-    num_classes: int
     class_names: list[str]
     rows: dict[str, int]
     feature_names: list[str] | None = None
     recipe: DataParams | None = None
-    task: problems.TaskType = "classification"
-    target_mean: float = 0.0
-    target_std: float = 1.0
-    layout: Layout = "arrays"
 
     @property
     def problem(self) -> problems.Problem:
@@ -214,16 +205,30 @@ def check_fits_training_split(params: TrainingSections, n_train: int) -> None:
 def params_on_data(
     params_type: type[Sections],
     data: PreparedData,
+    params: Sections | None,
     options: dict[str, Any],
     *,
     step: str,
     experiment: str,
 ) -> Sections:
-    """A public task's training or campaign parameters from its keyword ``options``, for the
-    prepared ``data`` (whose recipe they record) and checked against its training split."""
-    params = params_from_options(
-        params_type, options, step=step, experiment=experiment, data=data.recipe or DataParams()
-    )
+    """A public task's training or campaign sections: ``params`` as a flow passes them, or
+    built from the keyword ``options`` (a convenience) for the prepared ``data``, whose recipe
+    they record; either is checked against the data's training split.
+
+    Raises:
+        ConfigurationError: both ``params`` and ``options`` given, an unknown or invalid
+            option, or a batch size or worker count the training split cannot feed.
+    """
+    if params is None:
+        params = params_from_options(
+            params_type, options, step=step, experiment=experiment, data=data.recipe or DataParams()
+        )
+    elif options:
+        raise ConfigurationError(
+            sorted(options)[0],
+            f"{step}() takes its sections or keyword options, not both; set "
+            f"{sorted(options)} in the sections",
+        )
     check_fits_training_split(params, data.rows["train"])
     return params
 

@@ -20,7 +20,6 @@ from prefect_ml.tasks.train import (
     RESUMED_FROM_TAG,
     TrainResult,
     current_flow_run_id,
-    loop_config,
     train_result,
     training_end,
 )
@@ -44,15 +43,9 @@ def _trained(
     checkpoint_url = storage.run_checkpoint_url(
         storage.root_url(settings), run.experiment_id, run.run_id
     )
-    early_stopping = loop_config(
-        params,
-        data,
-        checkpoint_url=checkpoint_url,
-        tracking_uri=settings.resolved_tracking_uri,
-        run_id=run.run_id,
-    ).early_stopping()
     store = CheckpointStore(checkpoint_url)
-    end = training_end(store, store.latest(), early_stopping, params.training.epochs)
+    training = params.training
+    end = training_end(store, store.latest(), training.early_stopping(), training.epochs)
     if end is None:
         return None
     return train_result(

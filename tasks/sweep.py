@@ -56,7 +56,11 @@ artifacts of the campaign's MLflow run `{result.parent_run_id}`.
     **transient_retries(),
 )
 def campaign(
-    data: PreparedData, *, experiment: str = "prefect-ml", **options: Any
+    data: PreparedData,
+    params: CampaignParams | None = None,
+    *,
+    experiment: str = "prefect-ml",
+    **options: Any,
 ) -> CampaignResult:
     """Search hyperparameters with Optuna, trials in parallel on warm Ray workers, each tracked
     as a nested MLflow run; resumable by campaign name (finished trials are kept, interrupted
@@ -64,6 +68,8 @@ def campaign(
 
     Args:
         data: what :func:`~prefect_ml.preprocess` returned.
+        params: the experiment and the model, training and sweep sections, as the flows pass
+            them (:class:`~prefect_ml.tasks.params.CampaignParams`); or, instead:
         experiment: the MLflow experiment.
         **options: any field of the sweep section
             (:class:`~prefect_ml.tasks.params.SweepParams`: ``campaign``, ``search_space``,
@@ -79,7 +85,9 @@ def campaign(
         ConfigurationError: an unknown or invalid option, before any trial runs.
         CampaignFailedError: the budget was spent and no trial completed.
     """
-    params = params_on_data(CampaignParams, data, options, step="campaign", experiment=experiment)
+    params = params_on_data(
+        CampaignParams, data, params, options, step="campaign", experiment=experiment
+    )
     with ray_session(get_settings()):  # one Ray for the placement check and the trials
         check_placement(params)
         result = run_campaign(params, data)

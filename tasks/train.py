@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -27,7 +26,9 @@ from prefect_ml.integrations import (
     tracking,
 )
 from prefect_ml.integrations.checkpoints import CheckpointStore, VerifiedCheckpoint
+from prefect_ml.integrations.config.loop import Splits, TrainLoop
 from prefect_ml.integrations.early_stopping import EarlyStopping, StopDecision
+from prefect_ml.integrations.epoch_trainer import METRICS_FILE
 from prefect_ml.integrations.errors import CheckpointError, PrefectMLError, TrainingCodeError
 from prefect_ml.integrations.leases import Lease
 from prefect_ml.integrations.prefect_server import RAY_TAG
@@ -163,7 +164,7 @@ class EpochRecorder:
             if epoch in self._logged:
                 continue
             try:
-                metrics = json.loads(self._store.read_verified(epoch, epoch_trainer.METRICS_FILE))
+                metrics = json.loads(self._store.read_verified(epoch, METRICS_FILE))
             except CheckpointError:
                 continue  # not committed yet; a later poll sees it
             tracking.log_epoch(
@@ -182,39 +183,25 @@ class EpochRecorder:
             self._progress.update(self._bar, completed=len(self._logged), metrics=line)
 
 
-def loop_config(
+def train_loop(
     params: TrainingSections,
     data: PreparedData,
     *,
     checkpoint_url: str,
     tracking_uri: str,
     run_id: str,
-) -> epoch_trainer.TrainLoopConfig:
-    """What every training worker needs to know: each loop field that the model or training
-    section has, taken from it (no second list of names), plus the data and where to write."""
-    sections = {**params.training.model_dump(), **params.model.model_dump()}
-    shared = {
-        field.name: sections[field.name]
-        for field in dataclasses.fields(epoch_trainer.TrainLoopConfig)
-        if field.name in sections
-    }
-    return epoch_trainer.TrainLoopConfig(
-        **{
-            **shared,
-            "model_options": params.model.factory_options(),  # built-in shape options too
-            "early_stopping_patience": params.training.early_stopping_patience or 0,
-            "early_stopping_metric": params.training.early_stopping_monitor,
-            "splits_url": data.splits_url,
-            "data_layout": data.layout,
-            "input_shape": data.sample_shape,
-            "num_classes": data.num_classes,
-            "task": data.task,
-            "target_mean": data.target_mean,
-            "target_std": data.target_std,
-            "checkpoint_url": checkpoint_url,
-            "tracking_uri": tracking.shipped_uri(tracking_uri),  # Ray shows task arguments
-            "run_id": run_id,
-        }
+    stop_url: str = "",
+) -> TrainLoop:
+    """What every training worker receives: the model and training sections themselves, the
+    splits (the prepared data's fields that a worker reads) and where the run writes."""
+    return TrainLoop(
+        model=params.model,
+        training=params.training,
+        data=Splits.model_validate(data.model_dump(include=set(Splits.model_fields))),
+        checkpoint_url=checkpoint_url,
+        tracking_uri=tracking.shipped_uri(tracking_uri),  # Ray shows task arguments
+        run_id=run_id,
+        stop_url=stop_url,
     )
 
 
@@ -313,7 +300,7 @@ def train_result(
         resumed_from_epoch=resumed_from_epoch,
         best_epoch=end.best_epoch,
         early_stopped=end.stopped.describe(params.training.epochs) if end.stopped else None,
-        epoch_metrics=json.loads(end.final.files[epoch_trainer.METRICS_FILE]),
+        epoch_metrics=json.loads(end.final.files[METRICS_FILE]),
         model=params.model,
         data=data,
         reused=reused,
@@ -399,16 +386,16 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
             where = f"epoch {latest.epoch} step {latest.step}"
         logger.info("Resuming MLflow run %s from checkpoint %s", run_id, where)
         tracking.set_tags(client, run_id, {RESUMED_FROM_TAG: str(resumed_from)})
-    config = loop_config(
+    loop = train_loop(
         params,
         data,
         checkpoint_url=checkpoint_url,
         tracking_uri=settings.resolved_tracking_uri,
         run_id=run_id,
+        # Workers stop at the next epoch boundary once another driver took the lease over.
+        stop_url=lease.superseded_url,
     )
-    # Workers stop at the next epoch boundary once another driver took the lease over.
-    config = replace(config, stop_url=lease.superseded_url)
-    early_stopping, epochs = config.early_stopping(), params.training.epochs
+    early_stopping, epochs = params.training.early_stopping(), params.training.epochs
     recorder = EpochRecorder(
         settings.resolved_tracking_uri,
         run_id,
@@ -426,15 +413,13 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
                         tracking.set_tags(client, run_id, {tracking.CODE_TAG: code})
                     timeline.mark("training run opened (MLflow run, lease); worker group starts")
                     ray_training.fit(
-                        config,
+                        loop,
                         workers=params.training.workers,
                         request=params.training.worker_request(),
                         max_failures=params.training.max_failures,
                         ray_storage_url=settings.ray_storage_url,
                         name=f"{run_id}-{int(time.time())}",
                         logger=logger,
-                        collective_timeout_s=params.training.collective_timeout_s,
-                        elastic_resize_s=params.training.elastic_resize_s,
                     )
                     timeline.mark("training workers done")
                     mark_worker_group_ready(client, run_id)
@@ -492,7 +477,13 @@ def trained_model(trained: TrainResult) -> torch.nn.Module:
 
 
 @task(name="train", cache_policy=NO_CACHE, tags=[RAY_TAG, "training"], **transient_retries())
-def train(data: PreparedData, *, experiment: str = "prefect-ml", **options: Any) -> TrainResult:
+def train(
+    data: PreparedData,
+    params: TrainingSections | None = None,
+    *,
+    experiment: str = "prefect-ml",
+    **options: Any,
+) -> TrainResult:
     """Train a model data-parallel on Ray Train workers, tracked as one MLflow run.
 
     Checkpoints are written (verified) every epoch; running the same training again (same
@@ -501,6 +492,8 @@ def train(data: PreparedData, *, experiment: str = "prefect-ml", **options: Any)
 
     Args:
         data: what :func:`~prefect_ml.preprocess` returned.
+        params: the experiment and the model and training sections, as the flows pass them
+            (:class:`~prefect_ml.tasks.params.TrainingSections`); or, instead:
         experiment: the MLflow experiment.
         **options: any field of the model and training sections
             (:class:`~prefect_ml.tasks.params.ModelParams`,
@@ -515,7 +508,9 @@ def train(data: PreparedData, *, experiment: str = "prefect-ml", **options: Any)
         ConfigurationError: an unknown or invalid option, or a request the cluster cannot
             place, before any compute.
     """
-    params = params_on_data(TrainingSections, data, options, step="train", experiment=experiment)
+    params = params_on_data(
+        TrainingSections, data, params, options, step="train", experiment=experiment
+    )
     with ray_session(get_settings()):  # one Ray for the placement check and the training
         check_placement(params)
         return train_distributed(params, data)

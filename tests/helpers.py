@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig
+from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.epoch_trainer import EpochTrainer
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.shards import ArrayShard
 from tests.fixtures.user_code import blobs
@@ -227,7 +228,7 @@ def blob_trainer(checkpoint_url: str, device: Any = None, **config: Any) -> Epoc
     shard = ArrayShard(features.astype(np.float32), labels.astype(np.int64))
     defaults: dict[str, Any] = {
         "splits_url": "",
-        "input_shape": [4],
+        "sample_shape": [4],
         "num_classes": 3,
         "model": "tests.fixtures.user_code:linear_model",
         "model_options": {},
@@ -238,12 +239,13 @@ def blob_trainer(checkpoint_url: str, device: Any = None, **config: Any) -> Epoc
         "weight_decay": 0.0,
         "scheduler": "none",
         "seed": 0,
+        "keep_checkpoints": 100,  # every epoch keeps its weights
         "checkpoint_url": checkpoint_url,
         "tracking_uri": "",
         "run_id": "",
     }
     return EpochTrainer(
-        TrainLoopConfig(**{**defaults, **config}),
+        TrainLoop.from_options(**{**defaults, **config}),
         device=device,
         shards={"train": shard, "val": shard},
     )

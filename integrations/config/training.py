@@ -19,6 +19,7 @@ from prefect_ml.integrations.config.resources import (
     resources_field,
     to_bytes,
 )
+from prefect_ml.integrations.early_stopping import EarlyStopping
 from prefect_ml.integrations.resources import ResourceRequest, custom_resources
 
 
@@ -291,6 +292,14 @@ class TrainingParams(Section):
         if self.early_stopping_metric is not None:
             return self.early_stopping_metric
         return "val_loss" if self.best_checkpoint_metric == "none" else self.best_checkpoint_metric
+
+    def early_stopping(self) -> EarlyStopping | None:
+        """Early stopping as these fields set it; None when it is off."""
+        if not self.early_stopping_patience:
+            return None
+        return EarlyStopping.for_metric(
+            self.early_stopping_monitor, self.early_stopping_patience, self.early_stopping_min_delta
+        )
 
     def identity(self) -> dict[str, Any]:
         """The values that shape the result: every field but the operational ones, and early

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger
 
 from prefect_ml.integrations import storage, studies, study_claims, tracking
+from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.errors import CampaignFailedError, PrefectMLError
 from prefect_ml.integrations.leases import Lease
 from prefect_ml.integrations.ray_cluster import ray_session
@@ -39,7 +40,7 @@ from prefect_ml.tasks.campaign.view import CampaignView, short
 from prefect_ml.tasks.data import PreparedData
 from prefect_ml.tasks.params import TRIAL_FIELDS, CampaignParams, SweepParams, with_trial_values
 from prefect_ml.tasks.placement import require_fits
-from prefect_ml.tasks.train import current_flow_run_id, flatten, loop_config
+from prefect_ml.tasks.train import current_flow_run_id, flatten, train_loop
 
 if TYPE_CHECKING:
     import logging
@@ -60,28 +61,30 @@ class TrialPlanner:
         """A trial's MLflow params: every value it trained with, and which ones were tuned."""
         return {**flatten(with_trial_values(self.params, values)), "trial.tuned": sorted(values)}
 
-    def __call__(self, trial: optuna.trial.Trial) -> tuple[TrialSpec, dict[str, Any]]:
-        tuned = with_trial_values(self.params, trial.params)
-        checkpoint_url = self.identity.trial_url(studies.root_trial(trial))
-        config = loop_config(
-            tuned,
+    def trial_loop(self, values: dict[str, Any], checkpoint_url: str, number: int) -> TrainLoop:
+        """What a trial's workers receive: the campaign's sections with the trial's ``values``.
+
+        Trials train every epoch and report each one: the campaign's pruner is what stops a
+        trial early, and the study compares trials at the same epochs."""
+        tuned = with_trial_values(self.params, values)
+        every_epoch = tuned.training.model_copy(update={"early_stopping_patience": None})
+        return train_loop(
+            tuned.model_copy(update={"training": every_epoch}),
             self.data,
             checkpoint_url=checkpoint_url,
             tracking_uri=self.settings.resolved_tracking_uri,
             run_id="",
+            # Per attempt: a retried trial must not see the marker of an attempt that was pruned.
+            stop_url=storage.trial_stop_url(checkpoint_url, number),
         )
-        # Per attempt: a retried trial must not see the marker of an attempt that was pruned.
-        # Trials train every epoch and report each one: the campaign's pruner is what stops a
-        # trial early, and the study compares trials at the same epochs.
-        config = replace(
-            config,
-            stop_url=storage.trial_stop_url(checkpoint_url, trial.number),
-            early_stopping_patience=0,
-        )
+
+    def __call__(self, trial: optuna.trial.Trial) -> tuple[TrialSpec, dict[str, Any]]:
+        checkpoint_url = self.identity.trial_url(studies.root_trial(trial))
+        loop = self.trial_loop(trial.params, checkpoint_url, trial.number)
         sweep = self.params.sweep
         spec = TrialSpec(
             number=trial.number,
-            loop=config,
+            loop=loop,
             workers=sweep.trial_workers,
             request=sweep.trial_request(),
             ray_storage_url=self.settings.ray_storage_url,

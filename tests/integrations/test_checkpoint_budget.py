@@ -127,7 +127,7 @@ def test_the_best_epoch_keeps_its_weights_though_its_epoch_committed_metrics_onl
     train_epochs(trainer)
 
     store = CheckpointStore(budgeted_url)
-    early_stopping = trainer.config.early_stopping()
+    early_stopping = trainer.config.training.early_stopping()
     assert early_stopping is not None
     best = early_stopping.best(committed_history(store, 8))
     assert best is not None and best.epoch == 4 and store.epochs() == [1, 2, 3, 4, 5, 6]

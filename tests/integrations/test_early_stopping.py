@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from prefect_ml.integrations.checkpoints import CheckpointStore
+from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.early_stopping import BestEpoch, EarlyStopping, StopDecision
 from prefect_ml.integrations.epoch_trainer import (
     METRICS_FILE,
     EpochCommitter,
-    TrainLoopConfig,
     committed_history,
+    retention,
 )
 
 
@@ -60,9 +61,9 @@ def test_patience_below_one_and_a_negative_delta_are_refused() -> None:
 def test_retention_keeps_the_weights_of_early_stoppings_best_epoch(tmp_path: Path) -> None:
     """Keep 1 checkpoint and no best-checkpoint metric: only the newest would keep its weights,
     but early stopping's best epoch (by val_loss) keeps them too, also across a restart."""
-    config = TrainLoopConfig(
+    config = TrainLoop.from_options(
         splits_url="",
-        input_shape=[1],
+        sample_shape=[1],
         num_classes=2,
         model="mlp",
         model_options={},
@@ -91,12 +92,15 @@ def test_retention_keeps_the_weights_of_early_stoppings_best_epoch(tmp_path: Pat
             )
         committer.close()
 
-    stopping = config.early_stopping()
-    commit(EpochCommitter(store, config.retention(), early_stopping=stopping), [1, 2, 3])
+    stopping = config.training.early_stopping()
+    commit(EpochCommitter(store, retention(config.training), early_stopping=stopping), [1, 2, 3])
     # A restarted committer learns the history from the committed metrics files.
     history = committed_history(store, 3)
     assert history == {e: {**json.loads(store.read_verified(e, METRICS_FILE))} for e in (1, 2, 3)}
-    commit(EpochCommitter(store, config.retention(), early_stopping=stopping, history=history), [4])
+    commit(
+        EpochCommitter(store, retention(config.training), early_stopping=stopping, history=history),
+        [4],
+    )
 
     assert store.load(2).files["w"] == bytes([2]), "the best epoch kept its weights"
     assert store.load(4).files["w"] == bytes([4]), "the newest is the resume point"

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from prefect_ml.integrations import hooks, model_parallel
-from prefect_ml.integrations.epoch_trainer import EpochTrainer, TrainLoopConfig
+from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.epoch_trainer import EpochTrainer
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.model_parallel import MeshLayout
 from tests.integrations.test_parallel_training import (
@@ -29,7 +30,7 @@ from tests.integrations.test_parallel_training import (
 )
 
 
-def _one_process(config: TrainLoopConfig, epochs: int) -> tuple[list[dict[str, float]], Any]:
+def _one_process(config: TrainLoop, epochs: int) -> tuple[list[dict[str, float]], Any]:
     torch.set_num_threads(1)
     trainer = EpochTrainer(config, shards=_shards(0, 1))
     history = [trainer.train_epoch(epoch) for epoch in range(1, epochs + 1)]
@@ -120,14 +121,14 @@ def test_a_tensor_parallel_checkpoint_restores_into_ddp_and_one_process(tmp_path
 
 
 def test_the_mesh_puts_the_ranks_of_one_replica_next_to_each_other() -> None:
-    layout = MeshLayout.of(_config("", strategy="pp", pipeline_parallel_size=2), 4)
+    layout = MeshLayout.of(_config("", strategy="pp", pipeline_parallel_size=2).training, 4)
     assert (layout.data_parallel, layout.model_parallel) == (2, 2)
     assert [layout.data_rank(rank) for rank in range(4)] == [0, 0, 1, 1]
     assert [layout.reports(rank) for rank in range(4)] == [False, True, False, True]
-    tp = MeshLayout.of(_config("", strategy="tp"), 2)
+    tp = MeshLayout.of(_config("", strategy="tp").training, 2)
     assert (tp.data_parallel, [tp.reports(rank) for rank in range(2)]) == (1, [True, False])
     with pytest.raises(ConfigurationError, match="training.tensor_parallel_size.*divides"):
-        MeshLayout.of(_config("", strategy="tp", tensor_parallel_size=3), 4)
+        MeshLayout.of(_config("", strategy="tp", workers=3, tensor_parallel_size=3).training, 4)
 
 
 def test_the_built_in_plan_pairs_linears_across_elementwise_layers() -> None:
@@ -237,7 +238,9 @@ def test_tp_and_pp_refuse_a_model_with_its_own_step_and_fp16() -> None:
         with pytest.raises(ConfigurationError, match="training.strategy.*--strategy ddp"):
             hooks.check_contract(model, strategy=strategy)
     with pytest.raises(ConfigurationError, match="training.precision.*bf16"):
-        model_parallel.check_precision(_config("", strategy="pp", precision="fp16"))
+        model_parallel.check_precision(
+            _config("", strategy="pp", precision="fp16", use_gpu=True).training
+        )
 
 
 def test_pipelines_train_data_parallel_like_ddp_on_their_replicas(tmp_path: Path) -> None:
@@ -285,7 +288,7 @@ def test_a_pipeline_resumes_from_its_stages_checkpoint(tmp_path: Path) -> None:
     _assert_same_losses(again["history"], uninterrupted[1:])
 
 
-def _nccl_worker(rank: int, world_size: int, port: int, config: TrainLoopConfig, out: str) -> None:
+def _nccl_worker(rank: int, world_size: int, port: int, config: TrainLoop, out: str) -> None:
     import json
 
     import torch.distributed as dist
@@ -296,7 +299,7 @@ def _nccl_worker(rank: int, world_size: int, port: int, config: TrainLoopConfig,
     try:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        layout = MeshLayout.of(config, world_size)
+        layout = MeshLayout.of(config.training, world_size)
         trainer = EpochTrainer(
             config,
             rank=rank,

@@ -18,10 +18,10 @@ import torch
 import torch.multiprocessing as mp
 
 from prefect_ml.integrations import catalog, epoch_trainer
+from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.epoch_trainer import (
     EpochCommitter,
     EpochTrainer,
-    TrainLoopConfig,
 )
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.model_parallel import MeshLayout
@@ -32,10 +32,10 @@ from tests.helpers import free_port, in_gloo_group
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _config(checkpoint_url: str, **overrides: Any) -> TrainLoopConfig:
+def _config(checkpoint_url: str, **overrides: Any) -> TrainLoop:
     values: dict[str, Any] = {
         "splits_url": "",
-        "input_shape": [6],
+        "sample_shape": [6],
         "num_classes": 3,
         "model": "mlp",
         "model_options": {"hidden": 16, "depth": 2, "dropout": 0.0},
@@ -50,7 +50,7 @@ def _config(checkpoint_url: str, **overrides: Any) -> TrainLoopConfig:
         "tracking_uri": "",
         "run_id": "",
     }
-    return TrainLoopConfig(**{**values, **overrides})
+    return TrainLoop.from_options(**{**values, **overrides})
 
 
 def _shards(rank: int, world_size: int) -> dict[str, ArrayShard]:
@@ -71,14 +71,12 @@ def _full_state(trainer: EpochTrainer, *, every_rank: bool = False) -> dict[str,
     return {name: tensor.detach().clone() for name, tensor in state.items()}  # not live views
 
 
-def _train_in_group(
-    rank: int, world_size: int, config: TrainLoopConfig, epochs: int, out: str
-) -> None:
+def _train_in_group(rank: int, world_size: int, config: TrainLoop, epochs: int, out: str) -> None:
     """Restore, train ``epochs`` more epochs, commit each."""
     from torch.nn.parallel import DistributedDataParallel
 
     # A tensor-parallel group or a pipeline reads one shard (integrations.model_parallel).
-    trainer_layout = MeshLayout.of(config, world_size)
+    trainer_layout = MeshLayout.of(config.training, world_size)
     trainer = EpochTrainer(
         config,
         rank=rank,
@@ -110,7 +108,7 @@ def _train_in_group(
 
 
 def _run_group(
-    world_size: int, config: TrainLoopConfig, epochs: int, out: Path
+    world_size: int, config: TrainLoop, epochs: int, out: Path
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     mp.start_processes(
         in_gloo_group,
@@ -154,7 +152,7 @@ def test_fsdp_trains_like_ddp_and_its_checkpoint_restores_under_other_layouts(
     _assert_same_weights(_full_state(single), resumed_state["final"])
     assert single.scheduler.last_epoch == 3, "the LR schedule resumed where it stopped"
     model, epoch = epoch_trainer.load_trained_model(
-        fsdp_url, "mlp", [6], 3, _config("").model_options
+        fsdp_url, "mlp", [6], 3, _config("").model.factory_options()
     )
     assert epoch == 3
     _assert_same_weights(model.state_dict(), resumed_state["final"])
@@ -233,7 +231,9 @@ def test_bf16_autocast_trains_on_cpu_and_reports_peak_memory(tmp_path: Path) -> 
 
 def test_fp16_is_refused_on_cpu_with_the_fix_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="training.precision.*--precision bf16"):
-        EpochTrainer(_config(tmp_path.as_uri(), precision="fp16"), shards=_shards(0, 1))
+        # A GPU run's config on a worker without a GPU: the worker refuses it.
+        config = _config(tmp_path.as_uri(), precision="fp16", use_gpu=True)
+        EpochTrainer(config, shards=_shards(0, 1))
 
 
 @pytest.mark.parametrize(

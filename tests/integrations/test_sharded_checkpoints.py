@@ -77,7 +77,8 @@ def test_every_rank_writes_its_shards_and_one_manifest_commits_them(
     assert {".metadata", "trainer.json", "metrics.json"} <= set(manifest["files"])
     checkpoint = store.latest()
     assert checkpoint is not None and checkpoint.epoch == 2
-    model, epoch = epoch_trainer.load_trained_model(url, "mlp", [6], 3, config.model_options)
+    options = config.model.factory_options()
+    model, epoch = epoch_trainer.load_trained_model(url, "mlp", [6], 3, options)
     assert epoch == 2
     _assert_same_weights(model.state_dict(), state["final"])
 
@@ -171,7 +172,8 @@ def test_a_sharded_checkpoint_on_s3_verifies_and_loads(tmp_path: Path, s3_bucket
     checkpoint = store.latest()
     assert checkpoint is not None and checkpoint.epoch == 1
     assert _shard_names(_manifest(url, 1)) == {"__0_0.distcp", "__1_0.distcp"}
-    model, _ = epoch_trainer.load_trained_model(url, "mlp", [6], 3, _config("").model_options)
+    options = _config("").model.factory_options()
+    model, _ = epoch_trainer.load_trained_model(url, "mlp", [6], 3, options)
     _assert_same_weights(model.state_dict(), state["final"])
 
 

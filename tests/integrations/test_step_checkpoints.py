@@ -20,11 +20,12 @@ from torch.multiprocessing import ProcessRaisedException
 
 from prefect_ml.integrations import shards
 from prefect_ml.integrations.checkpoints import CheckpointPosition, CheckpointStore
+from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.epoch_trainer import (
     METRICS_FILE,
     EpochCommitter,
     EpochTrainer,
-    TrainLoopConfig,
+    retention,
 )
 from tests.helpers import blob_trainer, free_port, in_gloo_group
 from tests.integrations.test_parallel_training import _config, _full_state, _shards
@@ -50,7 +51,7 @@ class StoppingCommitter(EpochCommitter):
             raise Stopped(f"stopped after epoch {epoch} step {step}")
 
 
-def _step_config(url: str, **overrides: Any) -> TrainLoopConfig:
+def _step_config(url: str, **overrides: Any) -> TrainLoop:
     """12 steps an epoch on one worker (6 on each of two), a checkpoint every 3 steps, and
     dropout, so that a resume that lost the RNG state would train differently."""
     options = {"hidden": 16, "depth": 2, "dropout": 0.3}
@@ -214,7 +215,7 @@ def test_retention_counts_mid_epoch_checkpoints_and_leaves_no_folders_of_them(
         _step_config(url, keep_checkpoints=2, best_checkpoint_metric="none"),
         shards=_shards(0, 1),
     )
-    _train(trainer, EpochCommitter(trainer.store, trainer.config.retention()))
+    _train(trainer, EpochCommitter(trainer.store, retention(trainer.config.training)))
 
     store = CheckpointStore(url)
     assert store.positions() == [

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from prefect_ml.integrations import shards, storage, streaming, tabular_files
+from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.epoch_trainer import (
     EpochCommitter,
     EpochTrainer,
-    TrainLoopConfig,
     load_trained_model,
 )
 from prefect_ml.integrations.errors import ConfigurationError
@@ -400,10 +400,10 @@ def test_streaming_from_s3_rides_out_faults_and_never_trains_on_a_partial_shard(
 # --- a worker killed mid-epoch ------------------------------------------------------------
 
 
-def _config(data: PreparedData, checkpoint_url: str, epochs: int) -> TrainLoopConfig:
-    return TrainLoopConfig(
+def _config(data: PreparedData, checkpoint_url: str, epochs: int) -> TrainLoop:
+    return TrainLoop.from_options(
         splits_url=data.splits_url,
-        input_shape=data.sample_shape,
+        sample_shape=data.sample_shape,
         num_classes=data.num_classes,
         model="mlp",
         model_options={"hidden": 16, "depth": 1, "dropout": 0.1},
@@ -417,14 +417,14 @@ def _config(data: PreparedData, checkpoint_url: str, epochs: int) -> TrainLoopCo
         checkpoint_url=checkpoint_url,
         tracking_uri="",
         run_id="",
-        data_layout="parquet",
+        layout="parquet",
     )
 
 
 def _train(config: dict[str, Any], die_in_epoch: int, log: str) -> None:
     """A worker process: train from the last checkpoint, logging each batch's first row id;
     with ``die_in_epoch``, killed (no clean-up at all) after 3 batches of that epoch."""
-    trainer = EpochTrainer(TrainLoopConfig(**config))
+    trainer = EpochTrainer(TrainLoop.from_options(**config))
     assert isinstance(trainer.train, shards.StreamedShard)
     trainer.train.window_rows = 400
     committer = EpochCommitter(trainer.store)
@@ -442,7 +442,7 @@ def _train(config: dict[str, Any], die_in_epoch: int, log: str) -> None:
         return on_device(features, labels)
 
     trainer._on_device = logged  # type: ignore[method-assign]
-    for epoch in range(trainer.first_epoch, trainer.config.epochs + 1):
+    for epoch in range(trainer.first_epoch, trainer.config.training.epochs + 1):
         batches = 0
         metrics = trainer.train_epoch(epoch)
         committer.submit(epoch, trainer.snapshot(epoch), metrics, epoch_started=0, blocked_since=0)
@@ -450,7 +450,7 @@ def _train(config: dict[str, Any], die_in_epoch: int, log: str) -> None:
     committer.close()
 
 
-def _run(config: TrainLoopConfig, die_in_epoch: int, log: Path) -> int:
+def _run(config: TrainLoop, die_in_epoch: int, log: Path) -> int:
     from dataclasses import asdict
 
     process = multiprocessing.get_context("spawn").Process(
@@ -482,7 +482,9 @@ def test_a_worker_killed_mid_epoch_resumes_on_the_same_rows_in_the_same_order(
     assert len(died) == 3 and resumed[:3] == died, "the restarted epoch begins where it did"
     assert resumed == _epoch_log(tmp_path / "whole.log", 3)
     models = [
-        load_trained_model(c.checkpoint_url, "mlp", c.input_shape, 3, c.model_options)
+        load_trained_model(
+            c.checkpoint_url, "mlp", c.data.sample_shape, 3, c.model.factory_options()
+        )
         for c in (whole, killed)
     ]
     assert models[0][1] == models[1][1] == 4

@@ -22,9 +22,10 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
 from prefect_ml.integrations import studies, tracking
-from prefect_ml.integrations.epoch_trainer import TrainLoopConfig
+from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.errors import PrefectMLError
 from prefect_ml.integrations.leases import LeaseLostError
+from prefect_ml.integrations.resources import ResourceRequest
 from prefect_ml.integrations.tracking import TrackingWriter
 from prefect_ml.integrations.trial_pool import Epochs, Outcome, TrialError, WorkerLost
 from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec
@@ -39,12 +40,14 @@ Script = Callable[[TrialSpec, int, int], Outcome]  # (spec, epoch, attempt) -> w
 
 def accuracy(spec: TrialSpec, epoch: int, attempt: int) -> Outcome:
     """0.9 for good learning rates, 0.1 for bad ones; a worker lost or an error as scripted."""
-    if spec.loop.lr == DIES and epoch == 2 and attempt == 1:
+    if spec.loop.training.lr == DIES and epoch == 2 and attempt == 1:
         return WorkerLost("its worker process died: killed by the test")
-    if spec.loop.lr == RAISES:
+    if spec.loop.training.lr == RAISES:
         return TrialError("ValueError: the trial's code refuses this lr")
-    value = 0.9 if spec.loop.lr >= 0.01 else 0.1
-    report = EpochReport(spec.number, epoch, {"val_accuracy": value}, epoch == spec.loop.epochs)
+    value = 0.9 if spec.loop.training.lr >= 0.01 else 0.1
+    report = EpochReport(
+        spec.number, epoch, {"val_accuracy": value}, epoch == spec.loop.training.epochs
+    )
     return Epochs((report,))
 
 
@@ -68,14 +71,16 @@ class FakePool:
         self.finished = False
 
     def begin(self, slot: int, spec: TrialSpec) -> None:
-        self.attempts[spec.loop.lr] += 1
+        self.attempts[spec.loop.training.lr] += 1
         self.trials[slot] = (spec, 0)
         self.advance(slot)
 
     def advance(self, slot: int) -> None:
         spec, epoch = self.trials[slot]
         self.trials[slot] = (spec, epoch + 1)
-        self.ready.append((slot, self.script(spec, epoch + 1, self.attempts[spec.loop.lr])))
+        self.ready.append(
+            (slot, self.script(spec, epoch + 1, self.attempts[spec.loop.training.lr]))
+        )
 
     def wait(self, timeout: float) -> list[tuple[int, Outcome]]:
         if self.kill_after and self.finals >= self.kill_after:
@@ -150,9 +155,9 @@ def writer(mlflow_client: Any, request: pytest.FixtureRequest) -> Iterator[Track
 
 def plan(tmp_path: Path) -> Callable[[optuna.trial.Trial], tuple[TrialSpec, dict[str, Any]]]:
     def spec_of(trial: optuna.trial.Trial) -> tuple[TrialSpec, dict[str, Any]]:
-        loop = TrainLoopConfig(
+        loop = TrainLoop.from_options(
             splits_url="",
-            input_shape=[64],
+            sample_shape=[64],
             num_classes=10,
             model="mlp",
             model_options={},
@@ -167,7 +172,8 @@ def plan(tmp_path: Path) -> Callable[[optuna.trial.Trial], tuple[TrialSpec, dict
             tracking_uri="",
             run_id="",
         )
-        return TrialSpec(number=trial.number, loop=loop), {"lr": trial.params["lr"]}
+        spec = TrialSpec(trial.number, loop, 1, ResourceRequest(), ray_storage_url="")
+        return spec, {"lr": trial.params["lr"]}
 
     return spec_of
 

@@ -178,7 +178,7 @@ def test_the_loop_config_that_ray_s_workers_receive_holds_no_database_password(
     import cloudpickle
 
     from prefect_ml.tasks.data import PreparedData
-    from prefect_ml.tasks.train import loop_config
+    from prefect_ml.tasks.train import train_loop
 
     data = PreparedData(
         fingerprint="f" * 16,
@@ -189,7 +189,7 @@ def test_the_loop_config_that_ray_s_workers_receive_holds_no_database_password(
         class_names=["a", "b"],
         feature_names=None,
     )
-    config = loop_config(
+    config = train_loop(
         TrainModelParams(),
         data,
         checkpoint_url=(home.home_dir / "checkpoints").as_uri(),

@@ -1,0 +1,182 @@
+"""Every field of the model and training sections walks from its CLI flag and the flow's
+parameters, through the train task and a campaign's trials, to the object a Ray Train worker
+receives (through the pickling Ray does), and arrives with its value: a field added to a
+section, dropped on the way or copied by hand into a second schema fails here."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+import cloudpickle
+import pytest
+
+from prefect_ml.flows.cli import app, parse_parameters
+from prefect_ml.integrations import ray_training
+from prefect_ml.integrations.config import ModelParams, TrainingParams
+from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.campaign.identity import CampaignIdentity
+from prefect_ml.tasks.campaign.run import TrialPlanner
+from prefect_ml.tasks.data import PreparedData, params_on_data
+from prefect_ml.tasks.params import (
+    CampaignParams,
+    TrainingSections,
+    TrainModelParams,
+    section_options,
+)
+from prefect_ml.tasks.train import train_loop
+
+MODEL = {
+    "model": "tests.fixtures.user_code:linear_model",
+    "hidden": 16,
+    "depth": 3,
+    "channels": 8,
+    "dropout": 0.25,
+    "model_options": {"bias": False},
+}
+TRAINING = {
+    "epochs": 3,
+    "batch_size": 16,
+    "lr": 0.01,
+    "optimizer": "sgd",
+    "weight_decay": 0.01,
+    "scheduler": "none",
+    "seed": 7,
+    "max_failures": 1,
+    "use_gpu": True,
+    "cpus_per_worker": 2.0,
+    "accelerator_type": "H100",
+    "allow_mixed_gpu_types": True,
+    "memory_per_worker_gb": 2.5,
+    "worker_resources": {"fast_disk": 1.0},
+    "precision": "bf16",
+    "gradient_checkpointing": True,
+    "checkpoint_layout": "sharded",
+    "checkpoint_every_steps": 5,
+    "checkpoint_every_seconds": 30.0,
+    "checkpoint_budget": 0.1,
+    "collective_timeout_s": 60,
+    "elastic_resize_s": 30.0,
+    "keep_checkpoints": 2,
+    "best_checkpoint_metric": "val_accuracy",
+    "early_stopping_patience": 2,
+    "early_stopping_min_delta": 0.01,
+    "early_stopping_metric": "val_accuracy",
+    "force": True,
+}
+# Two meshes: a tensor-parallel size and a pipeline's cannot both be set in one run.
+MESHES = [
+    {"strategy": "tp", "workers": 4, "tensor_parallel_size": 2},
+    {
+        "strategy": "pp",
+        "workers": 4,
+        "pipeline_parallel_size": 2,
+        "pipeline_microbatches": 2,
+        "pipeline_schedule": "gpipe",
+    },
+]
+
+
+def _argv(values: dict[str, Any]) -> list[str]:
+    """The command line that sets ``values``, as a user types it."""
+    argv: list[str] = []
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return argv
+
+
+def _from_the_command_line(values: dict[str, Any]) -> TrainModelParams:
+    """The flow parameters ``prefect-ml train`` builds from the flags setting ``values``."""
+    command = app.commands["train"]
+    with command.make_context("train", _argv(values)) as context:
+        assert isinstance(context, click.Context)
+        return parse_parameters(TrainModelParams, context.params)
+
+
+def _prepared() -> PreparedData:
+    return PreparedData(
+        fingerprint="f" * 20,
+        splits_url="file:///splits",
+        sample_shape=[6],
+        num_classes=3,
+        class_names=["a", "b", "c"],
+        rows={"train": 200, "val": 50, "test": 50},
+        target_mean=0.5,
+        target_std=2.0,
+        layout="parquet",
+    )
+
+
+def _on_a_worker(loop: TrainLoop) -> TrainLoop:
+    """What ``train_loop_per_worker`` receives: TorchTrainer's train_loop_config, pickled."""
+    config = cloudpickle.loads(cloudpickle.dumps(ray_training.loop_config(loop)))
+    received = config["loop"]
+    assert isinstance(received, TrainLoop)
+    return received
+
+
+def _assert_arrives(received: TrainLoop, values: dict[str, Any]) -> None:
+    for name, value in values.items():
+        section = received.model if name in ModelParams.model_fields else received.training
+        arrived = getattr(section, name)
+        expected = tuple(value) if isinstance(arrived, tuple) else value
+        assert arrived == expected, f"{name}: sent {value!r}, the worker got {arrived!r}"
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=[mesh["strategy"] for mesh in MESHES])
+def test_every_model_and_training_field_reaches_the_training_worker_with_its_value(
+    mesh: dict[str, Any],
+) -> None:
+    values = {**MODEL, **TRAINING, **mesh}
+    params = _from_the_command_line(values)
+    # The UI form and the API post the same parameters as JSON; Prefect validates them.
+    assert TrainModelParams.model_validate(json.loads(params.model_dump_json())) == params
+    data = _prepared()
+    # The flow hands the train task its sections; a user's flow may give keyword options.
+    given = params_on_data(TrainingSections, data, params, {}, step="train", experiment="e")
+    options = section_options(params.model, params.training)
+    built = params_on_data(TrainingSections, data, None, options, step="train", experiment="e")
+    assert built.model == given.model and built.training == given.training
+    loop = train_loop(given, data, checkpoint_url="file:///c", tracking_uri="", run_id="r")
+    received = _on_a_worker(loop)
+    _assert_arrives(received, values)
+    assert received.model == params.model and received.training == params.training
+    assert received.data.model_dump() == data.model_dump(include=set(received.data.model_fields))
+
+
+def test_a_campaign_trial_receives_the_same_sections_with_its_tuned_values(
+    home: PrefectMLSettings,
+) -> None:
+    """A trial's worker gets the campaign's model and training sections with the trial's
+    values put in, and trains every epoch (the campaign's pruner stops trials, not early
+    stopping)."""
+    values = {**MODEL, **TRAINING, **MESHES[0]}
+    fixed = _from_the_command_line(values)
+    params = CampaignParams.model_validate(
+        {
+            "model": fixed.model.model_dump(),
+            "training": fixed.training.model_dump(),
+            "sweep": {"search_space": {"lr": {"type": "float", "low": 0.001, "high": 0.1}}},
+        }
+    )
+    identity = CampaignIdentity(name="c", key="c@0", checkpoint_root="file:///campaign")
+    planner = TrialPlanner(params, _prepared(), identity, home)
+    loop = planner.trial_loop({"lr": 0.05}, "file:///campaign/trial-00003", 3)
+    received = _on_a_worker(loop)
+    _assert_arrives(received, {**values, "lr": 0.05, "early_stopping_patience": None})
+
+
+def test_the_walks_cover_every_field_of_the_model_and_training_sections() -> None:
+    """A new field must join the walk above with a value other than its default."""
+    covered = set(MODEL) | set(TRAINING) | {name for mesh in MESHES for name in mesh}
+    assert covered == set(ModelParams.model_fields) | set(TrainingParams.model_fields)
+    defaults = {**ModelParams().model_dump(), **TrainingParams().model_dump()}
+    for mesh in MESHES:
+        for name, value in {**MODEL, **TRAINING, **mesh}.items():
+            assert value != defaults[name], f"{name} is walked with its default"
