@@ -7,7 +7,7 @@ from prefect import flow, get_run_logger
 
 from prefect_ml.flows.sweep import hpo_campaign
 from prefect_ml.flows.train import TrainingOutcome, training_chain
-from prefect_ml.tasks.params import PipelineParams, section_options, with_trial_values
+from prefect_ml.tasks.params import PipelineParams, with_trial_values
 from prefect_ml.tasks.placement import check_placement
 from prefect_ml.tasks.report import published_timeline
 from prefect_ml.tasks.serve import ServingResult, serve
@@ -43,7 +43,5 @@ def ml_pipeline(params: PipelineParams = PipelineParams()) -> PipelineOutcome:  
         served = None
         if params.serving is not None:
             registry = params.registry
-            served = serve(
-                registry.model_name, alias=registry.alias, **section_options(params.serving)
-            )
+            served = serve(registry.model_name, alias=registry.alias, serving=params.serving)
         return PipelineOutcome(**dict(outcome), serving=served)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from prefect_ml.tasks.params import ServeModelParams, section_options
+from prefect_ml.tasks.params import ServeModelParams
 from prefect_ml.tasks.report import published_timeline
 from prefect_ml.tasks.serve import ServingResult, serve
 
@@ -24,5 +24,5 @@ def serve_model(params: ServeModelParams = ServeModelParams()) -> ServingResult:
             params.model_name,
             alias=params.alias,
             version=params.model_version,
-            **section_options(params.serving),
+            serving=params.serving,
         )

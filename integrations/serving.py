@@ -31,9 +31,10 @@ from ray.serve import Deployment
 
 from prefect_ml.integrations import canary
 from prefect_ml.integrations.adaptive_batching import AdaptiveBatcher
+from prefect_ml.integrations.config import ServingParams
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
-from prefect_ml.integrations.inference import InferencePrecision, Predictor
-from prefect_ml.integrations.resources import ResourceRequest, placeable
+from prefect_ml.integrations.inference import Predictor
+from prefect_ml.integrations.resources import placeable
 from prefect_ml.integrations.served_models import (
     ModelIdentity,
     ServedModel,
@@ -82,19 +83,16 @@ class PredictResponse(BaseModel):
 
 
 class ReplicaOptions(BaseModel):
-    """Per-replica behaviour: request limits, authentication, batching and its device."""
+    """What every replica is constructed with: the serving section as the flow parameters hold
+    it (request limits, batching, its resources and device), and the bearer token's digest."""
 
-    max_rows: int
-    max_body_bytes: int
-    token_sha256: str | None = None
-    batching: bool = True
-    max_batch_size: int = 32
-    batch_wait_timeout_s: float = 0.0  # under load only, see AdaptiveBatcher
-    batch_inline_below_s: float = 0.0  # model calls faster than this skip the thread hand-off
-    torch_threads: int = 1
-    request_timeout_s: float = 30.0  # for the whole body to arrive
-    gpus: float = 0.0  # what the replica reserved: > 0 computes on its GPU
-    inference_precision: InferencePrecision = "fp32"
+    serving: ServingParams
+    token_sha256: str | None
+
+    @property
+    def torch_threads(self) -> int:
+        """The whole CPUs the replica reserved, at least one."""
+        return max(1, int(self.serving.replica_cpus))
 
 
 def token_digest(token: str) -> str:
@@ -199,12 +197,12 @@ class LoadedVersion(NamedTuple):
     input_example: list[list[float]]
 
 
-def load_version(served: ServedModel, limits: ReplicaOptions) -> LoadedVersion:
+def load_version(served: ServedModel, limits: ServingParams) -> LoadedVersion:
     """Download ``served`` and load it (pt2 only) on the device the replica reserved; a
     pickle-format version fails the replica here, and the old one serves on."""
     from mlflow.models import Model
 
-    predictor, local = load_predictor(served, limits.gpus, limits.inference_precision)
+    predictor, local = load_predictor(served, limits.replica_gpus, limits.inference_precision)
     example = Model.load(local).load_input_example(local)
     rows = np.asarray(example).reshape(-1, served.width)[:2].tolist()
     return LoadedVersion(predictor, served, served.identity(), rows)
@@ -233,8 +231,9 @@ class ModelServer:
         import torch
 
         self.served = ServedModel.model_validate(served)
-        self.limits = ReplicaOptions.model_validate(options)
-        torch.set_num_threads(self.limits.torch_threads)
+        replica = ReplicaOptions.model_validate(options)
+        self.limits, self.token_sha256 = replica.serving, replica.token_sha256
+        torch.set_num_threads(replica.torch_threads)
         self.stable = load_version(self.served, self.limits)
         self.batchers = {
             "stable": self._batcher("stable", lambda: self.stable),
@@ -255,7 +254,7 @@ class ModelServer:
         return load_version(candidate, self.limits)
 
     def _is_authorized(self, request: Request) -> bool:
-        expected = self.limits.token_sha256
+        expected = self.token_sha256
         if expected is None:
             return True
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -398,48 +397,38 @@ class ModelServer:
         return Response(body, media_type="application/json")
 
 
-class Placement(BaseModel):
-    """Where the application listens and how many replicas it runs, with what resources."""
-
-    app_name: str
-    route_prefix: str
-    host: str
-    port: int
-    min_replicas: int
-    max_replicas: int
-    target_ongoing_requests: float
-    max_ongoing_requests: int
-    max_queued_requests: int = -1  # -1: no limit
-    retry_after_s: float = 1.0
-    access_log: bool = True
-    deploy_timeout_s: float = 120.0  # every replica ready by then, or the deployment fails
-    request: ResourceRequest  # one replica's CPUs, GPUs (fractions share one), GPU type, memory
-
-    def deployment_options(self, allow_surge: bool) -> dict[str, Any]:
-        scaling: dict[str, Any] = (
-            {"num_replicas": self.min_replicas}
-            if self.max_replicas == self.min_replicas
-            else {
-                "autoscaling_config": {
-                    "min_replicas": self.min_replicas,
-                    "max_replicas": self.max_replicas,
-                    "target_ongoing_requests": self.target_ongoing_requests,
-                }
+def deployment_options(serving: ServingParams, allow_surge: bool) -> dict[str, Any]:
+    """Serve's options of the deployment: its replicas (fixed or autoscaled), their resources
+    and queue, and how a roll and a failing constructor go."""
+    scaling: dict[str, Any] = (
+        {"num_replicas": serving.min_replicas}
+        if serving.max_replicas == serving.min_replicas
+        else {
+            "autoscaling_config": {
+                "min_replicas": serving.min_replicas,
+                "max_replicas": serving.max_replicas,
+                "target_ongoing_requests": serving.target_ongoing_requests,
             }
-        )
-        return {
-            **scaling,
-            "max_ongoing_requests": self.max_ongoing_requests,
-            # Past the queue, a request is answered 503 with Retry-After, not left to time out.
-            "max_queued_requests": self.max_queued_requests,
-            "backpressure_config": {"status_code": 503, "retry_after_s": self.retry_after_s},
-            "ray_actor_options": self.request.actor_options(),
-            "max_surge_percent": 100 if allow_surge else 0,
-            "logging_config": {"enable_access_log": self.access_log},
-            # A model that does not load will not load on the 20th try (Ray's default) either;
-            # three covers a flaky artifact store and fails a bad version within seconds.
-            "max_constructor_retry_count": 3,
         }
+    )
+    return {
+        **scaling,
+        "max_ongoing_requests": serving.max_ongoing_requests,
+        # Past the queue, a request is answered 503 with Retry-After, not left to time out.
+        "max_queued_requests": serving.max_queued_requests,
+        "backpressure_config": {"status_code": 503, "retry_after_s": serving.retry_after_s},
+        "ray_actor_options": serving.replica_request().actor_options(),
+        "max_surge_percent": 100 if allow_surge else 0,
+        "logging_config": {"enable_access_log": serving.access_log},
+        # A model that does not load will not load on the 20th try (Ray's default) either;
+        # three covers a flaky artifact store and fails a bad version within seconds.
+        "max_constructor_retry_count": 3,
+    }
+
+
+def replica_arguments(served: ServedModel, options: ReplicaOptions) -> tuple[Any, ...]:
+    """The replica's constructor arguments, as Serve records and pickles them."""
+    return served.model_dump(), options.model_dump()
 
 
 class HTTPAddress(NamedTuple):
@@ -514,7 +503,6 @@ def start_http(host: str, port: int, tls: tuple[Path, Path] | None = None) -> No
 def deploy(
     served: ServedModel,
     options: ReplicaOptions,
-    placement: Placement,
     *,
     tls: tuple[Path, Path] | None = None,
 ) -> None:
@@ -527,21 +515,22 @@ def deploy(
     Raises:
         DeploymentError: a replica failed to start (Serve gives up after
             ``max_constructor_retry_count`` tries) or the replicas were not all ready within
-            ``placement.deploy_timeout_s`` (a replica that hangs while it loads, or that Ray
+            ``serving.deploy_timeout_s`` (a replica that hangs while it loads, or that Ray
             cannot place: Serve would wait for ever). A new application is deleted then; a
             roll's old replicas serve on, and the caller deploys the old version again.
     """
     import ray
 
+    placement = options.serving
     start_http(placement.host, placement.port, tls)
     existed = placement.app_name in serve.status().applications
     # Free resources summed over the cluster: a surge replica that still finds no single node
     # with room waits a moment for an old replica to drain, as without surge.
-    allow_surge = placeable(placement.request, [ray.available_resources()]) >= 1
+    allow_surge = placeable(placement.replica_request(), [ray.available_resources()]) >= 1
     server = cast(Deployment, ModelServer)  # the decorator made the class a Deployment
-    deployment = server.options(**placement.deployment_options(allow_surge))
+    deployment = server.options(**deployment_options(placement, allow_surge))
     target = serve.RunTarget(
-        target=deployment.bind(served.model_dump(), options.model_dump()),
+        target=deployment.bind(*replica_arguments(served, options)),
         name=placement.app_name,
         route_prefix=placement.route_prefix,
     )

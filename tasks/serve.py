@@ -182,45 +182,12 @@ def check_exposure(params: ServingParams, token: str | None) -> None:
 
 
 def replica_options(params: ServingParams, token: str | None) -> serving.ReplicaOptions:
+    """What every replica is constructed with: the serving section itself and the token's
+    digest."""
     from prefect_ml.integrations import serving
 
-    return serving.ReplicaOptions(
-        max_rows=params.max_rows,
-        max_body_bytes=params.max_body_bytes,
-        token_sha256=serving.token_digest(token) if token else None,
-        batching=params.batching,
-        max_batch_size=params.max_batch_size,
-        batch_wait_timeout_s=params.batch_wait_timeout_s,
-        batch_inline_below_s=params.batch_inline_below_s,
-        torch_threads=max(1, int(params.replica_cpus)),
-        request_timeout_s=params.request_timeout_s,
-        gpus=params.replica_gpus,
-        inference_precision=params.inference_precision,
-    )
-
-
-def placement(params: ServingParams) -> serving.Placement:
-    from prefect_ml.integrations import serving
-
-    return serving.Placement(
-        **params.model_dump(
-            include={
-                "app_name",
-                "route_prefix",
-                "host",
-                "port",
-                "min_replicas",
-                "max_replicas",
-                "target_ongoing_requests",
-                "max_ongoing_requests",
-                "max_queued_requests",
-                "retry_after_s",
-                "access_log",
-                "deploy_timeout_s",
-            }
-        ),
-        request=params.replica_request(),
-    )
+    digest = serving.token_digest(token) if token else None
+    return serving.ReplicaOptions(serving=params, token_sha256=digest)
 
 
 def check_fits(params: ServingParams) -> None:
@@ -320,7 +287,6 @@ def deploy_or_roll_back(
     served: served_models.ServedModel,
     current: served_models.ServedModel | None,
     options: serving.ReplicaOptions,
-    where: serving.Placement,
     tls_pair: tuple[Path, Path] | None,
 ) -> None:
     """Deploy ``served``; when that fails in a roll, deploy ``current`` again: Serve's target
@@ -329,11 +295,11 @@ def deploy_or_roll_back(
     from prefect_ml.integrations import serving
 
     try:
-        serving.deploy(served, options, where, tls=tls_pair)
+        serving.deploy(served, options, tls=tls_pair)
     except DeploymentError as exc:
         if current is None or current.identity() == served.identity():
             raise
-        serving.deploy(current, options, where, tls=tls_pair)
+        serving.deploy(current, options, tls=tls_pair)
         raise DeploymentError(f"{exc}; {current.name} v{current.version} serves on") from exc
 
 
@@ -374,7 +340,7 @@ def serve_registered_model(
         if report is None or report.promoted:
             logger.info("Deploying %s v%s to %s", served.name, served.version, url)
             options = replica_options(params, token)
-            deploy_or_roll_back(served, current, options, placement(params), tls_pair)
+            deploy_or_roll_back(served, current, options, tls_pair)
             record_served(served, current, params.app_name, url)
         smoke = smoke_request(url, token, certificate) if params.smoke_test else None
     result = ServingResult(
@@ -450,6 +416,7 @@ def serve(
     *,
     alias: str = "champion",
     version: str | None = None,
+    serving: ServingParams | None = None,
     **options: Any,
 ) -> ServingResult:
     """Serve a registered version on Ray Serve behind a validated HTTP API, and smoke-test it.
@@ -461,6 +428,7 @@ def serve(
         model_name: the registered model.
         alias: serve the version holding this alias...
         version: ...or this version number.
+        serving: the serving section, as the flows pass it; or, instead:
         **options: any field of :class:`~prefect_ml.tasks.params.ServingParams`: ``host``,
             ``port``, ``app_name``, ``batching``, ``max_batch_size``, ``min_replicas``,
             ``max_replicas``, ``replica_cpus``, ``replica_gpus``, ...; the bearer token is the
@@ -470,6 +438,13 @@ def serve(
         ConfigurationError: an unknown or invalid option, a version that does not exist, or
             replicas the cluster cannot place, before anything is deployed.
     """
+    if serving is not None and options:
+        raise ConfigurationError(
+            sorted(options)[0],
+            f"serve() takes the serving section or keyword options, not both; set "
+            f"{sorted(options)} in the section",
+        )
+    sections = {} if serving is None else {"serving": serving}
     params = params_from_options(
         ServeModelParams,
         options,
@@ -477,6 +452,7 @@ def serve(
         model_name=model_name,
         alias=alias,
         model_version=version,
+        **sections,
     )
     check_caps(params)
     serving_params = in_tenant(params.serving, get_settings().tenant)

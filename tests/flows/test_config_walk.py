@@ -1,7 +1,8 @@
-"""Every field of the model and training sections walks from its CLI flag and the flow's
-parameters, through the train task and a campaign's trials, to the object a Ray Train worker
-receives (through the pickling Ray does), and arrives with its value: a field added to a
-section, dropped on the way or copied by hand into a second schema fails here."""
+"""Every field of the model, training and serving sections walks from its CLI flag and the
+flow's parameters, through the tasks (and a campaign's trials), to the object a Ray Train
+worker or a Serve replica receives (through the pickling Ray does), and arrives with its value:
+a field added to a section, dropped on the way or copied by hand into a second schema fails
+here."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import click
 import cloudpickle
 import pytest
 
-from prefect_ml.flows.cli import app, parse_parameters
+from prefect_ml.flows.cli import Parameters, app, parse_parameters
 from prefect_ml.integrations import ray_training
 from prefect_ml.integrations.config import ModelParams, TrainingParams
 from prefect_ml.integrations.config.loop import TrainLoop
@@ -22,8 +23,11 @@ from prefect_ml.tasks.campaign.run import TrialPlanner
 from prefect_ml.tasks.data import PreparedData, params_on_data
 from prefect_ml.tasks.params import (
     CampaignParams,
+    ServeModelParams,
+    ServingParams,
     TrainingSections,
     TrainModelParams,
+    params_from_options,
     section_options,
 )
 from prefect_ml.tasks.train import train_loop
@@ -91,12 +95,13 @@ def _argv(values: dict[str, Any]) -> list[str]:
     return argv
 
 
-def _from_the_command_line(values: dict[str, Any]) -> TrainModelParams:
-    """The flow parameters ``prefect-ml train`` builds from the flags setting ``values``."""
-    command = app.commands["train"]
-    with command.make_context("train", _argv(values)) as context:
+def _from_the_command_line(
+    values: dict[str, Any], command: str = "train", model: type[Parameters] = TrainModelParams
+) -> Parameters:
+    """The flow parameters ``prefect-ml <command>`` builds from the flags setting ``values``."""
+    with app.commands[command].make_context(command, _argv(values)) as context:
         assert isinstance(context, click.Context)
-        return parse_parameters(TrainModelParams, context.params)
+        return parse_parameters(model, context.params)
 
 
 def _prepared() -> PreparedData:
@@ -180,3 +185,68 @@ def test_the_walks_cover_every_field_of_the_model_and_training_sections() -> Non
     for mesh in MESHES:
         for name, value in {**MODEL, **TRAINING, **mesh}.items():
             assert value != defaults[name], f"{name} is walked with its default"
+
+
+SERVING = {
+    "host": "10.0.0.5",
+    "port": 8123,
+    "app_name": "walked",
+    "route_prefix": "/walk",
+    "batching": False,
+    "max_batch_size": 16,
+    "batch_wait_timeout_s": 0.01,
+    "batch_inline_below_s": 0.005,
+    "min_replicas": 2,
+    "max_replicas": 3,
+    "target_ongoing_requests": 4.0,
+    "max_ongoing_requests": 32,
+    "max_queued_requests": 100,
+    "retry_after_s": 2.0,
+    "access_log": False,
+    "request_timeout_s": 10.0,
+    "deploy_timeout_s": 60.0,
+    "replica_cpus": 2.0,
+    "replica_gpus": 0.5,
+    "replica_accelerator_type": "A10G",
+    "inference_precision": "bf16",
+    "replica_memory_gb": 1.5,
+    "replica_resources": {"fast_disk": 1.0},
+    "max_rows": 100,
+    "max_body_bytes": 2048,
+    "smoke_test": False,
+    "canary_share": 0.1,
+    "canary_window_s": 60.0,
+    "canary_min_requests": 5,
+    "canary_max_error_increase": 0.05,
+    "canary_max_latency_ratio": 2.0,
+    "canary_max_metric_drop": 0.05,
+}
+
+
+def test_every_serving_field_reaches_the_serve_replica_with_its_value() -> None:
+    """From ``prefect-ml serve``'s flags to what each replica's constructor parses (Serve
+    pickles its arguments), and to the deployment's options."""
+    from prefect_ml.integrations import serving
+    from prefect_ml.integrations.served_models import ServedModel
+    from prefect_ml.tasks.serve import replica_options
+
+    assert set(SERVING) == set(ServingParams.model_fields)
+    defaults = ServingParams().model_dump()
+    assert not [name for name, value in SERVING.items() if value == defaults[name]]
+    flags = {"model_name": "walked", **SERVING}
+    params = _from_the_command_line(flags, "serve", ServeModelParams)
+    assert ServeModelParams.model_validate(json.loads(params.model_dump_json())) == params
+    given = params_from_options(
+        ServeModelParams, {}, step="serve", model_name="walked", serving=params.serving
+    )
+    options = replica_options(given.serving, token="secret")
+    served = ServedModel(name="walked", version="1", run_id="r", tracking_uri="", sample_shape=[4])
+    arguments = cloudpickle.loads(cloudpickle.dumps(serving.replica_arguments(served, options)))
+    received = serving.ReplicaOptions.model_validate(arguments[1])  # as ModelServer does
+    for name, value in SERVING.items():
+        assert getattr(received.serving, name) == value, name
+    assert received.token_sha256 == serving.token_digest("secret")
+    deployment = serving.deployment_options(received.serving, allow_surge=True)
+    assert deployment["autoscaling_config"]["max_replicas"] == 3
+    assert deployment["max_queued_requests"] == 100
+    assert deployment["ray_actor_options"]["resources"] == {"fast_disk": 1.0}

@@ -1,7 +1,9 @@
-"""The configuration is declared once: what a Ray training worker or a campaign trial
-receives is the sections themselves, so no receiving object or the function that starts it
-declares a default of a section field again (a second default drifts: the loop config's
-``keep_checkpoints`` was 0 where the section's is 3)."""
+"""The configuration is declared once: what a Ray training worker, a campaign trial or a Serve
+replica receives is the sections themselves, so no receiving object or the function that
+starts it declares a default of a section field again (a second default drifts: the loop
+config's ``keep_checkpoints`` was 0 where the section's is 3, the replica's
+``batch_inline_below_s`` 0.0 where the section's is 0.002, its ``max_queued_requests`` -1
+where the section's is 512)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from prefect_ml.integrations import ray_training
+from prefect_ml.integrations import ray_training, serving
 from prefect_ml.integrations.config import (
     DataParams,
     ModelParams,
@@ -23,6 +25,7 @@ from prefect_ml.integrations.config import (
 )
 from prefect_ml.integrations.config.loop import Splits, TrainLoop
 from prefect_ml.integrations.trial_worker import TrialSpec
+from prefect_ml.tasks import serve
 from prefect_ml.tasks.data import PreparedData
 from prefect_ml.tasks.train import train_loop
 
@@ -37,6 +40,12 @@ RECEIVERS: list[Any] = [
     ray_training.fit,
     ray_training.train_loop_per_worker,
     train_loop,
+    serving.ReplicaOptions,
+    serving.replica_arguments,
+    serving.deployment_options,
+    serving.deploy,
+    serve.replica_options,
+    serve.deploy_or_roll_back,
 ]
 
 
@@ -66,11 +75,14 @@ def declared_defaults(receiver: type | Callable[..., Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("receiver", RECEIVERS, ids=lambda r: r.__qualname__)
 def test_what_a_worker_receives_declares_no_default_of_a_section_field(receiver: Any) -> None:
     twice = {
-        name: value
-        for name, value in declared_defaults(receiver).items()
-        if name in SECTION_FIELDS
+        name: value for name, value in declared_defaults(receiver).items() if name in SECTION_FIELDS
     }
     assert not twice, f"{receiver.__qualname__} declares section defaults again: {twice}"
+
+
+def test_the_replica_is_constructed_with_the_serving_section_itself() -> None:
+    assert serving.ReplicaOptions.model_fields["serving"].annotation is ServingParams
+    assert all(field.is_required() for field in serving.ReplicaOptions.model_fields.values())
 
 
 def test_the_loop_holds_the_sections_and_the_prepared_data_its_splits_once() -> None:
