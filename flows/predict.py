@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from prefect_ml.tasks.params import PredictParams, section_options
+from prefect_ml.tasks.params import PredictParams
 from prefect_ml.tasks.predict import PredictionResult, score_dataset
 from prefect_ml.tasks.report import published_timeline
 
@@ -22,4 +22,4 @@ def batch_predict(params: PredictParams = PredictParams()) -> PredictionResult: 
             scoring actors run.
     """
     with published_timeline("batch-predict"):
-        return score_dataset(**section_options(params))
+        return score_dataset(params)

@@ -28,6 +28,7 @@ import numpy as np
 from pydantic import BaseModel, Field, ValidationError
 
 from prefect_ml.integrations import served_models, storage, streaming, tabular_files
+from prefect_ml.integrations.config import PredictParams
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.inference import InferencePrecision
 
@@ -55,17 +56,6 @@ class ScoringColumns:
 
     features: list[str]
     passthrough: list[str]
-
-
-@dataclass(frozen=True)
-class ScoringOptions:
-    """How the actors run: rows per batch, how many actors, and what each reserves."""
-
-    batch_size: int = 8192
-    concurrency: int = 2
-    cpus_per_actor: float = 0.5
-    gpus_per_actor: float = 0.0
-    precision: InferencePrecision = "fp32"
 
 
 class PredictionManifest(BaseModel):
@@ -297,16 +287,31 @@ def clear_output(output_url: str) -> None:
         storage.remove(storage.join(output_url, name))
 
 
+def scorer_arguments(
+    served: served_models.ServedModel, columns: ScoringColumns, options: PredictParams
+) -> dict[str, Any]:
+    """Each scoring actor's constructor arguments, as Ray Data records and pickles them: the
+    version, the columns, and the device, precision and threads the predict section sets."""
+    return {
+        "served": served.model_dump(),
+        "columns": asdict(columns),
+        "gpus": 1.0 if options.use_gpu else 0.0,
+        "precision": options.inference_precision,
+        "threads": max(1, int(options.cpus_per_actor)),
+    }
+
+
 def score(
     input_url: str,
     files: list[tabular_files.SourceFile],
     served: served_models.ServedModel,
     columns: ScoringColumns,
     output_url: str,
-    options: ScoringOptions,
+    options: PredictParams,
 ) -> PredictionManifest:
     """Score ``files`` (those at ``input_url``, one format) with ``served`` on Ray Data into
-    Parquet under ``output_url`` (cleared first), then write the manifest; returns it."""
+    Parquet under ``output_url`` (cleared first), then write the manifest; returns it. The
+    predict section says how the actors run: rows per batch, how many, what each reserves."""
     import ray.data
     from ray.data.datasource import FilenameProvider
 
@@ -318,13 +323,7 @@ def score(
         storage.predictions_pending_url(output_url), pending.model_dump_json().encode()
     )
     started = time.perf_counter()
-    scorer_options = {
-        "served": served.model_dump(),
-        "columns": asdict(columns),
-        "gpus": options.gpus_per_actor,
-        "precision": options.precision,
-        "threads": max(1, int(options.cpus_per_actor)),
-    }
+    scorer_options = scorer_arguments(served, columns, options)
     path, filesystem = storage.ray_storage(output_url)
     # Every actor gets work: a few blocks each at least, however few and small the files are.
     rows = sum(f.rows for f in files)
@@ -343,7 +342,7 @@ def score(
             batch_size=options.batch_size,
             compute=ray.data.ActorPoolStrategy(size=options.concurrency),
             num_cpus=options.cpus_per_actor,
-            num_gpus=options.gpus_per_actor or None,
+            num_gpus=scorer_options["gpus"] or None,
         ).write_parquet(
             path,
             filesystem=filesystem,

@@ -29,6 +29,7 @@ from prefect_ml.tasks.params import (
     TrainingParams,
     TrainingSections,
     params_from_options,
+    refuse_options_beside,
 )
 from prefect_ml.tasks.retries import transient_retries
 
@@ -219,15 +220,10 @@ def params_on_data(
         ConfigurationError: both ``params`` and ``options`` given, an unknown or invalid
             option, or a batch size or worker count the training split cannot feed.
     """
+    refuse_options_beside(params, options, step=step)
     if params is None:
         params = params_from_options(
             params_type, options, step=step, experiment=experiment, data=data.recipe or DataParams()
-        )
-    elif options:
-        raise ConfigurationError(
-            sorted(options)[0],
-            f"{step}() takes its sections or keyword options, not both; set "
-            f"{sorted(options)} in the sections",
         )
     check_fits_training_split(params, data.rows["train"])
     return params

@@ -52,6 +52,7 @@ __all__ = [
     "TrainingSections",
     "default_search_space",
     "params_from_options",
+    "refuse_options_beside",
     "section_options",
     "with_trial_values",
 ]
@@ -252,6 +253,20 @@ def section_options(*sections: BaseModel) -> dict[str, Any]:
     what a flow passes to the public tasks. Unset fields keep their defaults there, and checks
     that look at what was set (a pruner named with several objectives) see the same."""
     return {k: v for section in sections for k, v in section.model_dump(exclude_unset=True).items()}
+
+
+def refuse_options_beside(given: object, options: Mapping[str, Any], *, step: str) -> None:
+    """A public task takes its sections (what the flows pass) or keyword options, not both.
+
+    Raises:
+        ConfigurationError: naming the first option, when both were given.
+    """
+    if given is not None and options:
+        raise ConfigurationError(
+            sorted(options)[0],
+            f"{step}() takes its sections or keyword options, not both; set "
+            f"{sorted(options)} in the sections",
+        )
 
 
 def params_from_options(

@@ -18,7 +18,7 @@ from prefect_ml.integrations import batch_scoring, storage, tabular_files, track
 from prefect_ml.integrations.batch_scoring import PredictionManifest
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.settings import get_settings
-from prefect_ml.tasks.params import PredictParams, params_from_options
+from prefect_ml.tasks.params import PredictParams, params_from_options, refuse_options_beside
 from prefect_ml.tasks.serve import resolve_served_model
 
 __all__ = ["PredictionResult", "score_dataset"]
@@ -35,16 +35,6 @@ class PredictionResult(BaseModel):
     @property
     def output_url(self) -> str:
         return self.manifest.output_url
-
-
-def scoring_options(params: PredictParams) -> batch_scoring.ScoringOptions:
-    return batch_scoring.ScoringOptions(
-        batch_size=params.batch_size,
-        concurrency=params.concurrency,
-        cpus_per_actor=params.cpus_per_actor,
-        gpus_per_actor=1.0 if params.use_gpu else 0.0,
-        precision=params.inference_precision,
-    )
 
 
 def predictions_markdown(result: PredictionResult) -> str:
@@ -116,9 +106,7 @@ def score_registered_version(params: PredictParams) -> PredictionResult:
             "Scoring %d files at %s with %s v%s", len(files), url, served.name, served.version
         )
         with ray_session(settings):
-            manifest = batch_scoring.score(
-                url, files, served, columns, output, scoring_options(params)
-            )
+            manifest = batch_scoring.score(url, files, served, columns, output, params)
         logger.info("%d rows in %.1f s, written to %s", manifest.rows, manifest.seconds, output)
     link = tracking.model_version_url(settings.resolved_tracking_uri, served.name, served.version)
     result = PredictionResult(manifest=manifest, reused=reused, model_version_url=link)
@@ -127,10 +115,11 @@ def score_registered_version(params: PredictParams) -> PredictionResult:
 
 
 @task(name="score-dataset", cache_policy=NO_CACHE)
-def score_dataset(**options: Any) -> PredictionResult:
+def score_dataset(params: PredictParams | None = None, **options: Any) -> PredictionResult:
     """Score a dataset's files with a registered version on Ray Data, into Parquet.
 
     Args:
+        params: the predict section, as the flow passes it; or, instead:
         **options: any field of :class:`~prefect_ml.tasks.params.PredictParams`: ``url``
             (required), ``model_name``, ``alias``, ``model_version``, ``output``, ``force``,
             ``batch_size``, ``concurrency``, ``cpus_per_actor``, ``use_gpu``, ...
@@ -139,5 +128,7 @@ def score_dataset(**options: Any) -> PredictionResult:
         ConfigurationError: an unknown or invalid option, a version that does not exist, or
             files that lack the model's feature columns, before any Ray work.
     """
-    params = params_from_options(PredictParams, options, step="score_dataset")
+    refuse_options_beside(params, options, step="score_dataset")
+    if params is None:
+        params = params_from_options(PredictParams, options, step="score_dataset")
     return score_registered_version(params)

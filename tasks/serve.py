@@ -26,6 +26,7 @@ from prefect_ml.tasks.params import (
     ServeModelParams,
     ServingParams,
     params_from_options,
+    refuse_options_beside,
 )
 from prefect_ml.tasks.placement import require_fits
 from prefect_ml.tasks.quotas import check_caps
@@ -438,12 +439,7 @@ def serve(
         ConfigurationError: an unknown or invalid option, a version that does not exist, or
             replicas the cluster cannot place, before anything is deployed.
     """
-    if serving is not None and options:
-        raise ConfigurationError(
-            sorted(options)[0],
-            f"serve() takes the serving section or keyword options, not both; set "
-            f"{sorted(options)} in the section",
-        )
+    refuse_options_beside(serving, options, step="serve")
     sections = {} if serving is None else {"serving": serving}
     params = params_from_options(
         ServeModelParams,

@@ -250,3 +250,49 @@ def test_every_serving_field_reaches_the_serve_replica_with_its_value() -> None:
     assert deployment["autoscaling_config"]["max_replicas"] == 3
     assert deployment["max_queued_requests"] == 100
     assert deployment["ray_actor_options"]["resources"] == {"fast_disk": 1.0}
+
+
+PREDICT = {
+    "model_name": "walked",
+    "alias": "staging",
+    "model_version": "3",
+    "url": "file:///rows/",
+    "output": "file:///scores/",
+    "force": True,
+    "batch_size": 512,
+    "concurrency": 3,
+    "cpus_per_actor": 2.0,
+    "use_gpu": True,
+    "inference_precision": "bf16",
+}
+
+
+def test_every_predict_field_reaches_the_scoring_task_and_the_actors_with_its_value() -> None:
+    """From ``prefect-ml predict``'s flags to the section the scoring step reads, and to each
+    scoring actor's constructor arguments (Ray Data pickles them)."""
+    from prefect_ml.integrations import batch_scoring
+    from prefect_ml.integrations.served_models import ServedModel
+    from prefect_ml.tasks.params import PredictParams
+
+    assert set(PREDICT) == set(PredictParams.model_fields)
+    defaults = PredictParams().model_dump()
+    assert not [name for name, value in PREDICT.items() if value == defaults[name]]
+    params = _from_the_command_line(PREDICT, "predict", PredictParams)
+    assert PredictParams.model_validate(json.loads(params.model_dump_json())) == params
+    for name, value in PREDICT.items():
+        assert getattr(params, name) == value, name
+    served = ServedModel(name="walked", version="3", run_id="r", tracking_uri="", sample_shape=[4])
+    columns = batch_scoring.ScoringColumns(features=["a", "b", "c", "d"], passthrough=[])
+    arguments = batch_scoring.scorer_arguments(served, columns, params)
+    received = cloudpickle.loads(cloudpickle.dumps(arguments))
+    assert (received["gpus"], received["precision"], received["threads"]) == (1.0, "bf16", 2)
+
+
+def test_a_task_takes_its_sections_or_keyword_options_not_both() -> None:
+    import prefect_ml
+    from prefect_ml import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="train\\(\\) takes its sections or keyword"):
+        prefect_ml.train.fn(_prepared(), TrainModelParams(), epochs=3)
+    with pytest.raises(ConfigurationError, match="serve\\(\\) takes its sections"):
+        prefect_ml.serve.fn("m", serving=ServingParams(), port=8001)

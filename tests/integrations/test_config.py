@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from prefect_ml.integrations import ray_training, serving
+from prefect_ml.integrations import batch_scoring, ray_training, serving
 from prefect_ml.integrations.config import (
     DataParams,
     ModelParams,
+    PredictParams,
     ServingParams,
     SweepParams,
     TrainingParams,
@@ -31,7 +32,14 @@ from prefect_ml.tasks.train import train_loop
 
 SECTION_FIELDS = {
     name
-    for section in (DataParams, ModelParams, TrainingParams, SweepParams, ServingParams)
+    for section in (
+        DataParams,
+        ModelParams,
+        TrainingParams,
+        SweepParams,
+        ServingParams,
+        PredictParams,
+    )
     for name in section.model_fields
 }
 RECEIVERS: list[Any] = [
@@ -46,6 +54,8 @@ RECEIVERS: list[Any] = [
     serving.deploy,
     serve.replica_options,
     serve.deploy_or_roll_back,
+    batch_scoring.scorer_arguments,
+    batch_scoring.score,
 ]
 
 
