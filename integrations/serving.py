@@ -6,7 +6,10 @@ the replicas; with a surge allowance the new replicas load the model and pass th
 before the old ones drain, so requests never meet an empty deployment.
 
 Every request is validated before it reaches the model: content type, body size, JSON, shape,
-dtype, finiteness and batch size each get a 4xx with a message, never a 5xx.
+dtype, finiteness and batch size each get a 4xx with a message, never a 5xx. Besides its own
+``/predict``, the app speaks MLflow's scoring protocol (``/invocations``) and the Open Inference
+Protocol v2 (``/v2/...``): :mod:`serving_protocols` translates their bodies and answers, and
+every protocol's requests go through the same authentication, limits, batches, canary and log.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the route signatures at runtime, and
@@ -20,12 +23,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import Response
-from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field, ValidationError
 from ray import serve
 from ray.serve import Deployment
 
@@ -40,22 +43,34 @@ from prefect_ml.integrations.served_models import (
     ServedModel,
     labelled_outputs,
     load_predictor,
-    non_finite_rows,
+)
+from prefect_ml.integrations.serving_protocols import (
+    FiniteNumber,
+    InferError,
+    InferRequest,
+    InferResponse,
+    MlflowScoring,
+    ModelMetadata,
+    OpenInference,
+    RequestError,
+    Row,
+    Scoring,
+    ScoringError,
+    ScoringRequest,
+    ScoringResponse,
+    ServerMetadata,
+    WireProtocol,
+    finite_outputs,
+    inlined_schema,
+    invalid_body,
+    mlflow_version,
+    model_metadata,
+    rows_matrix,
+    server_metadata,
 )
 from prefect_ml.integrations.settings import check_port_free, haproxy_on_loopback
 
 DEPLOYMENT_NAME = "ModelServer"
-
-# Rows become float32: a number finite in JSON's float64 but beyond float32 would become inf.
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-FiniteNumber = Annotated[
-    float, Field(strict=True, allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)
-]
-Row = Annotated[
-    Annotated[list[FiniteNumber], Tag("values")]
-    | Annotated[dict[str, FiniteNumber], Tag("columns")],
-    Discriminator(lambda row: "columns" if isinstance(row, dict) else "values"),
-]
 
 
 class PredictRequest(BaseModel):
@@ -101,46 +116,7 @@ def token_digest(token: str) -> str:
 
 
 def _problem(status: int, message: str, errors: list[dict[str, Any]] | None = None) -> None:
-    raise HTTPException(status, detail={"message": message, "errors": errors or []})
-
-
-def _validation_problems(error: ValidationError) -> list[dict[str, Any]]:
-    problems = []
-    for item in error.errors(include_url=False, include_context=False, include_input=False):
-        location = [str(p) for p in item["loc"] if p not in ("values", "columns")]
-        problems.append({"field": ".".join(location), "message": item["msg"]})
-    return problems
-
-
-def _rows_to_array(request: PredictRequest, served: ServedModel) -> np.ndarray:
-    """The rows as a float32 matrix in the model's feature order, or a 422 naming the bad row."""
-    width, names = served.width, served.feature_names
-    known = frozenset(names or ())  # once per request: the column check is linear in the body
-    matrix = np.empty((len(request.inputs), width), dtype=np.float32)
-    for index, row in enumerate(request.inputs):
-        if isinstance(row, dict):
-            if names is None:
-                _problem(
-                    422,
-                    f"inputs.{index}: this model takes feature vectors of {width} numbers, "
-                    "not named columns",
-                )
-            assert names is not None
-            missing = [n for n in names if n not in row]
-            extra = [n for n in row if n not in known]
-            if missing or extra:
-                _problem(
-                    422,
-                    f"inputs.{index}: columns do not match the model's; "
-                    f"missing {missing}, unexpected {extra}",
-                )
-            values = [row[name] for name in names]
-        else:
-            values = row
-        if len(values) != width:
-            _problem(422, f"inputs.{index}: expected {width} features, got {len(values)}")
-        matrix[index] = values
-    return matrix
+    raise RequestError(status, message, errors)
 
 
 def _too_large(limit: int) -> None:
@@ -179,9 +155,7 @@ def predictions_body(
     """The JSON of a ``/predict`` answer: classes and their probabilities, or for regression
     the values; a model that returned NaN or infinity gets a 500 that says so, never a body
     that is not JSON."""
-    if not np.isfinite(outputs).all():
-        rows = non_finite_rows(outputs)
-        _problem(500, f"the model returned non-finite outputs for rows {rows[:10]}")
+    finite_outputs(outputs)
     content: dict[str, Any] = {"predictions": labelled_outputs(outputs, class_names, task).tolist()}
     if task != "regression":
         content["probabilities"] = outputs.astype(np.float64).round(6).tolist()
@@ -215,10 +189,82 @@ def _batched(version: LoadedVersion | None, matrices: list[np.ndarray]) -> list[
     return np.split(outputs, np.cumsum([len(m) for m in matrices])[:-1])
 
 
+class PredictProtocol:
+    """:class:`~serving_protocols.WireProtocol` of ``/predict``: ``{"inputs": [...]}`` (and
+    optional ``labels``) in, classes and probabilities or values out; FastAPI's error shape,
+    ``{"detail": {"message": ..., "errors": [...]}}``."""
+
+    def parse(self, body: bytes, content_type: str, served: ServedModel) -> Scoring:
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            _problem(415, f"content type must be application/json, got {content_type!r}")
+        try:
+            parsed = PredictRequest.model_validate_json(body)
+        except ValidationError as exc:
+            raise invalid_body(exc, 422, "{'inputs': [[number, ...], ...]}") from None
+        if parsed.labels is not None and len(parsed.labels) != len(parsed.inputs):
+            _problem(
+                422,
+                f"{len(parsed.labels)} labels for {len(parsed.inputs)} rows; send one per row",
+            )
+        return Scoring(rows_matrix(parsed.inputs, served, served.feature_names), parsed.labels)
+
+    def render(
+        self, outputs: np.ndarray, served: ServedModel, identity: dict[str, Any], scoring: Scoring
+    ) -> str:
+        return predictions_body(outputs, served.class_names, identity, served.task)
+
+    def error(self, problem: RequestError) -> tuple[int, str, str]:
+        detail = {"message": problem.message, "errors": problem.errors}
+        return problem.status, json.dumps({"detail": detail}), "application/json"
+
+
+PREDICT, MLFLOW = PredictProtocol(), MlflowScoring()
+
+
+def _error_response(protocol: WireProtocol, problem: RequestError) -> Response:
+    status, content, media_type = protocol.error(problem)
+    return Response(content, status, headers=problem.headers, media_type=media_type)
+
+
 api = FastAPI(
     title="prefect-ml model server",
-    description="Predictions from a model version of the MLflow registry, served by Ray Serve.",
+    description="Predictions from a model version of the MLflow registry, served by Ray Serve: "
+    "its own /predict, MLflow's scoring protocol (/invocations) and the Open Inference "
+    "Protocol v2 (/v2).",
 )
+
+
+@api.exception_handler(RequestError)
+async def _request_error(request: Request, problem: RequestError) -> Response:
+    """A refused request of a route without a protocol of its own (``/metadata``)."""
+    return _error_response(PREDICT, problem)
+
+
+def _openapi(
+    body: type[BaseModel] | None,
+    errors: type[BaseModel],
+    statuses: tuple[int, ...],
+    **content: dict[str, Any],
+) -> dict[str, Any]:
+    """A route's request body (JSON of ``body``, plus other media types) and error answers,
+    for /openapi.json (the routes read their bodies themselves)."""
+    extra: dict[str, Any] = {
+        "responses": {
+            str(status): {
+                "description": "refused",
+                "content": {"application/json": {"schema": inlined_schema(errors)}},
+            }
+            for status in statuses
+        }
+    }
+    if body is not None:
+        json_body = {"application/json": {"schema": inlined_schema(body)}}
+        extra["requestBody"] = {"required": True, "content": {**json_body, **content}}
+    return extra
+
+
+SCORING_ERRORS = (400, 401, 408, 413, 500)
+INFER_ERRORS = (400, 401, 404, 408, 413, 500)
 
 
 @serve.deployment(name=DEPLOYMENT_NAME, max_surge_percent=100)
@@ -262,10 +308,8 @@ class ModelServer:
 
     def _authorize(self, request: Request) -> None:
         if not self._is_authorized(request):
-            raise HTTPException(
-                401,
-                detail={"message": "missing or wrong bearer token", "errors": []},
-                headers={"WWW-Authenticate": "Bearer"},
+            raise RequestError(
+                401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
             )
 
     def _batcher(
@@ -332,58 +376,183 @@ class ModelServer:
         },
     )
     async def predict(self, request: Request) -> Response:
-        self._authorize(request)
-        content_type = request.headers.get("content-type", "")
-        if content_type.split(";")[0].strip().lower() != "application/json":
-            _problem(415, f"content type must be application/json, got {content_type!r}")
-        body = await _read_body(request, self.limits.max_body_bytes, self.limits.request_timeout_s)
+        return await self._serve(request, PREDICT)
+
+    @api.post(
+        "/invocations",
+        summary="MLflow's scoring protocol: dataframe_split, dataframe_records, instances, "
+        "inputs or CSV in; one prediction per row out (mlflow models serve's route)",
+        response_model=ScoringResponse,
+        openapi_extra=_openapi(
+            ScoringRequest,
+            ScoringError,
+            SCORING_ERRORS,
+            **{"text/csv": {"schema": {"type": "string"}}},
+        ),
+    )
+    async def invocations(self, request: Request) -> Response:
+        return await self._serve(request, MLFLOW)
+
+    @api.get("/ping", summary="MLflow's health check: the replica is up (no token needed)")
+    async def scoring_ping(self) -> Response:
+        return Response("\n", media_type="application/json")
+
+    @api.get("/health", summary="MLflow's health check, as /ping")
+    async def scoring_health(self) -> Response:
+        return await self.scoring_ping()
+
+    @api.get("/version", summary="The MLflow version the replica loads models with")
+    async def scoring_version(self) -> Response:
+        return Response(mlflow_version(), media_type="application/json")
+
+    @api.get("/v2/health/live", summary="Open Inference Protocol: the server is live")
+    async def oip_live(self) -> dict[str, bool]:
+        return {"live": True}
+
+    @api.get("/v2/health/ready", summary="Open Inference Protocol: the server is ready")
+    async def oip_ready(self) -> dict[str, bool]:
+        return {"ready": True}  # a replica takes requests once its model has loaded
+
+    @api.get(
+        "/v2", summary="Open Inference Protocol: server metadata", response_model=ServerMetadata
+    )
+    async def oip_server(self) -> dict[str, Any]:
+        return server_metadata()
+
+    @api.get(
+        "/v2/models/{name}",
+        summary="Open Inference Protocol: the model's inputs and outputs",
+        response_model=ModelMetadata,
+        openapi_extra=_openapi(None, InferError, (401, 404)),
+    )
+    async def oip_model(self, name: str, request: Request) -> Response:
+        return self._oip_model(request, name, None, lambda: model_metadata(self.served))
+
+    @api.get(
+        "/v2/models/{name}/versions/{version}",
+        summary="Open Inference Protocol: the version's inputs and outputs",
+        response_model=ModelMetadata,
+        openapi_extra=_openapi(None, InferError, (401, 404)),
+    )
+    async def oip_model_version(self, name: str, version: str, request: Request) -> Response:
+        return self._oip_model(request, name, version, lambda: model_metadata(self.served))
+
+    @api.get(
+        "/v2/models/{name}/ready",
+        summary="Open Inference Protocol: the model is ready",
+        openapi_extra=_openapi(None, InferError, (401, 404)),
+    )
+    async def oip_model_ready(self, name: str, request: Request) -> Response:
+        return self._oip_model(request, name, None, lambda: {"name": name, "ready": True})
+
+    @api.get(
+        "/v2/models/{name}/versions/{version}/ready",
+        summary="Open Inference Protocol: the version is ready",
+        openapi_extra=_openapi(None, InferError, (401, 404)),
+    )
+    async def oip_version_ready(self, name: str, version: str, request: Request) -> Response:
+        return self._oip_model(request, name, version, lambda: {"name": name, "ready": True})
+
+    @api.post(
+        "/v2/models/{name}/infer",
+        summary="Open Inference Protocol: inference (the serving version, or its canary)",
+        response_model=InferResponse,
+        openapi_extra=_openapi(InferRequest, InferError, INFER_ERRORS),
+    )
+    async def oip_infer(self, name: str, request: Request) -> Response:
+        return await self._serve(request, self._oip(request), (name, None))
+
+    @api.post(
+        "/v2/models/{name}/versions/{version}/infer",
+        summary="Open Inference Protocol: inference by this version",
+        response_model=InferResponse,
+        openapi_extra=_openapi(InferRequest, InferError, INFER_ERRORS),
+    )
+    async def oip_infer_version(self, name: str, version: str, request: Request) -> Response:
+        return await self._serve(request, self._oip(request), (name, version))
+
+    @staticmethod
+    def _oip(request: Request) -> OpenInference:
+        return OpenInference(request.headers.get("inference-header-content-length"))
+
+    def _check_model(self, name: str, version: str | None) -> None:
+        """A 404 unless ``name`` (and ``version``, if given) is the version served here."""
+        served = self.served
+        if name != served.name or version not in (None, served.version):
+            asked = name if version is None else f"{name} v{version}"
+            raise RequestError(
+                404, f"{asked} is not served here; {served.name} v{served.version} is"
+            )
+
+    def _oip_model(
+        self,
+        request: Request,
+        name: str,
+        version: str | None,
+        answer: Callable[[], dict[str, Any]],
+    ) -> Response:
+        """``answer()`` about the model, for a caller with the token, if it is the one served."""
         try:
-            parsed = PredictRequest.model_validate_json(body)
-        except ValidationError as exc:
-            problems = _validation_problems(exc)
-            if problems and problems[0]["message"].startswith("Invalid JSON"):
-                _problem(400, "the body is not valid JSON", problems)
-            _problem(422, "the body does not match {'inputs': [[number, ...], ...]}", problems)
-        if len(parsed.inputs) > self.limits.max_rows:
-            _problem(
-                413,
-                f"{len(parsed.inputs)} rows in one request; the limit is {self.limits.max_rows}",
+            self._authorize(request)
+            self._check_model(name, version)
+        except RequestError as problem:
+            return _error_response(OpenInference(), problem)
+        return JSONResponse(answer())
+
+    async def _serve(
+        self,
+        request: Request,
+        protocol: WireProtocol,
+        model: tuple[str, str | None] | None = None,
+    ) -> Response:
+        """One request of any protocol: authenticated, its body read within the limits, parsed
+        by ``protocol``, answered by the canary for its share (unless ``model`` pins a version)
+        or by the serving version, batched with the other requests, and answered or refused in
+        the protocol's shape."""
+        try:
+            self._authorize(request)
+            if model is not None:
+                self._check_model(*model)
+            body = await _read_body(
+                request, self.limits.max_body_bytes, self.limits.request_timeout_s
             )
-        if parsed.labels is not None and len(parsed.labels) != len(parsed.inputs):
-            _problem(
-                422,
-                f"{len(parsed.labels)} labels for {len(parsed.inputs)} rows; send one per row",
-            )
-        matrix = _rows_to_array(parsed, self.served)
-        candidate = self.canary.predictor  # read once: the sync thread may drop it meanwhile
-        if candidate is not None and self.canary.takes_request():
-            try:
-                return await self._answer("canary", candidate, matrix, parsed.labels)
-            except Exception:  # answered by the serving version below, counted as the canary's
-                self.canary.record("canary", canary.VersionStats(requests=1, errors=1))
-        return await self._answer("stable", self.stable, matrix, parsed.labels)
+            scoring = protocol.parse(body, request.headers.get("content-type", ""), self.served)
+            if len(scoring.matrix) > self.limits.max_rows:
+                _problem(
+                    413,
+                    f"{len(scoring.matrix)} rows in one request; the limit is "
+                    f"{self.limits.max_rows}",
+                )
+            pinned = model is not None and model[1] is not None
+            candidate = self.canary.predictor  # read once: the sync thread may drop it meanwhile
+            if not pinned and candidate is not None and self.canary.takes_request():
+                try:
+                    return await self._answer("canary", candidate, scoring, protocol)
+                except Exception:  # answered by the serving version below, counted as the canary's
+                    self.canary.record("canary", canary.VersionStats(requests=1, errors=1))
+            return await self._answer("stable", self.stable, scoring, protocol)
+        except RequestError as problem:
+            return _error_response(protocol, problem)
 
     async def _answer(
-        self,
-        role: str,
-        version: LoadedVersion,
-        matrix: np.ndarray,
-        labels: list[str | float] | None,
+        self, role: str, version: LoadedVersion, scoring: Scoring, protocol: WireProtocol
     ) -> Response:
-        """``version``'s answer, timed and (during a canary rollout) recorded as ``role``'s."""
+        """``version``'s answer in ``protocol``'s shape, timed and (during a canary rollout)
+        recorded as ``role``'s."""
         started = time.perf_counter()
+        served = version.served
         try:
             if self.limits.batching:
-                outputs = await self.batchers[role].submit(matrix)
+                outputs = await self.batchers[role].submit(scoring.matrix)
             else:
-                outputs = version.predictor.outputs(matrix)
-            served = version.served
-            body = predictions_body(outputs, served.class_names, version.identity, served.task)
+                outputs = version.predictor.outputs(scoring.matrix)
+            body = protocol.render(outputs, served, version.identity, scoring)
         except Exception:
             if role == "stable":
                 self.canary.record(role, canary.VersionStats(requests=1, errors=1))
             raise
         if self.canary.active:
+            labels = scoring.labels
             outcome = (
                 canary.label_outcome(
                     labelled_outputs(outputs, served.class_names, served.task), labels, served.task

@@ -387,20 +387,19 @@ def test_a_bearer_token_shorter_than_32_bytes_is_refused_before_deploying(
 
 
 def test_a_model_that_returns_nan_gets_a_500_that_says_so_never_invalid_json() -> None:
-    from fastapi import HTTPException
-
     from prefect_ml.integrations.serving import predictions_body
+    from prefect_ml.integrations.serving_protocols import RequestError
 
     identity = {"name": "m", "version": "1", "run_id": "r"}
     good = json.loads(predictions_body(np.array([[0.25, 0.75]]), ["a", "b"], identity))
     assert good["predictions"] == ["b"] and good["probabilities"] == [[0.25, 0.75]]
-    with pytest.raises(HTTPException) as error:
+    with pytest.raises(RequestError) as error:
         predictions_body(np.array([[0.5, 0.5], [np.nan, 0.5]]), None, identity)
-    assert error.value.status_code == 500
-    assert "non-finite outputs for rows [1]" in str(error.value.detail)
+    assert error.value.status == 500
+    assert "non-finite outputs for rows [1]" in error.value.message
     values = json.loads(predictions_body(np.array([[151.25], [3.5]]), None, identity, "regression"))
     assert values == {"predictions": [151.25, 3.5], "model": identity}
-    with pytest.raises(HTTPException, match="non-finite outputs for rows \\[0\\]"):
+    with pytest.raises(RequestError, match="non-finite outputs for rows \\[0\\]"):
         predictions_body(np.array([[np.inf], [1.0]]), None, identity, "regression")
 
 
@@ -649,34 +648,59 @@ class _FailsOnBrightPixel(torch.nn.Module):
         return torch.where(rows[:, 20:21] > 8, torch.full_like(logits, float("nan")), logits)
 
 
+# The protocols a client of _traffic speaks; MLflow's answer names no version.
+PROTOCOLS = ("predict", "invocations", "infer")
+
+
 def _traffic(
-    url: str, stop: threading.Event, seen: list[tuple[float, str]], errors: list[str]
+    url: str,
+    stop: threading.Event,
+    seen: list[tuple[float, str]],
+    errors: list[str],
+    protocols: tuple[str, ...] = ("predict",),
 ) -> None:
-    """One client sending labelled digits without pause, noting when which version answered."""
+    """One client sending digits without pause (labelled, through /predict), in one of
+    ``protocols`` each, noting when which version answered."""
     rng = random.Random(len(seen))
     with httpx.Client(base_url=url, timeout=30) as client:
         while not stop.is_set():
             index = rng.randrange(len(FEATURES))
-            body = {"inputs": [FEATURES[index].tolist()], "labels": [str(DIGITS.target[index])]}
+            protocol = rng.choice(protocols)
+            row = FEATURES[index].tolist()
+            infer = {
+                "inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": row}]
+            }
             try:
-                response = client.post("/predict", json=body)
+                if protocol == "invocations":
+                    response = client.post("/invocations", json={"inputs": [row]})
+                elif protocol == "infer":
+                    response = client.post("/v2/models/digits-classifier/infer", json=infer)
+                else:
+                    labelled = {"inputs": [row], "labels": [str(DIGITS.target[index])]}
+                    response = client.post("/predict", json=labelled)
             except httpx.HTTPError as exc:
                 errors.append(repr(exc))
                 continue
             if response.status_code != 200:
-                errors.append(f"{response.status_code} {response.text}")
-            else:
-                seen.append((time.monotonic(), response.json()["model"]["version"]))
+                errors.append(f"{protocol}: {response.status_code} {response.text}")
+            elif protocol != "invocations":
+                answer = response.json()
+                version = (
+                    answer["model_version"] if protocol == "infer" else answer["model"]["version"]
+                )
+                seen.append((time.monotonic(), version))
 
 
 def _canary_rollout(served: Served, new_version: str, **canary: object) -> tuple[Any, list[str]]:
     """Move @champion to ``new_version`` and serve it with a canary while 4 clients send
-    requests; returns the flow's result and the versions that answered. No request fails."""
+    requests in every protocol; returns the flow's result and the versions that answered
+    (/predict's and OIP's). No request fails."""
     client = tracking.client_for(served.settings.resolved_tracking_uri)
     tracking.set_alias(client, "digits-classifier", "champion", new_version)
     stop, seen, errors = threading.Event(), [], []
     clients = [
-        threading.Thread(target=_traffic, args=(served.url, stop, seen, errors)) for _ in range(4)
+        threading.Thread(target=_traffic, args=(served.url, stop, seen, errors, PROTOCOLS))
+        for _ in range(4)
     ]
     for thread in clients:
         thread.start()
