@@ -1,0 +1,351 @@
+"""The serving app's other protocols on the real Ray Serve, spoken by clients no one here wrote:
+MLflow's ``ScoringServerClient`` and raw ``/invocations`` (every JSON format and CSV), Triton's
+``tritonclient`` over the Open Inference Protocol v2, and schemathesis fuzzing the OpenAPI
+schema; each answer equal to ``/predict``'s and to MLflow's own for the same version.
+
+The module reuses test_serving's ``served`` fixture (digits-classifier v1 on a free port)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+import tritonclient.http as triton
+from mlflow.pyfunc.scoring_server.client import ScoringServerClient
+from ray import serve
+from tritonclient.utils import InferenceServerException
+
+from prefect_ml.flows.serve import serve_model
+from tests.e2e import test_serving
+from tests.e2e.test_pipeline import _predict_with_mlflow_models_serve
+from tests.e2e.test_serving import (
+    DIGITS,
+    FEATURES,
+    MAX_BODY,
+    MAX_ROWS,
+    TOKEN,
+    Served,
+    _replica_log,
+)
+
+# test_serving's fixture, the same deployment for this module: digits-classifier v1, no token.
+served = test_serving.served
+
+ROWS = FEATURES[100:140]
+MODEL = "digits-classifier"
+
+
+def _predicted(url: str, rows: np.ndarray, headers: dict[str, str] | None = None) -> Any:
+    response = httpx.post(f"{url}/predict", json={"inputs": rows.tolist()}, headers=headers)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _labels(result: triton.InferResult) -> list[str]:
+    """The ``label`` output as strings (tritonclient gives JSON's BYTES data as str)."""
+    return [str(label) for label in result.as_numpy("label")]
+
+
+def _mlflow_models_predict(served: Served, version: str, rows: np.ndarray, tmp: Path) -> Any:
+    """``mlflow models predict`` on the registered version: its raw outputs per row."""
+    request, output = tmp / "input.json", tmp / "output.json"
+    request.write_text(json.dumps({"inputs": rows.tolist()}))
+    command = [sys.executable, "-m", "mlflow", "models", "predict", "--env-manager", "local"]
+    uri = f"models:/{MODEL}/{version}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": served.settings.resolved_tracking_uri}
+    subprocess.run(
+        [*command, "-m", uri, "-i", str(request), "-o", str(output), "-t", "json"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return np.asarray(json.loads(output.read_text())["predictions"])
+
+
+def test_mlflows_client_and_every_scoring_format_answer_as_predict_and_as_mlflow_itself(
+    served: Served, tmp_path: Path
+) -> None:
+    expected = _predicted(served.url, ROWS)
+    assert expected["model"]["version"] == "1"
+    classes = expected["predictions"]
+
+    client = ScoringServerClient("127.0.0.1", served.port)
+    client.wait_server_ready(timeout=30)
+    assert client.get_version() == mlflow.__version__
+    shuffled = pd.DataFrame(ROWS).iloc[:, ::-1]  # columns 63..0: matched by name, not order
+    assert client.invoke(shuffled)["predictions"] == classes
+    assert client.invoke(ROWS)["predictions"] == classes
+    assert httpx.get(f"{served.url}/health").status_code == 200
+
+    records = shuffled.to_dict(orient="records")
+    bodies: dict[str, Any] = {
+        "dataframe_split": {"dataframe_split": shuffled.to_dict(orient="split")},
+        "dataframe_records": {"dataframe_records": records},
+        "instances": {"instances": records},
+        "inputs": {"inputs": ROWS.reshape(-1, 8, 8).tolist(), "params": {"unused": True}},
+    }
+    for case, body in bodies.items():
+        answer = httpx.post(f"{served.url}/invocations", json=body)
+        assert answer.status_code == 200, (case, answer.text)
+        assert answer.json() == {"predictions": classes}, case
+    csv = httpx.post(
+        f"{served.url}/invocations",
+        content=shuffled.to_csv(index=False),
+        headers={"content-type": "text/csv; charset=utf-8"},
+    )
+    assert csv.status_code == 200 and csv.json() == {"predictions": classes}, csv.text
+
+    # MLflow's own server and CLI on the same registered version answer the network's raw
+    # outputs (logits): their argmax is our class, row for row.
+    served_by_mlflow = _predict_with_mlflow_models_serve(served.settings, ROWS)
+    predicted_by_mlflow = _mlflow_models_predict(served, "1", ROWS, tmp_path)
+    for logits in (served_by_mlflow, predicted_by_mlflow):
+        assert [str(c) for c in logits.argmax(axis=1)] == classes
+    assert np.mean(np.array(classes, dtype=int) == DIGITS.target[100:140]) > 0.9
+
+
+def test_tritonclient_speaks_the_open_inference_protocol_to_the_served_model(
+    served: Served,
+) -> None:
+    expected = _predicted(served.url, ROWS)
+    client = triton.InferenceServerClient(url=f"127.0.0.1:{served.port}")
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.get_server_metadata()["name"] == "prefect-ml"
+    assert client.is_model_ready(MODEL) and client.is_model_ready(MODEL, "1")
+    assert not client.is_model_ready(MODEL, "99") and not client.is_model_ready("other")
+    metadata = client.get_model_metadata(MODEL)
+    assert metadata["versions"] == ["1"]
+    assert metadata["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}]
+    assert [o["name"] for o in metadata["outputs"]] == ["label", "probabilities"]
+    assert client.get_model_metadata(MODEL, "1") == metadata
+
+    for binary in (False, True):  # JSON data, and Triton's binary extension (its default)
+        tensor = triton.InferInput("input", list(ROWS.shape), "FP32")
+        tensor.set_data_from_numpy(ROWS, binary_data=binary)
+        result = client.infer(MODEL, [tensor], request_id=f"request-{binary}")
+        assert result.get_response()["id"] == f"request-{binary}"
+        assert result.get_response()["model_version"] == "1"
+        assert _labels(result) == expected["predictions"]
+        np.testing.assert_allclose(
+            result.as_numpy("probabilities"), expected["probabilities"], atol=1e-6
+        )
+    images = triton.InferInput("input", [len(ROWS), 1, 8, 8], "FP64")
+    images.set_data_from_numpy(ROWS.reshape(-1, 1, 8, 8).astype(np.float64), binary_data=False)
+    only_labels = [triton.InferRequestedOutput("label", binary_data=False)]
+    result = client.infer(MODEL, [images], model_version="1", outputs=only_labels)
+    assert [o["name"] for o in result.get_response()["outputs"]] == ["label"]
+    assert _labels(result) == expected["predictions"]
+
+    for model, version, status in [("other", "", "404"), (MODEL, "2", "404")]:
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer(model, [images], model_version=version)
+        assert refused.value.status() == status and "is not served here" in refused.value.message()
+    wrong = triton.InferInput("input", [len(ROWS), 63], "FP32")
+    wrong.set_data_from_numpy(ROWS[:, :63], binary_data=False)
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer(MODEL, [wrong])
+    assert refused.value.status() == "400" and "input 'input'" in refused.value.message()
+    client.close()
+
+
+def _bad_requests() -> list[tuple[str, str, dict[str, str], str | bytes, int, str]]:
+    """(route, case, headers, body, status, words) for the MLflow and OIP routes."""
+    row = FEATURES[0].tolist()
+    as_json = {"content-type": "application/json"}
+    infer = f"/v2/models/{MODEL}/infer"
+    tensor = {"name": "input", "shape": [1, 64], "datatype": "FP32", "data": row}
+    too_many = [row] * (MAX_ROWS + 1)
+    return [
+        ("/invocations", "no format", as_json, '{"rows": []}', 400, "exactly one"),
+        ("/invocations", "not JSON", as_json, "{", 400, "not valid JSON"),
+        ("/invocations", "short row", as_json, '{"inputs": [[1.0]]}', 400, "expected 64"),
+        ("/invocations", "text", {"content-type": "text/plain"}, "x", 415, "content types"),
+        (
+            "/invocations",
+            "latin-1",
+            {"content-type": "text/csv; charset=latin-1"},
+            "x",
+            415,
+            "UTF-8",
+        ),
+        (
+            "/invocations",
+            "too many rows",
+            as_json,
+            json.dumps({"inputs": too_many}),
+            413,
+            "limit is",
+        ),
+        ("/invocations", "too large", as_json, b" " * (MAX_BODY + 1), 413, "byte limit"),
+        (infer, "not JSON", as_json, "{", 400, "not valid JSON"),
+        (infer, "no inputs", as_json, '{"inputs": []}', 400, "inputs"),
+        (
+            infer,
+            "bad datatype",
+            as_json,
+            json.dumps({"inputs": [{**tensor, "datatype": "BF16"}]}),
+            400,
+            "input 'input': datatype 'BF16'",
+        ),
+        (
+            infer,
+            "bad shape",
+            as_json,
+            json.dumps({"inputs": [{**tensor, "shape": [2, 64]}]}),
+            400,
+            "input 'input': 64 values for shape [2, 64]",
+        ),
+        (
+            infer,
+            "too many rows",
+            as_json,
+            json.dumps({"inputs": [{**tensor, "shape": [MAX_ROWS + 1, 64], "data": too_many}]}),
+            413,
+            "limit is",
+        ),
+        (
+            f"/v2/models/{MODEL}/versions/7/infer",
+            "unknown version",
+            as_json,
+            json.dumps({"inputs": [tensor]}),
+            404,
+            "is not served here",
+        ),
+    ]
+
+
+def test_a_malformed_request_of_each_protocol_gets_its_4xx_shape_and_requests_share_the_batcher(
+    served: Served,
+) -> None:
+    with httpx.Client(base_url=served.url, timeout=30) as client:
+        before = client.get("/metadata").json()["batching"]["requests"]
+        for route, case, headers, body, status, words in _bad_requests():
+            response = client.post(route, content=body, headers=headers)
+            assert response.status_code == status, (case, response.status_code, response.text)
+            if status == 415:  # MLflow's own 415 is plain text
+                assert response.headers["content-type"].startswith("text/plain"), case
+                assert words in response.text, (case, response.text)
+                continue
+            answer = response.json()
+            message = answer["message"] if route == "/invocations" else answer["error"]
+            assert set(answer) == (
+                {"error_code", "message"} if route == "/invocations" else {"error"}
+            )
+            assert words in message, (case, message)
+        row = FEATURES[0].tolist()
+        good = [
+            client.post("/invocations", json={"inputs": [row]}),
+            client.post(
+                f"/v2/models/{MODEL}/infer",
+                json={
+                    "inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": row}]
+                },
+            ),
+            client.post("/predict", json={"inputs": [row]}),
+        ]
+        assert [answer.status_code for answer in good] == [200, 200, 200]
+        after = client.get("/metadata").json()["batching"]["requests"]
+    # the three good requests went through the replica's one batcher; no refused one did
+    assert after - before == 3
+
+
+def test_every_protocol_needs_the_token_and_is_in_the_access_log(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFECT_ML_SERVE_TOKEN", TOKEN)
+    params = served.params(app_name="protocols", route_prefix="/protocols")
+    assert serve_model(params).authenticated
+    url = f"{served.url}/protocols"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    row = FEATURES[0].tolist()
+    infer_body = {"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": row}]}
+    refused = httpx.post(f"{url}/invocations", json={"inputs": [row]})
+    assert refused.status_code == 401 and refused.json()["error_code"] == "UNAUTHENTICATED"
+    assert refused.headers["www-authenticate"] == "Bearer"
+    refused = httpx.post(f"{url}/v2/models/{MODEL}/infer", json=infer_body)
+    assert refused.status_code == 401 and "bearer token" in refused.json()["error"]
+    assert httpx.get(f"{url}/v2/models/{MODEL}").status_code == 401
+    assert httpx.get(f"{url}/v2/models/{MODEL}/ready").status_code == 401
+    # Liveness needs no token, as /healthz.
+    assert httpx.get(f"{url}/ping").status_code == 200
+    assert httpx.get(f"{url}/v2/health/live").json() == {"live": True}
+
+    classes = _predicted(url, FEATURES[:3], auth)["predictions"]
+    scored = httpx.post(f"{url}/invocations", json={"inputs": FEATURES[:3].tolist()}, headers=auth)
+    assert scored.json() == {"predictions": classes}
+    infer_body["inputs"][0].update(shape=[3, 64], data=FEATURES[:3].tolist())
+    inferred = httpx.post(
+        f"{url}/v2/models/{MODEL}/versions/1/infer", json=infer_body, headers=auth
+    )
+    assert inferred.json()["outputs"][0]["data"] == classes
+    log = _replica_log("protocols")  # Serve logs the route's template
+    for line in (
+        "POST /protocols/invocations 200",
+        "POST /protocols/invocations 401",
+        "POST /protocols/v2/models/{name}/versions/{version}/infer 200",
+        "POST /protocols/v2/models/{name}/infer 401",
+    ):
+        assert line in log, line
+    serve.delete("protocols")
+
+
+def test_the_openapi_schema_describes_every_route_and_a_fuzz_run_finds_no_5xx(
+    served: Served, tmp_path: Path
+) -> None:
+    openapi = httpx.get(f"{served.url}/openapi.json").json()
+    paths = openapi["paths"]
+    routes = {
+        "/predict",
+        "/invocations",
+        "/ping",
+        "/health",
+        "/version",
+        "/v2",
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/v2/models/{name}",
+        "/v2/models/{name}/versions/{version}",
+        "/v2/models/{name}/ready",
+        "/v2/models/{name}/versions/{version}/ready",
+        "/v2/models/{name}/infer",
+        "/v2/models/{name}/versions/{version}/infer",
+    }
+    assert routes <= set(paths)
+    scoring = paths["/invocations"]["post"]
+    assert set(scoring["requestBody"]["content"]) == {"application/json", "text/csv"}
+    assert {"dataframe_split", "dataframe_records", "instances", "inputs"} <= set(
+        scoring["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    )
+    assert "400" in scoring["responses"] and "200" in scoring["responses"]
+    infer = paths["/v2/models/{name}/infer"]["post"]
+    assert "inputs" in infer["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    assert "InferResponse" in json.dumps(infer["responses"]["200"])
+
+    # The served model in the /v2/models/{name}[/versions/{version}] paths, so that generated
+    # bodies reach the model rather than a 404; one worker (hypothesis's lambda descriptions
+    # race in threads on Python 3.11: "AST constructor recursion depth mismatch").
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(f'[parameters]\n"path.name" = "{MODEL}"\n"path.version" = "1"\n')
+    command = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "run"]
+    command.append(f"{served.url}/openapi.json")
+    options = ["--checks", "not_a_server_error", "--max-examples", "25", "--workers", "1"]
+    options += ["--phases", "examples,coverage,fuzzing", "--request-timeout", "30"]
+    options += ["--seed", "41", "--generation-database", "none", "--no-color"]
+    run = subprocess.run([*command, *options], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:]
+    counts = re.search(r"(\d+) generated, (\d+) passed", run.stdout)
+    assert counts and counts[1] == counts[2] and int(counts[1]) > 200, run.stdout[-3000:]
+    # healthy afterwards: the same answers as before the run
+    assert httpx.get(f"{served.url}/healthz").json()["status"] == "ok"
+    assert _predicted(served.url, ROWS)["model"]["version"] == "1"
