@@ -75,7 +75,6 @@ EPOCHS = 4
 SWEEP_TRIALS = 4
 MAX_FAILURES = 3
 UPLOAD_EPOCHS = 6
-MULTIPART_BYTES = 17 * 2**20  # over the 16 MiB single-PUT limit: a multipart upload
 BUCKET = "prefect-ml-chaos"
 EXPERIMENT = "chaos"
 MODEL_NAME = "chaos-model"
@@ -437,8 +436,11 @@ def checkpoint_files(seed: int, epoch: int) -> dict[str, bytes]:
     """The deterministic files of one epoch: state (multipart-sized every other epoch), metrics."""
     import numpy as np
 
+    from prefect_ml.integrations import storage
+
     generator = np.random.default_rng([seed, epoch])
-    size = MULTIPART_BYTES if epoch % 2 == 0 else 256 * 2**10
+    multipart = 2 * storage.S3_PART_SIZE + 2**20  # over two parts: a multipart upload
+    size = multipart if epoch % 2 == 0 else 256 * 2**10
     metrics = {"epoch": epoch, "val_loss": float(generator.random())}
     return {
         "state.bin": generator.bytes(size),

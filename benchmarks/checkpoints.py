@@ -23,7 +23,11 @@ repeat; median of the repeats after an untimed warm-up of every arm):
   download's write to the local file is part of its time;
 * ``boto3-memory``: ``upload_fileobj`` / ``download_fileobj`` with the same defaults, from and to
   memory (``BytesIO``), as our store works: boto3's transfer engine without the local file;
-* ``s3fs``: ``S3FileSystem.put_file`` / ``get_file`` with its defaults, the same local files.
+* ``s3fs``: ``S3FileSystem.put_file`` / ``get_file`` with its defaults, the same local files;
+* ``s3fs-memory``: ``pipe_file`` / ``cat_file`` with s3fs's defaults (a read sizes the object
+  by HEAD, then GETs 50 MiB ranges) on the storage module's own filesystem (its endpoint, retry
+  and concurrency options), from and to memory. Our store reads with ``max_concurrency=1``
+  instead: one GET per object, no HEAD.
 
 Throughput is payload MB (10^6 bytes) over seconds; ratios are over boto3's.
 
@@ -70,7 +74,7 @@ BUCKET = "prefect-ml-bench"
 UPLOAD_TARGET = 0.9  # our store's MB/s over boto3's
 DOWNLOAD_TARGET = 0.95  # issue 24: no HEAD, no whole-object copy, the manifest beside the data
 BLOCKED_TARGET = 0.25  # async blocked seconds per checkpoint over sync's
-ARMS = ("ours-store", "ours-store-cold", "ours-raw", "boto3", "boto3-memory", "s3fs")
+ARMS = ("ours-store", "ours-store-cold", "ours-raw", "boto3", "boto3-memory", "s3fs", "s3fs-memory")
 TENSORS = 4  # the state dict's float32 tensors, of equal size
 MB = 10**6
 STATE_FILE = "__0_0.distcp"  # the data file of a one-writer DCP checkpoint
@@ -187,10 +191,13 @@ class Transfers:
             self.client.upload_file(str(self.source), BUCKET, key)
         elif arm == "boto3-memory":
             self.client.upload_fileobj(io.BytesIO(self.payload), BUCKET, key)
+        elif arm == "s3fs-memory":
+            fs, path = storage.filesystem(f"s3://{BUCKET}/{key}")
+            fs.pipe_file(path, self.payload)
         else:
             self.s3fs.put_file(str(self.source), f"{BUCKET}/{key}")
 
-    def download(self, arm: str) -> bytes | bytearray | None:
+    def download(self, arm: str) -> bytes | None:
         """The bytes (in-memory arms) or None (the others wrote ``self.target``)."""
         from prefect_ml.integrations import storage
         from prefect_ml.integrations.checkpoints import CheckpointStore
@@ -208,11 +215,14 @@ class Transfers:
             buffer = io.BytesIO()
             self.client.download_fileobj(BUCKET, key, buffer)
             return buffer.getvalue()
+        elif arm == "s3fs-memory":
+            fs, path = storage.filesystem(f"s3://{BUCKET}/{key}")
+            return fs.cat_file(path)  # type: ignore[no-any-return]
         else:
             self.s3fs.get_file(f"{BUCKET}/{key}", str(self.target))
         return None
 
-    def check(self, downloaded: bytes | bytearray | None) -> None:
+    def check(self, downloaded: bytes | None) -> None:
         """Untimed: what came back is what went up."""
         data = self.target.read_bytes() if downloaded is None else downloaded
         if data != self.payload:

@@ -106,14 +106,13 @@ class MetricsOnlyCheckpoint(CheckpointError):
 
 @dataclass(frozen=True)
 class VerifiedCheckpoint:
-    """A checkpoint whose manifest verified; ``files`` are the exact bytes that were hashed
-    (``bytearray`` where they were read from S3 in parts, not copied).
+    """A checkpoint whose manifest verified; ``files`` are the exact bytes that were hashed.
 
     ``step`` is set for a mid-epoch checkpoint (``epoch`` is then the epoch in progress)."""
 
     epoch: int
     url: str
-    files: dict[str, bytes | bytearray]
+    files: dict[str, bytes]
     step: int | None = None
 
     @property
@@ -356,7 +355,7 @@ class CheckpointStore:
 
     def _verified_files(
         self, position: CheckpointPosition, names: list[str] | None
-    ) -> dict[str, bytes | bytearray]:
+    ) -> dict[str, bytes]:
         """Files ``names`` of a committed checkpoint (all it lists when None, refused if it was
         pruned), read together and each verified against the manifest.
 
@@ -393,7 +392,7 @@ class CheckpointStore:
         return list(listed) if names is None else names
 
     @staticmethod
-    def _read(url: str, names: list[str]) -> list[tuple[bytes | bytearray, str]]:
+    def _read(url: str, names: list[str]) -> list[tuple[bytes, str]]:
         try:
             return storage.read_all_and_sha256([storage.join(url, name) for name in names])
         except FileNotFoundError as exc:
@@ -405,8 +404,8 @@ class CheckpointStore:
         url: str,
         manifest: dict[str, Any],
         names: list[str],
-        read: list[tuple[bytes | bytearray, str]],
-    ) -> dict[str, bytes | bytearray]:
+        read: list[tuple[bytes, str]],
+    ) -> dict[str, bytes]:
         listed = manifest.get("files", {})
         for name, (data, sha256) in zip(names, read, strict=True):
             if len(data) != listed[name]["size"] or sha256 != listed[name]["sha256"]:
@@ -420,7 +419,7 @@ class CheckpointStore:
         files = self._verified_files(CheckpointPosition(epoch, step), None)
         return VerifiedCheckpoint(epoch, self.url_for(epoch, step), files, step)
 
-    def read_verified(self, epoch: int, name: str) -> bytes | bytearray:
+    def read_verified(self, epoch: int, name: str) -> bytes:
         """One file of a committed checkpoint, verified, without reading the others."""
         return self._verified_files(CheckpointPosition(epoch), [name])[name]
 

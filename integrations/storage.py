@@ -10,6 +10,7 @@ keys are refused. S3 is configured the standard AWS way: ``AWS_ENDPOINT_URL_S3``
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import hashlib
@@ -23,7 +24,7 @@ from urllib.parse import unquote
 
 import numpy as np
 
-from prefect_ml.integrations import s3_transfer, tenancy
+from prefect_ml.integrations import tenancy
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
 from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
 
@@ -31,8 +32,10 @@ if TYPE_CHECKING:
     import pyarrow.fs
     from fsspec import AbstractFileSystem
 
-# Multipart uploads: boto3's part size, ten parts in flight (boto3's and s3fs's concurrency).
-S3_PART_SIZE = 8 * 2**20
+# s3fs's pipe_file writes an object of two parts or more as a multipart upload of parts this
+# size (s3fs's default), ten in flight; a smaller one in one PUT. 8 MiB parts (boto3's) were
+# slower through s3fs: BENCHMARKS.md, "Checkpoints on S3", 2026-12-06.
+S3_PART_SIZE = 50 * 2**20
 S3_CONCURRENCY = 10
 _ENCODED = re.compile(r"%[0-9A-Fa-f]{2}")
 
@@ -77,6 +80,10 @@ def filesystem(url: str) -> tuple[AbstractFileSystem, str]:
     if re.search(r"(^|::)https?://", url):
         options.update(_HTTP_OPTIONS)
     fs, path = url_to_fs(url, **options)
+    if _is_s3(url):
+        # s3fs retries a failed request (and a body cut short) on top of botocore's retries, 5
+        # times unless told: one setting bounds both, so 1 means no retry at all.
+        fs.retries = options["config_kwargs"]["retries"]["max_attempts"]
     return fs, path
 
 
@@ -346,9 +353,9 @@ def write_bytes(url: str, data: bytes) -> None:
     """Write ``data`` so that a reader never sees a partial object.
 
     Local files are written beside the target and renamed. On S3 an object appears only when
-    its single PUT or its multipart upload completes; a failed part aborts the multipart upload,
-    and a killed writer leaves only an incomplete upload, invisible to readers
-    (:func:`abort_incomplete_uploads` cleans those).
+    its single PUT or its multipart upload (``S3_PART_SIZE`` parts) completes; s3fs aborts the
+    multipart upload if a part fails, and a killed writer leaves only an incomplete upload,
+    invisible to readers (:func:`abort_incomplete_uploads` cleans those).
     """
     fs, path = filesystem(url)
     if is_local(url):
@@ -358,13 +365,8 @@ def write_bytes(url: str, data: bytes) -> None:
             handle.write(data)
         fs.mv(staging, path)
         return
-    if _is_s3(url) and len(data) >= 2 * S3_PART_SIZE:
-        bucket, _, key = path.partition("/")
-        s3 = s3_transfer.client(s3_options())
-        s3_transfer.upload(s3, bucket, key, data, S3_PART_SIZE, S3_CONCURRENCY)
-        return
     if _is_s3(url):
-        fs.pipe_file(path, data)
+        fs.pipe_file(path, data, chunksize=S3_PART_SIZE)
         return
     handle = fs.open(path, "wb")
     try:
@@ -375,51 +377,60 @@ def write_bytes(url: str, data: bytes) -> None:
     handle.close()
 
 
-def read_bytes(url: str) -> bytes | bytearray:
-    """The whole object (on S3 a ``bytearray``: the buffer its parts were read into)."""
+def read_bytes(url: str) -> bytes:
+    """The whole object."""
     return read_all_and_sha256([url], digest=False)[0][0]
 
 
-def read_bytes_and_sha256(url: str) -> tuple[bytes | bytearray, str]:
+def read_bytes_and_sha256(url: str) -> tuple[bytes, str]:
     """The whole object and its sha256 hex digest; see :func:`read_all_and_sha256`."""
     return read_all_and_sha256([url])[0]
 
 
-def read_all_and_sha256(
-    urls: Sequence[str], *, digest: bool = True
-) -> list[tuple[bytes | bytearray, str]]:
+def read_all_and_sha256(urls: Sequence[str], *, digest: bool = True) -> list[tuple[bytes, str]]:
     """Each object of ``urls`` whole, with its sha256 hex digest ("" without ``digest``).
 
-    On S3 the reads overlap, ``S3_CONCURRENCY`` GETs in flight, with no HEAD: each object's
-    size comes with its first part, a one-part object is one GET, and a large one is read in
-    ``S3_PART_SIZE`` ranges into one ``bytearray``, hashed part by part while the rest is
-    still downloading (:func:`s3_transfer.download`).
+    On S3 the objects are read together, each in one GET with no HEAD (:func:`_read_s3`).
 
     Raises:
         FileNotFoundError: an object does not exist; its ``filename`` is that URL.
     """
-    hashers = [hashlib.sha256() if digest else None for _ in urls]
-    contents: list[bytes | bytearray]
-    if all(_is_s3(url) for url in urls):
-        objects = [_bucket_and_key(url) for url in urls]
-        s3 = s3_transfer.client(s3_options())
-        contents = list(s3_transfer.download(s3, objects, S3_PART_SIZE, S3_CONCURRENCY, hashers))
+    if urls and all(_is_s3(url) for url in urls):
+        contents = _read_s3(urls)
     else:
         contents = []
-        for url, hasher in zip(urls, hashers, strict=True):
+        for url in urls:
             fs, path = filesystem(url)
             try:
                 contents.append(fs.cat_file(path))
             except FileNotFoundError as exc:
                 raise FileNotFoundError(errno.ENOENT, "No such object", url) from exc
-            if hasher is not None:
-                hasher.update(contents[-1])
-    return [(c, h.hexdigest() if h else "") for c, h in zip(contents, hashers, strict=True)]
+    return [(c, hashlib.sha256(c).hexdigest() if digest else "") for c in contents]
 
 
-def _bucket_and_key(url: str) -> tuple[str, str]:
-    bucket, _, key = url.split("://", 1)[1].partition("/")
-    return bucket, key
+def _read_s3(urls: Sequence[str]) -> list[bytes]:
+    """The S3 objects at ``urls``, read concurrently on s3fs's event loop.
+
+    Each object is one streamed GET (``max_concurrency=1``: no HEAD to size it, no ranged
+    parts), so it is always one version of the object, and s3fs asks again for a body cut
+    short. BENCHMARKS.md, "Checkpoints on S3", 2026-12-06, has the numbers behind this choice.
+    """
+    from fsspec.asyn import sync
+
+    located = [filesystem(url) for url in urls]
+    fs = located[0][0]
+
+    async def read_all() -> list[Any]:
+        reads = [fs._cat_file(path, max_concurrency=1) for _fs, path in located]
+        return await asyncio.gather(*reads, return_exceptions=True)
+
+    contents = sync(fs.loop, read_all)
+    for url, content in zip(urls, contents, strict=True):
+        if isinstance(content, FileNotFoundError):
+            raise FileNotFoundError(errno.ENOENT, f"No such object ({content})", url) from content
+        if isinstance(content, BaseException):
+            raise content
+    return contents
 
 
 @contextlib.contextmanager

@@ -56,8 +56,9 @@ def endpoint(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
 
 
 def test_multipart_objects_round_trip_and_large_reads_are_exact(
-    s3_bucket: str, moto_s3: MotoS3
+    s3_bucket: str, moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(storage, "S3_PART_SIZE", 5 * MIB)  # S3's smallest part
     data = os.urandom(3 * storage.S3_PART_SIZE + 12345)  # four parts, the last one short
     storage.write_bytes(storage.join(s3_bucket, "a", "big.bin"), data)
     storage.write_bytes(storage.join(s3_bucket, "a", "small.txt"), b"small")
@@ -68,19 +69,14 @@ def test_multipart_objects_round_trip_and_large_reads_are_exact(
     assert _incomplete_uploads(moto_s3) == []
 
 
-# Every read's first GET: one part, whatever the object's size (it learns the size from it).
-FIRST_PART = f"bytes=0-{storage.S3_PART_SIZE - 1}"
-
-
-def _part_ranges(size: int) -> list[str]:
-    part = storage.S3_PART_SIZE
-    return [f"bytes={start}-{min(start + part, size) - 1}" for start in range(0, size, part)]
-
-
-def test_reads_take_one_ranged_get_per_part_and_no_head(
-    s3_bucket: str, moto_s3: MotoS3, endpoint: Callable[[str], None]
+def test_reads_take_one_get_per_object_and_no_head(
+    s3_bucket: str,
+    moto_s3: MotoS3,
+    endpoint: Callable[[str], None],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    big = os.urandom(3 * storage.S3_PART_SIZE + 12345)  # four parts, the last one short
+    monkeypatch.setattr(storage, "S3_PART_SIZE", 5 * MIB)  # S3's smallest part
+    big = os.urandom(2 * storage.S3_PART_SIZE + 12345)  # written in three parts, read in one GET
     urls = {name: storage.join(s3_bucket, "r", name) for name in ("big.bin", "one.bin", "empty")}
     storage.write_bytes(urls["big.bin"], big)
     storage.write_bytes(urls["one.bin"], b"one part")
@@ -89,21 +85,14 @@ def test_reads_take_one_ranged_get_per_part_and_no_head(
         endpoint(proxy.endpoint)
         data, sha256 = storage.read_bytes_and_sha256(urls["big.bin"])
         assert data == big and sha256 == hashlib.sha256(big).hexdigest()
-        big_key = f"/{TEST_BUCKET}/r/big.bin"
-        assert sorted(proxy.received) == [
-            ("GET", big_key, r) for r in sorted(_part_ranges(len(big)))
-        ]
-        assert proxy.received[0] == ("GET", big_key, _part_ranges(len(big))[0])  # size from it
+        assert proxy.received == [("GET", f"/{TEST_BUCKET}/r/big.bin", None)]
 
         proxy.received.clear()
         assert storage.read_bytes(urls["one.bin"]) == b"one part"
-        assert proxy.received == [("GET", f"/{TEST_BUCKET}/r/one.bin", FIRST_PART)]
-
-        proxy.received.clear()
-        assert storage.read_bytes(urls["empty"]) == b""  # no byte 0 to range: a plain GET follows
-        assert [(m, r) for m, _path, r in proxy.received] == [
-            ("GET", FIRST_PART),
-            ("GET", None),
+        assert storage.read_bytes(urls["empty"]) == b""
+        assert proxy.received == [
+            ("GET", f"/{TEST_BUCKET}/r/one.bin", None),
+            ("GET", f"/{TEST_BUCKET}/r/empty", None),
         ]
 
         missing = storage.join(s3_bucket, "r", "missing.bin")
@@ -116,7 +105,7 @@ def test_reads_take_one_ranged_get_per_part_and_no_head(
 def test_a_body_cut_short_mid_stream_is_asked_for_again(
     s3_bucket: str, moto_s3: MotoS3, endpoint: Callable[[str], None]
 ) -> None:
-    data = os.urandom(storage.S3_PART_SIZE + 5000)  # two parts
+    data = os.urandom(6 * MIB)
     url = storage.join(s3_bucket, "cut.bin")
     storage.write_bytes(url, data)
     with FaultyProxy(moto_s3.port, rate=0.0, cut_bodies=2) as proxy:
@@ -124,18 +113,14 @@ def test_a_body_cut_short_mid_stream_is_asked_for_again(
         read, sha256 = storage.read_bytes_and_sha256(url)
     assert read == data and sha256 == hashlib.sha256(data).hexdigest()
     assert proxy.cut_bodies < 0, "the proxy cut no body"
-    # Two bodies cut: each part that lost its body was asked for again, the rest once.
-    assert len(proxy.received) == 4
-    assert {r for _m, _p, r in proxy.received} == {
-        FIRST_PART,
-        f"bytes={storage.S3_PART_SIZE}-{len(data) - 1}",
-    }
+    # Two bodies cut: the object was asked for again after each.
+    assert proxy.received == [("GET", f"/{TEST_BUCKET}/cut.bin", None)] * 3
 
 
 def test_a_checkpoint_reads_its_manifest_once_then_its_files_together(
     s3_bucket: str, moto_s3: MotoS3, endpoint: Callable[[str], None]
 ) -> None:
-    state = os.urandom(2 * storage.S3_PART_SIZE + 7)
+    state = os.urandom(6 * MIB + 7)
     url = storage.join(s3_bucket, "run")
     writer = CheckpointStore(url, key=b"k")
     writer.save(1, {STATE_FILE: state, METRICS_FILE: b'{"loss": 1}'})
@@ -144,17 +129,17 @@ def test_a_checkpoint_reads_its_manifest_once_then_its_files_together(
         reader = CheckpointStore(url, key=b"k")
         assert reader.load(1).files == {STATE_FILE: state, METRICS_FILE: b'{"loss": 1}'}
         epoch = f"/{TEST_BUCKET}/run/epoch-000001"
-        assert proxy.received[0] == ("GET", f"{epoch}/{MANIFEST}", FIRST_PART)
-        assert sorted(proxy.received[1:]) == sorted(
-            [("GET", f"{epoch}/{STATE_FILE}", r) for r in _part_ranges(len(state))]
-            + [("GET", f"{epoch}/{METRICS_FILE}", FIRST_PART)]
-        )
+        assert proxy.received[0] == ("GET", f"{epoch}/{MANIFEST}", None)
+        assert sorted(proxy.received[1:]) == [
+            ("GET", f"{epoch}/{STATE_FILE}", None),
+            ("GET", f"{epoch}/{METRICS_FILE}", None),
+        ]
         # The manifest is known now: it is read again beside the file, not before it.
         proxy.received.clear()
         assert reader.read_verified(1, METRICS_FILE) == b'{"loss": 1}'
         assert sorted(proxy.received) == [
-            ("GET", f"{epoch}/{MANIFEST}", FIRST_PART),
-            ("GET", f"{epoch}/{METRICS_FILE}", FIRST_PART),
+            ("GET", f"{epoch}/{MANIFEST}", None),
+            ("GET", f"{epoch}/{METRICS_FILE}", None),
         ]
 
         # Another writer replaced the checkpoint: the stale copy fails, the manifest is read again.
