@@ -16,7 +16,15 @@ arm runs one server process or replica and answers one digit per request; the lo
   calls: ``batch_inline_below_s=0``), as before the inline calls;
 * ``ours+batching, no access log``: the same, with Ray Serve's per-request access log off;
 * ``ours+batching, replica port``: the defaults' replica asked on its own HTTP port (Ray's direct
-  ingress), past HAProxy: what the HAProxy hop costs.
+  ingress), past HAProxy: what the HAProxy hop costs;
+* ``ours /invocations`` and ``ours OIP infer``: the defaults' deployment asked the same row in
+  MLflow's scoring protocol (the body ``mlflow-serve`` gets) and in the Open Inference Protocol
+  v2 (``POST /v2/models/<name>/infer``), taking turns with ``ours+batching``'s ``/predict`` at
+  each concurrency (three turns each): what each protocol's translation costs, and
+  ``/invocations`` against ``mlflow models serve`` itself.
+
+``--protocols`` runs only the arms the protocols are compared with (``mlflow-serve``,
+``ours+batching`` and the two protocol arms).
 
 Throughput (requests/s), p50 and p99 latency (wrk's own percentiles), and errors (non-2xx and
 socket errors) per arm and concurrency 1, 8, 32. Needs ``wrk`` (``apt-get install -y wrk``).
@@ -57,6 +65,7 @@ OUR_ARMS: dict[str, dict[str, Any]] = {
     "ours+batching": {"batching": True},
 }
 MODEL_NAME = "digits-classifier"
+PROTOCOL_ARMS = ("ours /invocations", "ours OIP infer")
 WRK_TIMEOUT = "10s"
 
 
@@ -165,15 +174,54 @@ def load_curve(
     _wait_ready(url, body, check_alive)
     curve = {}
     for connections in CONCURRENCY:
-        _wrk(url, body, connections, 2)
-        before = batch_counts() if batch_counts else None
-        curve[connections] = _wrk(url, body, connections, seconds)
-        if batch_counts and before:
-            after = batch_counts()
-            calls = max(after["batches"] - before["batches"], 1)
-            curve[connections]["mean_batch"] = (after["requests"] - before["requests"]) / calls
+        curve[connections] = _point(url, body, connections, seconds, batch_counts)
         print(f"  c={connections}: {curve[connections]}", flush=True)
     return curve
+
+
+def _point(
+    url: str,
+    body: dict[str, Any],
+    connections: int,
+    seconds: float,
+    batch_counts: Callable[[], dict[str, int]] | None,
+) -> dict[str, float]:
+    """One wrk run after a 2 s warm-up; with ``batch_counts``, its mean batch size too."""
+    _wrk(url, body, connections, 2)
+    before = batch_counts() if batch_counts else None
+    point = _wrk(url, body, connections, seconds)
+    if batch_counts and before:
+        after = batch_counts()
+        calls = max(after["batches"] - before["batches"], 1)
+        point["mean_batch"] = (after["requests"] - before["requests"]) / calls
+    return point
+
+
+def interleaved_curves(
+    requests: dict[str, tuple[str, dict[str, Any]]],
+    seconds: float,
+    batch_counts: Callable[[], dict[str, int]],
+    rounds: int = 3,
+) -> dict[str, dict[int, dict[str, float]]]:
+    """The arms of one server side by side: at each concurrency they take turns, ``rounds``
+    times ``seconds // rounds`` each, each round starting with the next arm, so that a change of
+    the machine's load meets all of them; a point is the mean of an arm's turns (errors: their
+    sum)."""
+    for url, body in requests.values():
+        _wait_ready(url, body, lambda: None)
+    curves: dict[str, dict[int, dict[str, float]]] = {arm: {} for arm in requests}
+    turn_s = max(1, int(seconds // rounds))  # wrk takes whole seconds
+    for connections in CONCURRENCY:
+        turns: dict[str, list[dict[str, float]]] = {arm: [] for arm in requests}
+        order = list(requests.items())
+        for turn in range(rounds):  # each round starts with another arm
+            for arm, (url, body) in order[turn % len(order) :] + order[: turn % len(order)]:
+                turns[arm].append(_point(url, body, connections, turn_s, batch_counts))
+        for arm, points in turns.items():
+            mean = {key: float(np.mean([p[key] for p in points])) for key in points[0]}
+            curves[arm][connections] = {**mean, "errors": sum(p["errors"] for p in points)}
+            print(f"  {arm}, c={connections}: {curves[arm][connections]}", flush=True)
+    return curves
 
 
 @contextmanager
@@ -222,7 +270,7 @@ def _replica_port(timeout: float = 60) -> int:
     raise RuntimeError(f"not exactly one replica port after {timeout:.0f}s: {sorted(ports)}")
 
 
-def measure(seconds: float) -> dict[str, Any]:
+def measure(seconds: float, protocols_only: bool = False) -> dict[str, Any]:
     from prefect_ml.flows.serve import serve_model
     from prefect_ml.flows.train import train_model
     from prefect_ml.integrations.ray_cluster import ray_session
@@ -246,12 +294,13 @@ def measure(seconds: float) -> dict[str, Any]:
     arms: dict[str, dict[int, dict[str, float]]] = {}
 
     port = _free_port()
-    print("bare-fastapi", flush=True)
-    bare = [sys.executable, __file__, "--bare-server", str(port), model_uri]
-    with running(bare, env) as alive:
-        arms["bare-fastapi"] = load_curve(
-            f"http://127.0.0.1:{port}/predict", flat_body, seconds, alive
-        )
+    if not protocols_only:
+        print("bare-fastapi", flush=True)
+        bare = [sys.executable, __file__, "--bare-server", str(port), model_uri]
+        with running(bare, env) as alive:
+            arms["bare-fastapi"] = load_curve(
+                f"http://127.0.0.1:{port}/predict", flat_body, seconds, alive
+            )
 
     port = _free_port()
     print("mlflow-serve", flush=True)
@@ -269,18 +318,31 @@ def measure(seconds: float) -> dict[str, Any]:
         counts: dict[str, int] = httpx.get(f"http://127.0.0.1:{port}/metadata").json()["batching"]
         return counts
 
+    base = f"http://127.0.0.1:{port}"
+    oip_body = {
+        "inputs": [{"name": "input", "shape": [1, len(row)], "datatype": "FP32", "data": row}]
+    }
+    protocol_requests = {
+        "ours /invocations": (f"{base}/invocations", mlflow_body),
+        "ours OIP infer": (f"{base}/v2/models/{MODEL_NAME}/infer", oip_body),
+    }
+    ours = {"ours+batching": OUR_ARMS["ours+batching"]} if protocols_only else OUR_ARMS
     with ray_session(settings):
-        for arm, options in OUR_ARMS.items():
+        for arm, options in ours.items():
             print(arm, flush=True)
             serving = {"port": port, "replica_cpus": 1.0, **options}
             serve_model(ServeModelParams(model_version=version, serving=serving))
             counts = batch_counts if options["batching"] else None
-            url = f"http://127.0.0.1:{port}/predict"
-            arms[arm] = load_curve(url, flat_body, seconds, batch_counts=counts)
-        arm = "ours+batching, replica port"  # the replica deployed last: the defaults
-        print(arm, flush=True)
-        replica = f"http://127.0.0.1:{_replica_port()}/predict"
-        arms[arm] = load_curve(replica, flat_body, seconds, batch_counts=batch_counts)
+            if arm != "ours+batching":
+                arms[arm] = load_curve(f"{base}/predict", flat_body, seconds, batch_counts=counts)
+        # The defaults, deployed last: /predict and the protocols take turns on that replica.
+        side_by_side = {"ours+batching": (f"{base}/predict", flat_body), **protocol_requests}
+        arms.update(interleaved_curves(side_by_side, seconds, batch_counts))
+        if not protocols_only:
+            arm = "ours+batching, replica port"
+            print(arm, flush=True)
+            replica = f"http://127.0.0.1:{_replica_port()}/predict"
+            arms[arm] = load_curve(replica, flat_body, seconds, batch_counts=batch_counts)
     return {"model_uri": model_uri, "arms": arms}
 
 
@@ -313,7 +375,21 @@ def markdown(report: dict[str, Any]) -> str:
             "p99_ms",
         ),
     }
+    for protocol in PROTOCOL_ARMS:
+        ratios[f"{protocol} / ours+batching /predict, throughput"] = (
+            protocol,
+            "ours+batching",
+            "rps",
+        )
+    ratios["ours /invocations / mlflow-serve, throughput"] = (
+        PROTOCOL_ARMS[0],
+        "mlflow-serve",
+        "rps",
+    )
+    ratios["ours /invocations / mlflow-serve, p99"] = (PROTOCOL_ARMS[0], "mlflow-serve", "p99_ms")
     for label, (mine, peer, key) in ratios.items():
+        if mine not in arms or peer not in arms:  # a --protocols run
+            continue
         cells = [f"{arms[mine][c][key] / arms[peer][c][key]:.2f}x" for c in arms[mine]]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "| requests per model call | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
@@ -327,6 +403,9 @@ def markdown(report: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 s per point instead of 10 s")
+    parser.add_argument(
+        "--protocols", action="store_true", help="only mlflow-serve, ours+batching and protocols"
+    )
     parser.add_argument("--bare-server", nargs=2, metavar=("PORT", "MODEL_URI"), help="internal")
     parser.add_argument("--output", type=Path, help="JSON results [results/serving.json]")
     args = parser.parse_args()
@@ -334,9 +413,14 @@ def main() -> None:
         bare_server(int(args.bare_server[0]), args.bare_server[1])
         return
     with embedded_home():
-        report = measure(3 if args.quick else 10)
+        report = measure(3 if args.quick else 10, args.protocols)
     report["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}"
-    save_report(report, args.output or results_path("serving", args.quick), markdown(report))
+    save_report(
+        report,
+        args.output
+        or results_path("serving.protocols" if args.protocols else "serving", args.quick),
+        markdown(report),
+    )
 
 
 if __name__ == "__main__":
