@@ -29,6 +29,7 @@ from prefect_ml.integrations.config import (
     SweepParams,
     TrainingParams,
 )
+from prefect_ml.integrations.config.registry import DEFAULT_MODEL_NAME, RegisteredModelName
 from prefect_ml.integrations.config.sweep import default_search_space, section_of
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.resources import RequestFields
@@ -155,12 +156,7 @@ class CampaignParams(TrainingSections):
 class ServeModelParams(Section):
     """Parameters of ``serve_model``: which registered version, and how to serve it."""
 
-    model_name: str = Field(
-        "digits-classifier",
-        min_length=1,
-        title="Registered model name",
-        description="Name of the model in the MLflow registry.",
-    )
+    model_name: RegisteredModelName = DEFAULT_MODEL_NAME
     alias: str = Field(
         "champion", min_length=1, title="Alias", description="Serve the version holding this alias."
     )

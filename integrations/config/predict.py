@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from prefect_ml.integrations import storage
 from prefect_ml.integrations.config._base import Section
+from prefect_ml.integrations.config.registry import DEFAULT_MODEL_NAME, RegisteredModelName
 from prefect_ml.integrations.errors import ConfigurationError
 
 
@@ -15,12 +16,7 @@ class PredictParams(Section):
     """Parameters of ``batch_predict``: which registered version scores which files, where the
     predictions go, and how the scoring actors run."""
 
-    model_name: str = Field(
-        "digits-classifier",
-        min_length=1,
-        title="Registered model name",
-        description="Name of the model in the MLflow registry.",
-    )
+    model_name: RegisteredModelName = DEFAULT_MODEL_NAME
     alias: str = Field(
         "champion",
         min_length=1,

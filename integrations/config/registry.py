@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
 from prefect_ml.integrations import problems
 from prefect_ml.integrations.config._base import Section
 
+# The registered model's name, as every section that names one declares it (registry, serving,
+# batch scoring).
+DEFAULT_MODEL_NAME = "digits-classifier"
+RegisteredModelName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        title="Registered model name",
+        description="Name of the model in the MLflow registry.",
+    ),
+]
+
 
 class RegistryParams(Section):
     """Where the model is registered and when it is promoted."""
 
-    model_name: str = Field(
-        "digits-classifier",
-        min_length=1,
-        title="Registered model name",
-        description="Name of the model in the MLflow registry.",
-    )
+    model_name: RegisteredModelName = DEFAULT_MODEL_NAME
     metric: Literal["accuracy", "macro_f1", "loss", "rmse", "mae", "r2"] | None = Field(
         None,
         title="Promotion metric",
