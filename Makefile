@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # `make bench BENCH_ARGS=--quick`: every benchmark's smoke run (results/*.quick.json, not committed)
 BENCH_ARGS ?=
 
-.PHONY: install run test test-all lock bench chaos lint clean postgresql chromium
+.PHONY: install run test test-all lock bench chaos lint clean postgresql chromium docs docs-serve
 
 # A changed lock (or pyproject.toml) gets a new virtualenv, never an upgrade in place: what a
 # fresh clone installs is what CI tested, and a missing install step fails here first.
@@ -88,6 +88,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy prefect_ml
 	$(VENV)/bin/lint-imports --no-cache
+
+# The documentation site (mkdocs.yml, docs/), built strictly: a broken link or anchor, a missing
+# reference or a public symbol without a docstring fails. The tests run the same build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs build --strict
+
+# The site at http://127.0.0.1:8001 (8000 is prefect-ml serve's), rebuilt as pages, code and
+# included files change.
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs serve --dev-addr 127.0.0.1:8001 \
+		--watch flows --watch tasks --watch integrations --watch benchmarks/results
 
 clean:
 	rm -rf .prefect-ml

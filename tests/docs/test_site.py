@@ -1,0 +1,122 @@
+"""The documentation site is built and checked with the code: `make docs`'s strict build, what
+the generated reference lists, and the hooks that keep one copy of every text (docs/hooks/)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from prefect_ml.flows.cli import app
+from prefect_ml.integrations.settings import PrefectMLSettings
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HOOKS = REPO_ROOT / "docs" / "hooks"
+
+
+def hook(name: str) -> ModuleType:
+    """A docs hook module, loaded by path as mkdocs loads it."""
+    spec = importlib.util.spec_from_file_location(f"docs_hook_{name}", HOOKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built as `make docs` builds it (strict: any warning fails)."""
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    return out
+
+
+def page(site: Path, path: str) -> str:
+    return (site / path / "index.html").read_text()
+
+
+def test_the_site_builds_strictly_and_lists_every_command(site: Path) -> None:
+    cli = page(site, "reference/cli")
+    for name in app.commands:
+        assert f"prefect-ml {name}" in cli
+
+
+def test_the_settings_page_lists_every_setting(site: Path) -> None:
+    settings = page(site, "reference/settings")
+    for name in PrefectMLSettings.model_fields:
+        assert f"PREFECT_ML_{name.upper()}" in settings
+
+
+def test_the_api_page_documents_every_public_name(site: Path) -> None:
+    import prefect_ml
+
+    api = page(site, "reference/api")
+    for name in prefect_ml._EXPORTS:
+        assert f'id="prefect_ml.{prefect_ml._EXPORTS[name].split(".", 1)[1]}.{name}"' in api
+
+
+def test_the_benchmark_figures_are_drawn_from_the_results(site: Path) -> None:
+    figure = (site / "explanation" / "figures" / "serving.svg").read_text()
+    assert figure.startswith("<?xml") and "requests / s" in figure
+
+
+def test_a_public_symbol_without_a_docstring_is_found(tmp_path: Path) -> None:
+    import griffe
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text('"""A package."""\n')
+    (package / "mod.py").write_text(
+        '"""A module."""\n\n'
+        "def documented():\n"
+        '    """Says what."""\n\n'
+        "def bare():\n"
+        "    pass\n\n"
+        "class Thing:\n"
+        '    """A thing."""\n\n'
+        "    def method(self):\n"
+        "        pass\n\n"
+        "    def _private(self):\n"
+        "        pass\n"
+    )
+    loaded = griffe.load("pkg", search_paths=[str(tmp_path)])
+    paths = ["pkg.mod.documented", "pkg.mod.bare", "pkg.mod.Thing"]
+    assert hook("reference").missing_docstrings(loaded, paths) == [
+        "pkg.mod.bare",
+        "pkg.mod.Thing.method",
+    ]
+
+
+def test_links_are_made_to_work_on_the_site(caplog: pytest.LogCaptureFixture) -> None:
+    pages = hook("repo_pages")
+    included_by = {"BENCHMARKS.md": "docs/explanation/benchmarks.md"}
+    text = (
+        "[S3](docs/how-to/s3.md#credentials) [numbers](BENCHMARKS.md#serving) "
+        "[the Makefile](Makefile) [`Makefile`](Makefile) [web](https://example.com) "
+        "[gone](nowhere.md)\n```\n[in code](Makefile)\n```\n"
+    )
+    with caplog.at_level(logging.WARNING):
+        rewritten = pages.rewrite_links(
+            text, "SCALING.md", "docs/explanation/scaling.md", included_by
+        )
+    assert rewritten == (
+        "[S3](../how-to/s3.md#credentials) [numbers](benchmarks.md#serving) "
+        "the Makefile (`Makefile`) `Makefile` [web](https://example.com) "
+        "[gone](nowhere.md)\n```\n[in code](Makefile)\n```\n"
+    )
+    assert "nowhere.md, which is not in the repository" in caplog.text
