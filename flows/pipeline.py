@@ -36,9 +36,9 @@ def ml_pipeline(params: PipelineParams = PipelineParams()) -> PipelineOutcome:  
             result = hpo_campaign(params.campaign())
             best = result.best[0]  # with several objectives: the Pareto trial best on the first
             get_run_logger().info(
-                "Training the final model with trial %d's values: %s", best.number, best.params
+                "Training the final model with trial %d's values: %s", best.number, best.tuned
             )
-            params = with_trial_values(params, best.params)
+            params = with_trial_values(params, best.tuned)
         outcome = training_chain(params)
         served = None
         if params.serving is not None:

@@ -1,11 +1,12 @@
 """Which user code a parameter may name: registered plug-ins and allowed modules, nothing else.
 
 Flow parameters arrive from the CLI, but also from the Prefect UI form and API, so a
-``module:function`` parameter is untrusted input: importing and calling it runs code. A dataset
-or model may come from
+``module:function`` parameter is untrusted input: importing and calling it runs code. A dataset,
+a model or a campaign's search space may come from
 
-* a plug-in: an entry point in the group ``prefect_ml.datasets`` or ``prefect_ml.models`` of an
-  installed package, named by its entry-point name (``dataset="wine"``) or by its value;
+* a plug-in: an entry point in the group ``prefect_ml.datasets``, ``prefect_ml.models`` or
+  ``prefect_ml.search_spaces`` of an installed package, named by its entry-point name
+  (``dataset="wine"``) or by its value;
 * a module under one of the prefixes of ``PREFECT_ML_ALLOWED_MODULES`` (``my_project``), and
   defined there: a function the module merely imports (``my_project.data:system``) is refused.
 
@@ -25,6 +26,7 @@ from prefect_ml.integrations.settings import get_settings
 
 DATASET_GROUP = "prefect_ml.datasets"
 MODEL_GROUP = "prefect_ml.models"
+SEARCH_SPACE_GROUP = "prefect_ml.search_spaces"
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _ATTRIBUTE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$|^_[A-Za-z0-9][A-Za-z0-9_]*$")
 

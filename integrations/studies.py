@@ -12,6 +12,7 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,9 @@ OBJECTIVES_ATTR = "prefect_ml.objectives"
 INTERRUPTED_ATTR = "prefect_ml.interrupted"  # failed because its coordinator died; retried
 ROOT_ATTR = "prefect_ml.root_trial"  # the first attempt of a retried trial: its checkpoints
 ERROR_ATTR = "prefect_ml.error"
+TUNED_ATTR = (
+    "prefect_ml.tuned"  # what the trial's search space set: {"lr": ..., "model_options.x": ...}
+)
 ATTEMPT_ATTR = "prefect_ml.attempt"  # 1 for a first attempt; retries count up
 MAX_ATTEMPTS = 3
 NOT_STARTED_ATTR = "prefect_ml.not_started"  # asked ahead, never run: the campaign ended first
@@ -86,16 +90,42 @@ def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def make_sampler(
-    name: str, seed: int | None, grid: dict[str, list[Any]] | None = None
+    name: str,
+    seed: int | None,
+    grid: dict[str, list[Any]] | None = None,
+    *,
+    conditional: bool = False,
 ) -> optuna.samplers.BaseSampler:
-
+    """The sampler ``name``; for a ``conditional`` space (trials draw different dimensions),
+    TPE models the dimensions drawn together jointly (``multivariate``, ``group``) instead of
+    each one alone."""
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "cmaes":
         return optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False)
     if name == "grid":
         return ask_tell_grid_sampler()(grid or {}, seed=seed)
+    if conditional:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.TPESampler(
+                seed=seed, multivariate=True, group=True, warn_independent_sampling=False
+            )
     return optuna.samplers.TPESampler(seed=seed)
+
+
+def draw_once(space: Callable[[optuna.Trial], Any]) -> tuple[Any, dict[str, Any]]:
+    """What ``space`` returns for one trial of a throw-away in-memory study, and the
+    distributions it drew: how a campaign checks a space before any trial trains.
+
+    Raises:
+        whatever ``space`` raises.
+    """
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    trial = study.ask()
+    returned = space(trial)
+    return returned, dict(trial.distributions)
 
 
 @cache

@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from prefect_ml.integrations import problems, tracking
+from prefect_ml.integrations import problems, search_spaces, tracking
+from prefect_ml.integrations.catalog import BUILTIN_MODELS, resolve_model
 from prefect_ml.integrations.config import (
     DataParams,
     ModelParams,
@@ -30,7 +31,7 @@ from prefect_ml.integrations.config import (
     TrainingParams,
 )
 from prefect_ml.integrations.config.registry import DEFAULT_MODEL_NAME, RegisteredModelName
-from prefect_ml.integrations.config.sweep import default_search_space, section_of
+from prefect_ml.integrations.config.sweep import default_search_space, space_text
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.resources import RequestFields
 
@@ -102,9 +103,12 @@ class TrainingSections(Section):
         registry: RegistryParams | None = getattr(self, "registry", None)
         if registry is not None and registry.metric is not None:
             named.append(("registry.metric", registry.metric))
+        # A model of one's own may log any epoch metric (self.log): the first epoch checks it.
+        own_model = self.model.model not in BUILTIN_MODELS
         for field, metric in named:
             known = problem.test_metrics if field == "registry.metric" else problem.epoch_metrics
-            if metric != "none" and metric not in known:
+            logged = own_model and field != "registry.metric"
+            if metric != "none" and metric not in known and not logged:
                 raise ValueError(
                     f"{field}: {problem.name} produces no {metric!r}; use one of {list(known)} "
                     "(or set --task)"
@@ -115,12 +119,52 @@ class TrainingSections(Section):
                 headline = {problem.headline: problem.epoch_metrics[problem.headline]}
                 sweep.objectives = headline  # type: ignore[assignment]
             unknown = [name for name in sweep.objectives if name not in problem.epoch_metrics]
-            if unknown:
+            if unknown and not own_model:
                 raise ValueError(
                     f"sweep.objectives: {problem.name} produces no {unknown}; choose from "
                     f"{list(problem.epoch_metrics)}"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _check_search_space(self) -> TrainingSections:
+        """A sweep's user model options are ones its factory accepts; a define-by-run space is
+        asked for one trial (in memory) and what it sets is checked as a trial's values."""
+        sweep: SweepParams | None = getattr(self, "sweep", None)
+        if sweep is None:
+            return self
+        space = sweep.search_space
+        if isinstance(space, dict):
+            options = [n.partition(".")[2] for n in space if n.startswith("model_options.")]
+            if options:
+                try:
+                    resolve_model(self.model.model, [*self.model.model_options, *options])
+                except ConfigurationError as exc:
+                    raise ValueError(f"sweep.search_space: {exc.message}") from None
+            return self
+        source = space_text(space)
+
+        def check(values: dict[str, Any]) -> None:
+            try:
+                with_trial_values(self.training_sections(), values)
+            except ValidationError as exc:
+                error = exc.errors()[0]
+                where = ".".join(str(part) for part in error["loc"][1:2])
+                message = error["msg"].removeprefix("Value error, ")
+                what = f"{where} = {values[where]!r}" if where in values else f"{values}"
+                raise ConfigurationError(
+                    "sweep.search_space", f"{source} sets {what}, refused: {message}"
+                ) from None
+
+        search_spaces.first_draw(space, check)
+        return self
+
+    def training_sections(self) -> TrainingSections:
+        """The experiment, data, model and training sections alone (no sweep to check)."""
+        if type(self) is TrainingSections:
+            return self
+        names = set(TrainingSections.model_fields)
+        return TrainingSections.model_validate(self.model_dump(include=names))
 
     def run_key(self, fingerprint: str) -> str:
         """Identity of a training run: the same command on the same data resumes the same run."""
@@ -229,15 +273,9 @@ Tunable = TypeVar("Tunable", bound=TrainingSections)
 
 
 def with_trial_values(params: Tunable, values: dict[str, Any]) -> Tunable:
-    """``params`` with tuned values put into their model and training sections (validated)."""
-    updates: dict[str, dict[str, Any]] = {}
-    for name, value in values.items():
-        section = section_of(name)
-        assert section is not None  # the search space was checked against the sections
-        updates.setdefault(section, {})[name] = value
-    merged = params.model_dump()
-    for section, changes in updates.items():
-        merged[section].update(changes)
+    """``params`` with a trial's tuned values put into their sections (validated): fields
+    (``lr``) and the user model's options (``model_options.blocks``)."""
+    merged = search_spaces.with_values(params.model_dump(), values)
     return type(params).model_validate(merged)
 
 

@@ -1,17 +1,31 @@
 """The sweep section: what a campaign searches, how it chooses, its budget and its width.
 
-The search space names model and training fields; those a campaign may tune are the ones that
-carry no :class:`~prefect_ml.integrations.config.Role` (operational, early stopping, not
-searchable).
+The search space is declared (a dict of dimensions, each optionally active only when another
+drew given values) or defined by run: a function ``space(trial) -> dict`` named by its import
+path or plug-in name (:mod:`integrations.search_spaces`). Either sets model and training fields
+that carry no :class:`~prefect_ml.integrations.config.Role` (operational, early stopping, not
+searchable), and the user model's own options as ``model_options.<key>``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import difflib
+import json
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import (
+    Field,
+    TypeAdapter,
+    ValidationError,
+    WrapValidator,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import SkipJsonSchema
 
-from prefect_ml.integrations import problems
+from prefect_ml.integrations import plugins, problems
 from prefect_ml.integrations.config._base import Section, searchable
 from prefect_ml.integrations.config.model import ModelParams
 from prefect_ml.integrations.config.resources import (
@@ -48,6 +62,19 @@ class SearchDimension(Section):
     choices: list[str | int | float | bool] | None = Field(
         None, title="Choices", description="Values of a 'categorical' dimension."
     )
+    when: dict[str, list[str | int | float | bool]] | None = Field(
+        None,
+        title="Only when",
+        description="Drawn only when each named categorical dimension drew one of these "
+        'values, e.g. {"optimizer": ["sgd"]}; absent from the other trials.',
+    )
+
+    @field_validator("when", mode="before")
+    @classmethod
+    def _one_value_or_several(cls, when: Any) -> Any:
+        if isinstance(when, dict):
+            return {k: v if isinstance(v, list) else [v] for k, v in when.items()}
+        return when
 
     @model_validator(mode="after")
     def _check_dimension(self) -> SearchDimension:
@@ -104,6 +131,23 @@ class SearchDimension(Section):
         return [self.low + i * self.step for i in range(size)]
 
 
+# A define-by-run space given as the function itself (Python API only: not in the UI form).
+SearchSpaceFunction = Callable[..., Any]
+_DECLARED = TypeAdapter(dict[str, SearchDimension])
+
+
+def _one_form(value: Any, handler: Any) -> Any:
+    """A dict is validated as dimensions (errors located at their names, not at each form of
+    the union); a name or a function is kept as it is, checked by the section."""
+    if isinstance(value, dict):
+        return _DECLARED.validate_python(value)
+    if isinstance(value, str) or callable(value):
+        return value
+    raise ValueError(
+        "a search space is a dict of dimensions, 'package.module:function' or a plug-in's name"
+    )
+
+
 def default_search_space() -> dict[str, SearchDimension]:
     return {
         "lr": SearchDimension(type="float", low=1e-4, high=1e-1, log=True),
@@ -124,11 +168,16 @@ class SweepParams(Section):
         title="Campaign name",
         description="Names the Optuna study; running the same name again continues it.",
     )
-    search_space: dict[str, SearchDimension] = Field(
+    search_space: Annotated[
+        dict[str, SearchDimension] | str | SkipJsonSchema[SearchSpaceFunction],
+        WrapValidator(_one_form),
+    ] = Field(
         default_factory=default_search_space,
         title="Search space",
         description='Tuned parameters, e.g. {"lr": {"type": "float", "low": 1e-4, "high": 0.1, '
-        '"log": true}}; names are model or training parameters.',
+        '"log": true}}; names are model or training parameters, or model_options.<key> for '
+        "the model's own options. Or a define-by-run space: 'package.module:function' (or a "
+        "'prefect_ml.search_spaces' plug-in) called as function(trial) -> dict.",
     )
     objectives: dict[str, Literal["maximize", "minimize"]] = Field(
         default_factory=lambda: {"val_accuracy": "maximize"},  # type: ignore[arg-type,return-value]
@@ -198,21 +247,29 @@ class SweepParams(Section):
             raise ValueError("pruning needs a single objective; set --pruner none")
         if self.trial_accelerator_type and not self.trial_gpus:
             raise ValueError("trial_accelerator_type places GPU trials: set --trial-gpus as well")
-        trials = 1
-        for name, dimension in self.search_space.items():
-            _check_searchable(name, dimension)
+        if isinstance(self.search_space, dict):
+            _check_declared(self.search_space, grid=self.sampler == "grid")
+        else:
+            _check_function(self.search_space)
             if self.sampler == "grid":
-                try:
-                    trials *= len(dimension.grid())
-                except ValueError as exc:
-                    raise ValueError(f"search_space.{name}: {exc}") from exc
-        if trials > MAX_GRID_TRIALS:
-            sizes = {name: d.grid_size() for name, d in self.search_space.items()}
-            raise ValueError(
-                f"search_space: the grid has {trials:,} combinations {sizes}, more than "
-                f"{MAX_GRID_TRIALS:,}; coarsen the largest dimension"
-            )
+                raise ValueError(
+                    "search_space: grid search enumerates every dimension's values before the "
+                    "first trial, and a define-by-run space only shows its dimensions as it "
+                    "runs; use --sampler tpe (or random, cmaes), or declare the space as a dict "
+                    "with steps"
+                )
         return self
+
+    @field_serializer("search_space", when_used="json")
+    def _space_as_text(self, space: Any) -> Any:
+        return space_text(space) if callable(space) else space
+
+    @property
+    def conditional(self) -> bool:
+        """Whether trials may draw different dimensions: a define-by-run space, or a declared
+        one with conditions."""
+        space = self.search_space
+        return not isinstance(space, dict) or any(d.when for d in space.values())
 
     @property
     def effective_pruner(self) -> str:
@@ -238,12 +295,49 @@ def section_of(name: str) -> str | None:
     return next((s for s, m in SEARCHABLE_SECTIONS.items() if name in m.model_fields), None)
 
 
-def _check_searchable(name: str, dimension: SearchDimension) -> None:
-    """``name`` is a tunable model or training field and every candidate value is valid for it."""
+# A user's own options, set by name under these prefixes: ``model_options.blocks``.
+OPTION_PREFIXES = ("model_options.",)
+UNTUNABLE_OPTIONS = "dataset_options."
+
+
+def tunable_names() -> list[str]:
+    """The names a search space may set, with the form of a user model's options."""
+    fields = sorted(n for m in SEARCHABLE_SECTIONS.values() for n in searchable(m))
+    return [*fields, *(f"{prefix}<key>" for prefix in OPTION_PREFIXES)]
+
+
+def check_tunable(name: str) -> None:
+    """``name`` is a tunable model or training field, or a user model's option.
+
+    Raises:
+        ValueError: naming the close matches and every tunable name.
+    """
+    if name.startswith(OPTION_PREFIXES) and name.partition(".")[2]:
+        return
+    if name.startswith(UNTUNABLE_OPTIONS):
+        raise ValueError(
+            f"'{name}' cannot be tuned: a campaign prepares its data once, before its trials, "
+            "so every trial trains on the same dataset; run one campaign per dataset option"
+        )
     section = section_of(name)
-    if section is None or name not in searchable(SEARCHABLE_SECTIONS[section]):
-        tunable = sorted(n for m in SEARCHABLE_SECTIONS.values() for n in searchable(m))
-        raise ValueError(f"search_space: '{name}' is not a tunable parameter; use one of {tunable}")
+    if section is not None and name in searchable(SEARCHABLE_SECTIONS[section]):
+        return
+    tunable = tunable_names()
+    close = difflib.get_close_matches(name, [n.removesuffix("<key>") for n in tunable], n=3)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    raise ValueError(f"'{name}' is not a tunable parameter; {hint}use one of {tunable}")
+
+
+def _check_searchable(name: str, dimension: SearchDimension) -> None:
+    """``name`` is tunable and every candidate value is valid for it (a user model's options
+    are checked against its factory with the model section)."""
+    try:
+        check_tunable(name)
+    except ValueError as exc:
+        raise ValueError(f"search_space: {exc}") from None
+    section = section_of(name)
+    if section is None:
+        return
     model = SEARCHABLE_SECTIONS[section]
     for value in dimension.candidate_values():
         try:
@@ -253,3 +347,87 @@ def _check_searchable(name: str, dimension: SearchDimension) -> None:
             raise ValueError(
                 f"search_space.{name}: {value!r} is not a valid {name}: {problem}"
             ) from None
+
+
+def _check_declared(space: dict[str, SearchDimension], *, grid: bool) -> None:
+    """Every dimension tunable, every condition on a categorical dimension's choices, no cycle;
+    for grid search, an unconditional grid of bounded size."""
+    for name, dimension in space.items():
+        _check_searchable(name, dimension)
+        for parent, values in (dimension.when or {}).items():
+            where = f"search_space.{name}.when"
+            if parent not in space:
+                raise ValueError(f"{where}: '{parent}' is not a dimension of the space")
+            choices = space[parent].choices
+            if space[parent].type != "categorical" or choices is None:
+                raise ValueError(
+                    f"{where}: '{parent}' is a range; a condition names a categorical dimension"
+                )
+            unknown = [v for v in values if v not in choices]
+            if unknown:
+                raise ValueError(
+                    f"{where}: '{parent}' has no choice {unknown}; its choices are {choices}"
+                )
+    drawing_order(space)
+    if not grid:
+        return
+    if any(d.when for d in space.values()):
+        raise ValueError(
+            "search_space: grid search needs the same dimensions in every trial; drop the "
+            "'when' conditions or use --sampler tpe"
+        )
+    trials = 1
+    for name, dimension in space.items():
+        try:
+            trials *= len(dimension.grid())
+        except ValueError as exc:
+            raise ValueError(f"search_space.{name}: {exc}") from exc
+    if trials > MAX_GRID_TRIALS:
+        sizes = {name: d.grid_size() for name, d in space.items()}
+        raise ValueError(
+            f"search_space: the grid has {trials:,} combinations {sizes}, more than "
+            f"{MAX_GRID_TRIALS:,}; coarsen the largest dimension"
+        )
+
+
+def drawing_order(space: dict[str, SearchDimension]) -> list[str]:
+    """The dimensions in the order a trial draws them: each after those its condition names.
+
+    Raises:
+        ValueError: for conditions that name each other in a cycle.
+    """
+    order: list[str] = []
+    pending = dict(space)
+    while pending:
+        ready = [n for n, d in pending.items() if all(p in order for p in (d.when or {}))]
+        if not ready:
+            raise ValueError(
+                f"search_space: the conditions of {sorted(pending)} name each other in a cycle"
+            )
+        order.extend(ready)
+        for name in ready:
+            del pending[name]
+    return order
+
+
+def space_text(space: dict[str, SearchDimension] | str | SearchSpaceFunction) -> str:
+    """A search space as a user writes it: its JSON, or the function's import path."""
+    if isinstance(space, dict):
+        return json.dumps({k: v.model_dump(exclude_none=True) for k, v in space.items()})
+    if isinstance(space, str):
+        return space
+    return f"{getattr(space, '__module__', '?')}:{getattr(space, '__qualname__', repr(space))}"
+
+
+def _check_function(space: str | SearchSpaceFunction) -> None:
+    """A define-by-run space's name is a plug-in or an allowed import path (nothing imported
+    here: :mod:`integrations.search_spaces` imports it and asks it for a trial)."""
+    if callable(space) or space in plugins.registered(plugins.SEARCH_SPACE_GROUP):
+        return
+    if ":" not in space:
+        raise ValueError(
+            f"search_space: {space!r} is neither an import path 'package.module:function' nor "
+            f"a plug-in of {sorted(plugins.registered(plugins.SEARCH_SPACE_GROUP))} (entry points "
+            f"of the group '{plugins.SEARCH_SPACE_GROUP}')"
+        )
+    plugins.check_allowed(space, group=plugins.SEARCH_SPACE_GROUP, field="sweep.search_space")

@@ -37,8 +37,17 @@ if TYPE_CHECKING:
 
 WAIT_S = 1.0  # how long the loop waits for a result before it looks at the clock again
 VERDICT_STATES = {"complete": "COMPLETE", "prune": "PRUNED", "fail": "FAIL", "retry": "FAIL"}
-# What a trial trains with, from its sampled parameters: its spec and its MLflow params.
+# What a trial trains with, drawn from its search space: its spec and its MLflow params.
 Plan = Callable[["optuna.trial.Trial"], tuple[TrialSpec, dict[str, Any]]]
+
+
+class TrialRefused(PrefectMLError):
+    """A plan that cannot train: the space raised for this trial, or set a value the sections
+    refuse. The trial fails at once with ``reason``; the campaign goes on."""
+
+    def __init__(self, reason: str, mlflow_params: dict[str, Any]) -> None:
+        super().__init__(reason)
+        self.reason, self.mlflow_params = reason, mlflow_params
 
 
 def new_study_writer() -> Executor:
@@ -111,8 +120,9 @@ class RunningTrial:
 @dataclass(frozen=True)
 class Asked:
     trial: optuna.trial.Trial
-    spec: TrialSpec
+    spec: TrialSpec | None  # None: refused, for ``error``
     mlflow_params: dict[str, Any]
+    error: str | None = None
 
 
 class Coordinator:
@@ -121,15 +131,15 @@ class Coordinator:
     def __init__(
         self,
         study: optuna.Study,
-        distributions: dict[str, Any],
         rules: CampaignRules,
         plan: Plan,
         *,
         logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
         study_writer: Executor | None = None,
     ) -> None:
-        self.study, self.distributions, self.rules, self.plan = study, distributions, rules, plan
+        self.study, self.rules, self.plan = study, rules, plan
         self.names = rules.names
+        self.deadline: float | None = None  # no new trial after it (monotonic clock)
         self.logger = logger
         self.tally = Tally()
         self.running: dict[int, RunningTrial] = {}  # slot -> its trial
@@ -205,7 +215,7 @@ class Coordinator:
         check: Callable[[], None],
     ) -> None:
         timeout = self.rules.timeout_seconds
-        deadline = time.monotonic() + timeout if timeout else None
+        self.deadline = deadline = time.monotonic() + timeout if timeout else None
         for slot in range(pool.size):
             if self._can_start(deadline):
                 self._dispatch(pool, slot, writer)
@@ -232,8 +242,12 @@ class Coordinator:
         return tally.failures_in_a_row < self.rules.max_consecutive_failures
 
     def _ask(self) -> Asked:
-        trial = self.study.ask(self.distributions)
-        spec, mlflow_params = self.plan(trial)
+        """A new trial (or a retry queued in the study), planned: the plan draws its values."""
+        trial = self.study.ask()
+        try:
+            spec, mlflow_params = self.plan(trial)
+        except TrialRefused as refused:
+            return Asked(trial, None, refused.mlflow_params, refused.reason)
         return Asked(trial, spec, mlflow_params)
 
     def _ask_ahead(self, open_slots: int, deadline: float | None) -> None:
@@ -244,8 +258,16 @@ class Coordinator:
             self.spares.append(self.study_writer.submit(self._ask))
 
     def _dispatch(self, pool: TrialPool, slot: int, writer: TrackingWriter) -> None:
-        """Start the next trial on ``slot``: the oldest one asked ahead of time, if any."""
-        asked = self.spares.popleft().result() if self.spares else self._ask()
+        """Start the next trial on ``slot``: the oldest one asked ahead of time, if any. A
+        refused plan fails its trial at once (counted, recorded) and the next one is taken."""
+        while True:
+            asked = self.spares.popleft().result() if self.spares else self._ask()
+            if asked.spec is not None:
+                break
+            writer.trial_started(asked.trial.number, asked.mlflow_params)
+            self._finish(RunningTrial(asked.trial, ""), "FAIL", {}, writer, asked.error)
+            if not self._can_start(self.deadline, max(0, len(self.spares) - 1)):
+                return
         pool.begin(slot, asked.spec)
         self.running[slot] = RunningTrial(asked.trial, asked.spec.loop.checkpoint_url)
         writer.trial_started(asked.trial.number, asked.mlflow_params)

@@ -21,7 +21,10 @@ class TrialSummary(BaseModel):
     number: int
     state: str
     values: dict[str, float]
-    params: dict[str, Any]
+    params: dict[str, Any]  # what it drew, by Optuna's names
+    # What its search space set, by the sections' names (``lr``, ``model_options.blocks``):
+    # the values to train with (for a declared space without conditions, ``params``).
+    tuned: dict[str, Any] = {}
     run_id: str | None = None
     error: str | None = None
 
@@ -46,8 +49,9 @@ class CampaignResult(BaseModel):
 
     @property
     def best_params(self) -> dict[str, Any]:
-        """The tuned values of the best trial (the first of a Pareto front)."""
-        return dict(self.best[0].params) if self.best else {}
+        """The tuned values of the best trial (the first of a Pareto front), by the sections'
+        names: what ``with_trial_values`` takes."""
+        return dict(self.best[0].tuned) if self.best else {}
 
     @property
     def leaderboard(self) -> list[TrialSummary]:
@@ -72,6 +76,7 @@ def trial_summary(
         state=trial.state.name,
         values=trial_values(trial, objectives),
         params=trial.params,
+        tuned=trial.user_attrs.get(studies.TUNED_ATTR, trial.params),
         run_id=run_ids.get(trial.number),
         error=trial.user_attrs.get(studies.ERROR_ATTR),
     )

@@ -17,18 +17,20 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger
 
-from prefect_ml.integrations import storage, studies, study_claims, tracking
+from prefect_ml.integrations import search_spaces, storage, studies, study_claims, tracking
 from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.config.sweep import space_text
 from prefect_ml.integrations.errors import CampaignFailedError, PrefectMLError
 from prefect_ml.integrations.leases import Lease
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import cluster_nodes
+from prefect_ml.integrations.search_spaces import SearchSpace
 from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
 from prefect_ml.integrations.study_claims import StudyClaim
 from prefect_ml.integrations.tracking import TrackingWriter
 from prefect_ml.integrations.trial_pool import RayTrialPool
 from prefect_ml.integrations.trial_worker import TrialSpec
-from prefect_ml.tasks.campaign.coordinator import CampaignRules, Coordinator
+from prefect_ml.tasks.campaign.coordinator import CampaignRules, Coordinator, TrialRefused
 from prefect_ml.tasks.campaign.identity import CampaignIdentity
 from prefect_ml.tasks.campaign.results import (
     LEADERBOARD_SIZE,
@@ -38,7 +40,13 @@ from prefect_ml.tasks.campaign.results import (
 )
 from prefect_ml.tasks.campaign.view import CampaignView, short
 from prefect_ml.tasks.data import PreparedData
-from prefect_ml.tasks.params import TRIAL_FIELDS, CampaignParams, SweepParams, with_trial_values
+from prefect_ml.tasks.params import (
+    TRIAL_FIELDS,
+    CampaignParams,
+    SweepParams,
+    TrainingSections,
+    with_trial_values,
+)
 from prefect_ml.tasks.placement import require_fits
 from prefect_ml.tasks.train import current_flow_run_id, flatten, train_loop
 
@@ -50,23 +58,50 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TrialPlanner:
-    """What a trial trains with: its parameters over the campaign's, its checkpoints."""
+    """What a trial trains with: the values its search space draws, over the campaign's
+    sections, and its checkpoints."""
 
     params: CampaignParams
     data: PreparedData
     identity: CampaignIdentity
     settings: PrefectMLSettings
+    space: SearchSpace
+    sections: TrainingSections  # the campaign's fixed values, without its sweep
 
-    def mlflow_params(self, values: dict[str, Any]) -> dict[str, Any]:
-        """A trial's MLflow params: every value it trained with, and which ones were tuned."""
-        return {**flatten(with_trial_values(self.params, values)), "trial.tuned": sorted(values)}
+    @classmethod
+    def of(
+        cls,
+        params: CampaignParams,
+        data: PreparedData,
+        identity: CampaignIdentity,
+        settings: PrefectMLSettings,
+    ) -> TrialPlanner:
+        space = search_spaces.resolve(params.sweep.search_space)
+        return cls(params, data, identity, settings, space, params.training_sections())
+
+    def draw(self, trial: optuna.trial.Trial) -> dict[str, Any]:
+        """What ``trial`` sets, drawn by the space and kept on the trial (the leaderboard, the
+        MLflow record and the final training read it there)."""
+        source = space_text(self.params.sweep.search_space)
+        values = search_spaces.tuned_values(self.space(trial), source=source)
+        trial.set_user_attr(studies.TUNED_ATTR, values)
+        return values
+
+    def mlflow_params(self, values: dict[str, Any], drawn: dict[str, Any]) -> dict[str, Any]:
+        """A trial's MLflow params: every value it trained with, which ones its space set
+        (``trial.tuned``), and exactly the parameters it drew (``drawn.<name>``)."""
+        return {
+            **flatten(with_trial_values(self.sections, values)),
+            "trial.tuned": sorted(values),
+            **{f"drawn.{name}": value for name, value in drawn.items()},
+        }
 
     def trial_loop(self, values: dict[str, Any], checkpoint_url: str, number: int) -> TrainLoop:
         """What a trial's workers receive: the campaign's sections with the trial's ``values``.
 
         Trials train every epoch and report each one: the campaign's pruner is what stops a
         trial early, and the study compares trials at the same epochs."""
-        tuned = with_trial_values(self.params, values)
+        tuned = with_trial_values(self.sections, values)
         every_epoch = tuned.training.model_copy(update={"early_stopping_patience": None})
         return train_loop(
             tuned.model_copy(update={"training": every_epoch}),
@@ -79,8 +114,21 @@ class TrialPlanner:
         )
 
     def __call__(self, trial: optuna.trial.Trial) -> tuple[TrialSpec, dict[str, Any]]:
-        checkpoint_url = self.identity.trial_url(studies.root_trial(trial))
-        loop = self.trial_loop(trial.params, checkpoint_url, trial.number)
+        """The trial's spec and MLflow params.
+
+        Raises:
+            TrialRefused: the space raised for this trial or set a value the sections refuse
+                (its other trials may well train: the campaign goes on).
+        """
+        try:
+            values = self.draw(trial)
+            loop = self.trial_loop(
+                values, self.identity.trial_url(studies.root_trial(trial)), trial.number
+            )
+            mlflow_params = self.mlflow_params(values, trial.params)
+        except Exception as exc:  # the user's space and values: this trial fails, not the run
+            reason = f"its search space: {type(exc).__name__}: {exc}"
+            raise TrialRefused(reason, {f"drawn.{k}": v for k, v in trial.params.items()}) from exc
         sweep = self.params.sweep
         spec = TrialSpec(
             number=trial.number,
@@ -89,33 +137,38 @@ class TrialPlanner:
             request=sweep.trial_request(),
             ray_storage_url=self.settings.ray_storage_url,
         )
-        return spec, self.mlflow_params(trial.params)
+        return spec, mlflow_params
 
 
 def open_campaign_study(
     sweep: SweepParams, epochs: int, settings: PrefectMLSettings, study_name: str
-) -> tuple[optuna.Study, dict[str, Any], int | None]:
-    """The campaign's study (``study_name``: its identity's, in the tenant's namespace), its
-    distributions and its budget (a grid caps it at its size)."""
-    space = {name: d.model_dump() for name, d in sweep.search_space.items()}
-    distributions = studies.distributions(space)
+) -> tuple[optuna.Study, int | None]:
+    """The campaign's study (``study_name``: its identity's, in the tenant's namespace),
+    checked against its search space, and its budget (a grid caps it at its size)."""
+    space = sweep.search_space
     grid = (
-        {name: d.grid() for name, d in sweep.search_space.items()}
-        if sweep.sampler == "grid"
+        {name: d.grid() for name, d in space.items()}
+        if sweep.sampler == "grid" and isinstance(space, dict)
         else None
     )
     study = studies.open_study(
         settings.resolved_optuna_storage,
         study_name,
         dict(sweep.objectives),
-        studies.make_sampler(sweep.sampler, sweep.sampler_seed, grid),
+        studies.make_sampler(
+            sweep.sampler, sweep.sampler_seed, grid, conditional=sweep.conditional
+        ),
         studies.make_pruner(sweep.effective_pruner, epochs),
     )
-    studies.check_search_space(study, distributions)
+    if isinstance(space, dict):  # every dimension; a define-by-run space: those of one draw
+        known = studies.distributions({name: d.model_dump() for name, d in space.items()})
+    else:
+        known = studies.draw_once(search_spaces.resolve(space))[1]
+    studies.check_search_space(study, known)
     budget = sweep.n_trials
     if grid is not None:
         budget = min(budget or studies.grid_size(grid), studies.grid_size(grid))
-    return study, distributions, budget
+    return study, budget
 
 
 def slots(sweep: SweepParams, remaining: int | None, logger: Any) -> int:
@@ -157,7 +210,7 @@ class CampaignRun:
         self.names = list(self.objectives)
         self.logger: logging.Logger | logging.LoggerAdapter[logging.Logger]
         self.logger = get_run_logger()  # type: ignore[assignment]
-        self.planner = TrialPlanner(params, data, self.identity, settings)
+        self.planner = TrialPlanner.of(params, data, self.identity, settings)
         self.timings: dict[str, float] = {}
 
     def run(self) -> CampaignResult:
@@ -181,7 +234,7 @@ class CampaignRun:
 
     def _run(self, check: Callable[[], None]) -> CampaignResult:
         sweep = self.sweep
-        self.study, distributions, budget = open_campaign_study(
+        self.study, budget = open_campaign_study(
             sweep, self.params.training.epochs, self.settings, self.identity.name
         )
         rules = CampaignRules(
@@ -191,9 +244,7 @@ class CampaignRun:
             stop_at=sweep.stop_at,
             timeout_seconds=sweep.timeout_seconds,
         )
-        self.coordinator = Coordinator(
-            self.study, distributions, rules, self.planner, logger=self.logger
-        )
+        self.coordinator = Coordinator(self.study, rules, self.planner, logger=self.logger)
         self.coordinator.recover()
         writer = self.attach()
         try:
@@ -263,9 +314,7 @@ class CampaignRun:
             run_name=f"campaign-{sweep.campaign}",
             params={
                 **flatten(self.params.model_copy(update={"sweep": None})),
-                "sweep.search_space": {
-                    k: v.model_dump(exclude_none=True) for k, v in sweep.search_space.items()
-                },
+                "sweep.search_space": space_text(sweep.search_space),
                 "sweep.objectives": self.objectives,
                 "sweep.sampler": sweep.sampler,
                 "sweep.pruner": sweep.effective_pruner,
@@ -299,7 +348,8 @@ class CampaignRun:
             if not trial.state.is_finished() or (run and run.info.status != "RUNNING"):
                 continue
             if run is None:
-                writer.trial_started(trial.number, self.planner.mlflow_params(trial.params))
+                tuned = trial.user_attrs.get(studies.TUNED_ATTR, trial.params)
+                writer.trial_started(trial.number, self.planner.mlflow_params(tuned, trial.params))
             summary = trial_summary(trial, self.names, {})
             error = summary.error or (
                 "interrupted: its coordinator process died; the trial runs again"

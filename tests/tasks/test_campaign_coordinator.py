@@ -18,7 +18,6 @@ from typing import Any
 
 import optuna
 import pytest
-from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
 from prefect_ml.integrations import studies, tracking
@@ -32,7 +31,6 @@ from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec
 from prefect_ml.tasks.campaign.coordinator import CampaignRules, Coordinator
 
 EPOCHS = 3
-SPACE = {"lr": FloatDistribution(1e-4, 1e-1, log=True)}
 GOOD, BAD = 0.05, 0.0005  # learning rates: accuracy 0.9 and 0.1 at every epoch
 DIES, RAISES = 0.02, 0.03  # learning rates: the worker dies, the trial's code raises
 Script = Callable[[TrialSpec, int, int], Outcome]  # (spec, epoch, attempt) -> what comes back
@@ -155,6 +153,7 @@ def writer(mlflow_client: Any, request: pytest.FixtureRequest) -> Iterator[Track
 
 def plan(tmp_path: Path) -> Callable[[optuna.trial.Trial], tuple[TrialSpec, dict[str, Any]]]:
     def spec_of(trial: optuna.trial.Trial) -> tuple[TrialSpec, dict[str, Any]]:
+        lr = trial.suggest_float("lr", 1e-4, 1e-1, log=True)  # the plan draws (define by run)
         loop = TrainLoop.from_options(
             splits_url="",
             sample_shape=[64],
@@ -163,7 +162,7 @@ def plan(tmp_path: Path) -> Callable[[optuna.trial.Trial], tuple[TrialSpec, dict
             model_options={},
             epochs=EPOCHS,
             batch_size=32,
-            lr=trial.params["lr"],
+            lr=lr,
             optimizer="adam",
             weight_decay=0.0,
             scheduler="none",
@@ -173,7 +172,7 @@ def plan(tmp_path: Path) -> Callable[[optuna.trial.Trial], tuple[TrialSpec, dict
             run_id="",
         )
         spec = TrialSpec(trial.number, loop, 1, ResourceRequest(), ray_storage_url="")
-        return spec, {"lr": trial.params["lr"]}
+        return spec, {"lr": lr}
 
     return spec_of
 
@@ -188,7 +187,6 @@ def coordinator(
 ) -> Coordinator:
     made = Coordinator(
         study,
-        SPACE,
         CampaignRules(
             objectives={"val_accuracy": "maximize"},
             budget=budget,
