@@ -8,6 +8,7 @@ points it at the project home, because Prefect reads its settings at import time
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -69,21 +70,53 @@ def _parameter_fields(model: type[BaseModel]) -> Iterator[tuple[str | None, str,
             yield None, name, field
 
 
+def _mapping_or_text(field: FieldInfo) -> tuple[bool, bool]:
+    """Whether a field takes a mapping, and whether it takes text as well (a search space is a
+    dict or the import path of a function)."""
+    annotation = field.annotation
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    forms = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
+    mapping = any(typing.get_origin(form) is dict for form in forms)
+    return mapping, mapping and str in forms
+
+
+def _is_union(annotation: Any) -> bool:
+    return isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
+
+
+def _typed_default(field: FieldInfo) -> str:
+    """A field's default as a user types it: a mapping as JSON, not as Python's repr."""
+    default = field.get_default(call_default_factory=True)
+    if isinstance(default, dict) and default:
+        return json.dumps(
+            {
+                k: v.model_dump(mode="json", exclude_defaults=True)
+                if isinstance(v, BaseModel)
+                else v
+                for k, v in default.items()
+            }
+        )
+    return str(default)
+
+
 def _click_option(name: str, field: FieldInfo) -> click.Option:
     flag = "--" + name.replace("_", "-")
     annotation = field.annotation
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+    if _is_union(annotation):
         annotation = args[0]
-    help_text = f"{field.description} [default: {field.get_default(call_default_factory=True)}]"
+    help_text = f"{field.description} [default: {_typed_default(field)}]"
+    mapping, text = _mapping_or_text(field)
+    if mapping:
+        also = ", or the path of a JSON/YAML file" + (", or an import path" if text else "")
+        help_text += f" (inline JSON/YAML{also})"
+        return click.Option([flag, name], type=str, default=None, help=help_text)
     if annotation is bool:
         return click.Option([f"{flag}/--no-{flag[2:]}", name], default=None, help=help_text)
     if typing.get_origin(annotation) is typing.Literal:
         choice = click.Choice([str(c) for c in typing.get_args(annotation)])
         return click.Option([flag, name], type=choice, default=None, help=help_text)
-    if typing.get_origin(annotation) is dict:
-        help_text += " (inline JSON/YAML, or the path of a JSON/YAML file)"
-        return click.Option([flag, name], type=str, default=None, help=help_text)
     # A union of kinds (``workers``: a count or a range) arrives as text for the model to parse.
     numeric = annotation in (int, float) and len(args) <= 1
     click_type: type = annotation if numeric else str  # type: ignore[assignment]
@@ -97,14 +130,16 @@ def _nested_parameters(model: type[BaseModel], flags: dict[str, Any]) -> dict[st
         value = flags.get(name)
         if value is None:
             continue
-        if typing.get_origin(field.annotation) is dict:
-            value = _mapping_flag(name, value)
+        mapping, text = _mapping_or_text(field)
+        if mapping:
+            value = _mapping_flag(name, value, text=text)
         (nested.setdefault(section, {}) if section else nested)[name] = value
     return nested
 
 
-def _mapping_flag(name: str, value: str) -> Any:
-    """A dict flag: inline JSON or YAML, or the path of a file holding either."""
+def _mapping_flag(name: str, value: str, *, text: bool = False) -> Any:
+    """A dict flag: inline JSON or YAML, or the path of a file holding either; with ``text``,
+    a plain word stays a string (``--search-space my_project.spaces:space``)."""
     import yaml
 
     hint = "--" + name.replace("_", "-")
@@ -115,6 +150,8 @@ def _mapping_flag(name: str, value: str) -> Any:
         loaded = yaml.safe_load(value)
     except yaml.YAMLError as exc:
         raise click.BadParameter(f"not valid JSON or YAML: {exc}", param_hint=hint) from exc
+    if text and isinstance(loaded, str):
+        return loaded
     if not isinstance(loaded, dict):
         raise click.BadParameter("expected a mapping, e.g. '{\"key\": ...}'", param_hint=hint)
     return loaded
@@ -548,7 +585,13 @@ def predict(**flags: Any) -> None:
 
 @app.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind.")
-@click.option("--port", type=click.IntRange(1, 65535), default=4200, show_default=True)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=4200,
+    show_default=True,
+    help="Port of the UI and the API.",
+)
 def ui(host: str, port: int) -> None:
     """Start a local Prefect server (UI and API) for this project home until Ctrl-C.
 
@@ -714,7 +757,13 @@ def alerts_command(prefect_file: Path, alert_block: str | None) -> None:
     "(loopback, host name, IP address); repeatable: every other node's address, the serving "
     "host name.",
 )
-@click.option("--days", type=click.IntRange(min=1), default=365, show_default=True)
+@click.option(
+    "--days",
+    type=click.IntRange(min=1),
+    default=365,
+    show_default=True,
+    help="How long the certificates are valid, in days.",
+)
 def tls(folder: Path | None, hosts: tuple[str, ...], days: int) -> None:
     """Create a CA (or reuse the folder's) and the certificates for Ray's TLS between nodes and
     for HTTPS serving; prints the settings that use them."""

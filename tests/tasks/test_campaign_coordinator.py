@@ -28,7 +28,7 @@ from prefect_ml.integrations.resources import ResourceRequest
 from prefect_ml.integrations.tracking import TrackingWriter
 from prefect_ml.integrations.trial_pool import Epochs, Outcome, TrialError, WorkerLost
 from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec
-from prefect_ml.tasks.campaign.coordinator import CampaignRules, Coordinator
+from prefect_ml.tasks.campaign.coordinator import CampaignRules, Coordinator, TrialRefused
 
 EPOCHS = 3
 GOOD, BAD = 0.05, 0.0005  # learning rates: accuracy 0.9 and 0.1 at every epoch
@@ -328,6 +328,36 @@ def test_failures_in_a_row_stop_the_campaign_with_the_first_error(
     assert campaign.tally.failed == 3 and campaign.tally.failures_in_a_row == 3
     assert "trial 1: ValueError: the trial's code refuses" in (campaign.tally.first_error or "")
     assert "refuses this lr" in study.trials[1].user_attrs[studies.ERROR_ATTR]
+
+
+def test_a_trial_whose_drawn_values_are_refused_fails_alone_and_the_campaign_goes_on(
+    tmp_path: Path, writer: TrackingWriter
+) -> None:
+    refused_lr = 0.04
+    study = study_of(GOOD, refused_lr, GOOD, GOOD)
+    campaign = coordinator(study, tmp_path, budget=4)
+    planned = campaign.plan
+
+    def refusing(trial: optuna.trial.Trial) -> tuple[TrialSpec, dict[str, Any]]:
+        spec, params = planned(trial)
+        if spec.loop.training.lr == refused_lr:  # as a space's other branch would
+            raise TrialRefused("its search space: ValueError: widths must be positive", params)
+        return spec, params
+
+    campaign.plan = refusing
+    pool = FakePool(2)
+
+    campaign.run(pool, writer)
+
+    states = [t.state for t in counted(study)]
+    assert states.count(TrialState.COMPLETE) == 3 and states.count(TrialState.FAIL) == 1
+    assert pool.attempts[refused_lr] == 0, "a refused trial never reaches a worker"
+    failed = next(t for t in study.trials if t.state == TrialState.FAIL)
+    assert "widths must be positive" in failed.user_attrs[studies.ERROR_ATTR]
+    writer.close()
+    runs = tracking.trial_runs(writer.client, writer.experiment_id, writer.parent_run_id)
+    assert runs[failed.number].info.status == "FAILED"
+    assert "widths must be positive" in runs[failed.number].data.tags[tracking.ERROR_TAG]
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
