@@ -1,17 +1,8 @@
 """prefect-ml: Prefect tasks and flows for Ray-distributed PyTorch training, Optuna campaigns
 and Ray Serve, every run and model tracked in MLflow.
 
-Compose the public tasks in your own flow::
-
-    from prefect import flow
-    from prefect_ml import evaluate, preprocess, register, train
-
-    @flow
-    def my_pipeline():
-        data = preprocess(dataset="tabular", url="s3://bucket/churn.parquet", label_column="y")
-        run = train(data, model="my_pkg.models:build", epochs=20, workers=4)
-        metrics = evaluate(run)
-        register(run, metrics, model_name="churn", promote_if={"macro_f1": 0.01})
+Compose the public tasks in your own flow: the README's example (``README.md``, "In your own
+flow") does, and the tests run it as it is written there.
 
 What this module exports (``__all__``) is the public, versioned API; ``prefect_ml.tasks`` and
 ``prefect_ml.integrations`` beyond it are internal. Names load on first use, so importing

@@ -9,7 +9,9 @@ without a docstring is a warning, which ``mkdocs build --strict`` turns into a f
 
 from __future__ import annotations
 
+import inspect
 import logging
+import re
 import sys
 import types
 import typing
@@ -27,6 +29,17 @@ CONTRACTS = {
     "prefect_ml.integrations.catalog": "Dataset loaders and model factories",
     "prefect_ml.integrations.hooks.TrainingModule": "Your own training step",
     "prefect_ml.integrations.model_parallel.ModelParallelHooks": "Tensor and pipeline parallel",
+}
+
+DEFAULT_IN_HELP = re.compile(r"\s*\[default: ([^\]]*)\]")
+
+# The CLI command that runs each flow.
+CLI_FLOWS = {
+    "run": "ml-pipeline",
+    "train": "train-model",
+    "sweep": "hpo-campaign",
+    "serve": "serve-model",
+    "predict": "batch-predict",
 }
 
 # Each flow and the model of its one parameter, ``params``.
@@ -83,20 +96,21 @@ def _default(field: Any) -> str:
 # --- CLI ---------------------------------------------------------------------------------
 
 
-def _section_fields() -> dict[str, str]:
-    """CLI option name -> the parameter section it comes from (``training``), for every field
-    of every flow's sections."""
+def _flag_sections(flow: str) -> dict[str, str]:
+    """CLI option name -> the parameters page's section that documents it, for the command
+    that runs ``flow``: ``training`` for a field of the training section; the flow's own name
+    for a field of a flat model (batch-predict); none for a top-level field, which the
+    command's own table shows."""
     from prefect_ml.tasks import params
 
-    owners: dict[str, str] = {}
-    for model in (params.PipelineParams, params.ServeModelParams):
-        for name, field in model.model_fields.items():
-            section = _section_model(field.annotation)
-            if section is None:
-                owners[name] = ""
-                continue
-            for leaf in section.model_fields:
-                owners[leaf] = name
+    model = getattr(params, FLOWS[flow][1])
+    owners = {}
+    for name, field in model.model_fields.items():
+        section = _section_model(field.annotation)
+        if section is not None:
+            owners.update(dict.fromkeys(section.model_fields, name))
+        elif not any(_section_model(f.annotation) for f in model.model_fields.values()):
+            owners[name] = flow
     return owners
 
 
@@ -108,12 +122,20 @@ def _section_model(annotation: Any) -> Any:
     return first if isinstance(first, type) and issubclass(first, BaseModel) else None
 
 
+def _option_default(option: Any) -> Any:
+    """What an option defaults to when not given, or "" where nothing is set (None, click's
+    unset sentinel, an empty tuple, a boolean switch's off)."""
+    default = option.default
+    if default is None or default == () or "UNSET" in repr(default):
+        return ""
+    return default
+
+
 def cli_page() -> str:
     import click
 
     from prefect_ml.flows.cli import app
 
-    sections = _section_fields()
     lines = [
         "# CLI",
         "",
@@ -130,7 +152,8 @@ def cli_page() -> str:
         "",
     ]
     for name, command in app.commands.items():
-        lines += [f"## prefect-ml {name}", "", (command.help or "").strip(), ""]
+        sections = _flag_sections(CLI_FLOWS[name]) if name in CLI_FLOWS else {}
+        lines += [f"## prefect-ml {name}", "", inspect.cleandoc(command.help or ""), ""]
         own: list[click.Option] = []
         by_section: dict[str, list[str]] = {}
         for option in command.params:
@@ -147,9 +170,12 @@ def cli_page() -> str:
         if own:
             lines += ["| option | default | meaning |", "|---|---|---|"]
             for option in own:
+                if not option.help:
+                    log.warning(f"prefect-ml {name} {option.opts[0]}: an option without help")
                 flags = " / ".join(f"`{flag}`" for flag in [*option.opts, *option.secondary_opts])
-                help_text = (option.help or "").split(" [default:")[0]
-                default = option.default if option.default not in (None, ()) else ""
+                shown = DEFAULT_IN_HELP.search(option.help or "")
+                help_text = DEFAULT_IN_HELP.sub("", option.help or "")
+                default = shown[1] if shown and shown[1] != "None" else _option_default(option)
                 lines.append(f"| {flags} | {_code(default)} | {_cell(help_text)} |")
             lines.append("")
         for section, section_flags in by_section.items():
