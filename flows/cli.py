@@ -637,7 +637,7 @@ def _set_up_alerts(
     if block is None:
         return (
             "Alerts: off (no notification block: pass --alert-block or set "
-            "PREFECT_ML_ALERT_BLOCK; README, Alerts)"
+            "PREFECT_ML_ALERT_BLOCK; docs/how-to/alerts.md)"
         )
     return _alerts_on(block, prefect_server.register_deployments(deployments), api_url)
 

@@ -41,7 +41,7 @@ ALERT_BLOCK_FLAG = "--alert-block"
 _HOW_TO_CREATE = (
     "create one in the Prefect UI (Blocks -> Add block -> e.g. Custom Webhook or Slack Webhook) "
     "or in code (CustomWebhookNotificationBlock(...).save('NAME')), then pass its name, or "
-    "TYPE/NAME as `prefect block ls` shows it (README, Alerts)"
+    "TYPE/NAME as `prefect block ls` shows it (docs/how-to/alerts.md)"
 )
 
 

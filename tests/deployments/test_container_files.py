@@ -326,7 +326,7 @@ def test_compose_publishes_ports_on_loopback_only(services: dict[str, dict[str, 
                     f"{name} publishes {port} beyond loopback"
                 )
                 published.add(int(str(port).rsplit(":", 1)[1]))
-    # The UIs the README points at: Prefect, MLflow, MinIO console, Ray dashboard.
+    # The UIs docs/how-to/containers.md points at: Prefect, MLflow, MinIO console, Ray dashboard.
     assert {4200, 5000, 9001, 8265} <= published
 
 

@@ -1,4 +1,4 @@
-"""README's fault-tolerance promises, each on the real systems: a training past
+"""The fault-tolerance promises (docs/how-to/resuming.md) on the real systems: a training past
 ``--max-failures`` is marked FAILED with an error that says to run it again, and a retry of the
 step resumes it; the next run aborts a killed writer's incomplete uploads; a hung peer fails
 the group after ``--collective-timeout-s`` and the group restarts from its checkpoint. (A killed

@@ -157,8 +157,8 @@ def user_environment(tmp_path: Path) -> dict[str, str]:
         "PREFECT_ML_HOME": str(tmp_path / "home"),
         "PREFECT_ML_ALLOWED_MODULES": "my_pkg",
         "DO_NOT_TRACK": "1",
-        # As the README tells users who run their own flows on the ephemeral API: its first
-        # start (a new database) can pass Prefect's 20 s default on 2 busy cores.
+        # As docs/how-to/configuration.md tells users who run their own flows on the ephemeral
+        # API: its first start (a new database) can pass Prefect's 20 s default on 2 busy cores.
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         # A Ray of its own even where a `ray start` cluster of another test is up.
         "RAY_ADDRESS": "local",

@@ -34,7 +34,7 @@ def _timeline(markdown: str) -> list[tuple[str, float]]:
 
 
 def _predict_with_mlflow_models_serve(home: PrefectMLSettings, images: np.ndarray) -> np.ndarray:
-    """``mlflow models serve -m models:/digits-classifier@champion``, as the README says."""
+    """``mlflow models serve -m models:/digits-classifier@champion``, as Get started says."""
     port = free_port()
     server = subprocess.Popen(
         [

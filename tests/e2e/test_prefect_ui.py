@@ -175,7 +175,8 @@ def test_prefect_deploy_registers_prefect_yaml_and_a_process_worker_runs_its_dep
     prefect_ui: PrefectUI, tmp_path: Path
 ) -> None:
     """`prefect deploy` registers prefect.yaml's deployments (the nightly schedule too), and
-    `prefect worker start --pool ml-process`, as the README says, runs a training of one."""
+    `prefect worker start --pool ml-process`, as the nightly tutorial says,
+    runs a training of one."""
     prefect = str(BIN / "prefect")
     _run_cli([prefect, "work-pool", "create", "ml-process", "--type", "process"], prefect_ui.env)
     output = _run_cli(
@@ -324,8 +325,8 @@ ALERT_BLOCK = "ml-alerts"
 @pytest.fixture(scope="module")
 def alert_block(prefect_ui: PrefectUI, webhook: Webhook) -> str:
     """A Custom Webhook notification block on the server, posting to the loopback receiver:
-    ``allow_private_urls`` on, for this block only, as the README says for a receiver on your
-    own network (Prefect's SSRF guard refuses loopback otherwise)."""
+    ``allow_private_urls`` on, for this block only, as docs/how-to/alerts.md says for a
+    receiver on your own network (Prefect's SSRF guard refuses loopback otherwise)."""
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 

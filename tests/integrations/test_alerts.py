@@ -36,7 +36,8 @@ def test_a_missing_block_fails_naming_the_flag_and_how_to_create_one() -> None:
         alerts.find_notification_block("no-such-alerts")
     assert raised.value.field == "--alert-block"
     assert "no notification block named 'no-such-alerts'" in raised.value.message
-    assert "Custom Webhook" in raised.value.message and "README, Alerts" in raised.value.message
+    assert "Custom Webhook" in raised.value.message
+    assert "docs/how-to/alerts.md" in raised.value.message
 
 
 def test_a_block_that_cannot_notify_is_not_an_alert_block() -> None:
