@@ -27,7 +27,8 @@ log = logging.getLogger("mkdocs.hooks.reference")
 # The user contracts beside ``prefect_ml.__all__``: the functions and modules users write.
 CONTRACTS = {
     "prefect_ml.integrations.catalog": "Dataset loaders and model factories",
-    "prefect_ml.integrations.hooks.TrainingModule": "Your own training step",
+    "prefect_ml.integrations.hooks": "Your own training step",
+    "prefect_ml.integrations.hooks.TrainingModule": "The training step's protocol",
     "prefect_ml.integrations.model_parallel.ModelParallelHooks": "Tensor and pipeline parallel",
 }
 
@@ -173,9 +174,11 @@ def cli_page() -> str:
                 if not option.help:
                     log.warning(f"prefect-ml {name} {option.opts[0]}: an option without help")
                 flags = " / ".join(f"`{flag}`" for flag in [*option.opts, *option.secondary_opts])
-                shown = DEFAULT_IN_HELP.search(option.help or "")
+                in_help = DEFAULT_IN_HELP.search(option.help or "")
                 help_text = DEFAULT_IN_HELP.sub("", option.help or "")
-                default = shown[1] if shown and shown[1] != "None" else _option_default(option)
+                default = (
+                    in_help[1] if in_help and in_help[1] != "None" else _option_default(option)
+                )
                 lines.append(f"| {flags} | {_code(default)} | {_cell(help_text)} |")
             lines.append("")
         for section, section_flags in by_section.items():
@@ -316,7 +319,10 @@ def api_page() -> str:
         "",
     ]
     for path, title in CONTRACTS.items():
-        lines += [f"### {title}", "", f"::: {path}", "    options:", "      heading_level: 4", ""]
+        lines += [f"### {title}", "", f"::: {path}", "    options:", "      heading_level: 4"]
+        if path.rsplit(".", 1)[-1].islower():  # a module: its docstring states the contract
+            lines.append("      members: false")
+        lines.append("")
     return "\n".join(lines)
 
 

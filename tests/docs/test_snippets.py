@@ -59,5 +59,6 @@ def test_the_own_model_example_meets_the_contracts(monkeypatch: pytest.MonkeyPat
     model = catalog.build_model(params.model.model, dataset.sample_shape, 3, {"width": 128})
     logits = model(torch.from_numpy(dataset.features[:5]))
     assert logits.shape == (5, 3)
-    assert model[1].out_features == 128  # the option reached the factory
+    hidden = list(model.children())[1]
+    assert isinstance(hidden, torch.nn.Linear) and hidden.out_features == 128  # the option
     assert catalog.resolve_model("examples.wine:build") is wine.build

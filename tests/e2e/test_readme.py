@@ -41,7 +41,7 @@ def test_the_readme_flow_trains_registers_and_promotes(
 
     client = tracking.client_for(home.resolved_tracking_uri)
     champion = client.get_model_version_by_alias("wine-classifier", "champion")
-    assert str(champion.version) == "1"
+    assert str(champion.version) == "1" and champion.run_id is not None
     metrics = client.get_run(champion.run_id).data.metrics
     assert metrics["test_accuracy"] > 0.6, metrics  # 3 classes: a third by chance
     assert (tmp_path / "wine.csv").exists()  # the user's own task ran first
