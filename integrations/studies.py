@@ -108,9 +108,7 @@ def make_sampler(
     if conditional:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.samplers.TPESampler(
-                seed=seed, multivariate=True, group=True, warn_independent_sampling=False
-            )
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True)
     return optuna.samplers.TPESampler(seed=seed)
 
 

@@ -20,6 +20,7 @@ from prefect_ml.integrations.config.sweep import default_search_space
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.tasks.campaign.results import trial_summary
 from prefect_ml.tasks.params import CampaignParams, params_from_options, with_trial_values
+from tests.conftest import REPO_ROOT
 from tests.fixtures import search_spaces as user_spaces
 
 MODEL = "tests.fixtures.search_spaces:blocks_model"
@@ -278,3 +279,31 @@ def test_prefect_ml_sweep_refuses_a_bad_space_before_it_starts_anything() -> Non
     assert result.exit_code == 2
     shown = " ".join(re.sub("[│┃]", " ", result.output).split())
     assert f"{SPACES}:raising raised RuntimeError: no GPU quota for this space" in shown
+
+
+def test_the_docs_example_and_its_declared_equivalent_tune_the_example_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+    import yaml
+
+    from prefect_ml.integrations import catalog
+
+    monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "examples")
+    declared = yaml.safe_load((REPO_ROOT / "examples/search_space.yaml").read_text())
+    for space in ("examples.search_space:space", declared):
+        params = CampaignParams.model_validate(
+            {"model": {"model": "examples.search_space:build"}, "sweep": {"search_space": space}}
+        )
+        assert params.sweep.conditional
+        function = search_spaces.resolve(params.sweep.search_space)
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+        for _ in range(6):
+            trial = study.ask()
+            values = search_spaces.tuned_values(function(trial), source="example")
+            tuned = with_trial_values(params, values)
+            assert ("weight_decay" in values) == (tuned.training.optimizer == "sgd")
+            options = tuned.model.factory_options()
+            model = catalog.build_model(tuned.model.model, (1, 8, 8), 10, options)
+            assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+            study.tell(trial, 0.5)

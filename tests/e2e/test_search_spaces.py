@@ -1,0 +1,220 @@
+"""Campaigns over a user's own model and define-by-run search space, end to end (full tier):
+``prefect-ml sweep`` with the space's import path, ``hpo_campaign`` given the parameters a UI
+form posts, and a killed campaign resumed. The user's code lives outside the package
+(``tests.fixtures.search_spaces``, allowed by ``PREFECT_ML_ALLOWED_MODULES``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from prefect_ml.flows.sweep import hpo_campaign
+from prefect_ml.integrations import studies, tracking
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.params import CampaignParams
+from tests.conftest import REPO_ROOT
+from tests.e2e.test_campaign_resume import (
+    _command,
+    _env,
+    _keeps_parameters,
+    _killable,
+    _trial_runs,
+    _trials,
+)
+from tests.e2e.test_resume_after_kill import _kill_tree
+from tests.helpers import cli_env, wait_while_running
+
+MODEL = "tests.fixtures.search_spaces:blocks_model"
+SPACE = "tests.fixtures.search_spaces:branch_and_loop"
+
+
+def branch_params(trial: optuna.trial.FrozenTrial) -> set[str]:
+    """The parameters ``branch_and_loop`` draws in the branch this trial took."""
+    blocks = trial.params["blocks"]
+    residual = trial.params["block"] == "residual"
+    return {"blocks", "lr", "block", *(f"width_{i}" for i in range(blocks))} | (
+        {"skip_scale"} if residual else set()
+    )
+
+
+def assert_carries_its_branch(trial: optuna.trial.FrozenTrial) -> None:
+    assert set(trial.params) == branch_params(trial), trial.params
+    tuned = trial.user_attrs[studies.TUNED_ATTR]
+    widths = [trial.params[f"width_{i}"] for i in range(trial.params["blocks"])]
+    assert tuned["model_options.widths"] == widths
+    assert tuned["lr"] == trial.params["lr"]
+    assert tuned.get("model_options.skip_scale") == trial.params.get("skip_scale")
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_prefect_ml_sweep_tunes_a_user_model_with_a_define_by_run_space(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    received = tmp_path / "received"
+    command = [
+        sys.executable,
+        "-m",
+        "prefect_ml.flows.cli",
+        "sweep",
+        "--campaign",
+        "by-run",
+        "--n-trials",
+        "6",
+        "--concurrency",
+        "2",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "64",
+        "--model",
+        MODEL,
+        "--model-options",
+        json.dumps({"record": str(received)}),
+        "--search-space",
+        SPACE,
+    ]
+    run = subprocess.run(
+        command,
+        cwd=REPO_ROOT,
+        env=cli_env(home.home_dir, COLUMNS="300"),  # the leaderboard's params unwrapped
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    # A plain Optuna study in the configured storage: optuna-dashboard reads the same.
+    study = optuna.load_study(study_name="by-run", storage=home.resolved_optuna_storage)
+    finished = [t for t in study.trials if t.state.is_finished()]
+    assert len([t for t in finished if studies.counts_toward_budget(t)]) == 6
+    for trial in finished:
+        assert_carries_its_branch(trial)
+    assert {t.params["block"] for t in finished} == {"plain", "residual"}, "both branches ran"
+    assert len({t.params["blocks"] for t in finished}) > 1, "the loop ran different lengths"
+
+    # The user's model received exactly what each trial set (its options, not the others').
+    got = [json.loads(p.read_text()) for p in received.iterdir()]
+    for trial in finished:
+        tuned = trial.user_attrs[studies.TUNED_ATTR]
+        expected = {
+            "widths": tuned["model_options.widths"],
+            "skip_scale": tuned.get("model_options.skip_scale", 0.0),
+            "broken": False,
+        }
+        assert expected in got, (trial.number, expected)
+
+    # One MLflow run per trial with exactly the parameters it drew; absent ones are absent.
+    parents, runs = _trial_runs(home, "by-run")
+    assert len(parents) == 1 and sorted(runs) == sorted(t.number for t in study.trials)
+    for trial in finished:
+        params = runs[trial.number].data.params
+        drawn = {k.removeprefix("drawn."): v for k, v in params.items() if k.startswith("drawn.")}
+        assert set(drawn) == set(trial.params)
+        assert ("skip_scale" in params["model.model_options"]) == ("skip_scale" in trial.params)
+    client = tracking.client_for(home.resolved_tracking_uri)
+    plots = {a.path for a in client.list_artifacts(parents[0].info.run_id, "plots")}
+    assert {"plots/optimization_history.png", "plots/parallel_coordinate.png"} <= plots
+    leaderboard = " ".join(run.stdout.split() + run.stderr.split())
+    assert "width_0=" in leaderboard, "the leaderboard shows what each trial drew"
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_hpo_campaign_takes_the_space_as_a_flow_parameter_and_failing_trials_fail_alone(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    # What the Prefect UI form (or `prefect deployment run --param`) posts: plain JSON.
+    posted: dict[str, Any] = {
+        "training": {"epochs": 2, "batch_size": 64},
+        "model": {"model": MODEL, "model_options": {"record": str(tmp_path / "received")}},
+        "sweep": {
+            "campaign": "by-run-form",
+            "search_space": "tests.fixtures.search_spaces:sometimes_broken",
+            "objectives": {"val_accuracy": "maximize", "val_loss": "minimize"},
+            "pruner": "none",
+            "sampler": "random",
+            "n_trials": 6,
+            "concurrency": 2,
+            "max_consecutive_failures": 6,
+        },
+    }
+    schema = CampaignParams.model_json_schema()
+    space_forms = schema["$defs"]["SweepParams"]["properties"]["search_space"]["anyOf"]
+    assert {"type": "string"} in space_forms, "the UI form takes an import path"
+
+    result = hpo_campaign(params=posted)
+
+    study = optuna.load_study(study_name="by-run-form", storage=home.resolved_optuna_storage)
+    counted = [t for t in study.trials if studies.counts_toward_budget(t)]
+    assert len(counted) == result.finished == 6
+    broken = [t for t in counted if t.params["broken"]]
+    whole = [t for t in counted if not t.params["broken"]]
+    assert broken and whole, "random draws with seed 0 give both"
+    assert all(t.state == TrialState.FAIL for t in broken)
+    assert all(t.state == TrialState.COMPLETE for t in whole)
+    _, runs = _trial_runs(home, "by-run-form")
+    for trial in broken:
+        error = runs[trial.number].data.tags[tracking.ERROR_TAG]
+        assert "shapes cannot be multiplied" in error, error
+    assert 1 <= len(result.best) <= len(whole), "a Pareto front of the complete trials"
+    for best in result.best:
+        assert best.tuned["model_options.widths"] and best.tuned["model_options.broken"] is False
+
+
+def test_a_killed_campaign_with_a_define_by_run_space_resumes_to_exactly_n_trials(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    n_trials = 6
+    command = _command("by-run-killed", n_trials) + [
+        "--model",
+        MODEL,
+        "--model-options",
+        '{"delay": 0.02}',
+        "--search-space",
+        SPACE,
+    ]
+    env = _env(home)
+    log = (tmp_path / "first.log").open("wb")
+    first = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_while_running(
+            first,
+            tmp_path / "first.log",
+            lambda: _killable(home, "by-run-killed"),
+            400,
+            "finished trials and one mid-way",
+        )
+    finally:
+        _kill_tree(first)
+    left_running = [
+        t.number for t in _trials(home, "by-run-killed") if t.state == TrialState.RUNNING
+    ]
+    assert left_running, "the process must die with trials running"
+
+    second = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+
+    trials = _trials(home, "by-run-killed")
+    counted = [t for t in trials if studies.counts_toward_budget(t)]
+    assert len(counted) == n_trials
+    assert all(t.state.is_finished() for t in trials), "nothing left RUNNING or WAITING"
+    assert max(Counter(studies.root_trial(t) for t in counted).values()) == 1
+    for trial in counted:
+        assert_carries_its_branch(trial)
+    by_number = {t.number: t for t in trials}
+    for number in left_running:
+        retry = next(t for t in counted if studies.root_trial(t) == number)
+        interrupted = by_number[number]
+        assert _keeps_parameters(retry, interrupted), "re-run with the same parameters"
+        first_values = interrupted.user_attrs.get(studies.TUNED_ATTR)
+        if first_values is not None:  # it had drawn them all before the kill
+            assert retry.user_attrs[studies.TUNED_ATTR] == first_values
