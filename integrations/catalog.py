@@ -254,6 +254,15 @@ def resolve_model(name: str, user_options: Sequence[str] = ()) -> Callable[..., 
     return factory
 
 
+def explicit_parameters(target: Callable[..., Any]) -> set[str]:
+    """The keyword parameters ``target``'s signature names (not those a ``**kwargs`` takes)."""
+    return {
+        p.name
+        for p in inspect.signature(target).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+
+
 def accepted_options(target: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
     """The subset of ``options`` that ``target`` accepts by keyword."""
     params = inspect.signature(target).parameters

@@ -67,9 +67,18 @@ class EarlyStopping:
             raise ValueError(f"min_delta must be >= 0, not {self.min_delta}")
 
     @classmethod
-    def for_metric(cls, metric: str, patience: int, min_delta: float = 0.0) -> EarlyStopping:
-        maximised = problems.EPOCH_METRICS.get(metric) == "maximize"
-        return cls(metric, patience, min_delta, "max" if maximised else "min")
+    def for_metric(
+        cls,
+        metric: str,
+        patience: int,
+        min_delta: float = 0.0,
+        mode: Literal["auto", "min", "max"] = "auto",
+    ) -> EarlyStopping:
+        """``mode`` auto: the task metric's direction, min for a metric of the model's own
+        (as Lightning's EarlyStopping)."""
+        if mode == "auto":
+            mode = "max" if problems.EPOCH_METRICS.get(metric) == "maximize" else "min"
+        return cls(metric, patience, min_delta, mode)
 
     def _improves(self, value: float, best: BestEpoch | None) -> bool:
         if value != value:  # NaN never improves

@@ -44,7 +44,9 @@ from prefect_ml.integrations import (
     distributed_checkpoint,
     hooks,
     model_parallel,
+    optimization,
     problems,
+    step_log,
     storage,
 )
 from prefect_ml.integrations.catalog import build_model, enable_gradient_checkpointing
@@ -54,6 +56,7 @@ from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.distributed_checkpoint import ShardedSnapshot
 from prefect_ml.integrations.early_stopping import EarlyStopping, History
 from prefect_ml.integrations.errors import CheckpointError, ConfigurationError, ModelStepError
+from prefect_ml.integrations.optimization import make_optimizer
 from prefect_ml.integrations.shards import EpochOrder, Shard, epoch_seed, open_shard
 
 if TYPE_CHECKING:
@@ -74,18 +77,22 @@ def best_tracker(training: TrainingParams) -> EarlyStopping | None:
         return stopping
     if training.best_checkpoint_metric == "none":
         return None
-    return EarlyStopping.for_metric(training.best_checkpoint_metric, max(1, training.epochs))
+    return EarlyStopping.for_metric(
+        training.best_checkpoint_metric, max(1, training.epochs), mode=training.best_checkpoint_mode
+    )
 
 
 def retention(training: TrainingParams) -> RetentionPolicy:
     """Which checkpoints keep their weights: the newest ``keep_checkpoints``, and the best by
     the best-checkpoint metric."""
     metric = None if training.best_checkpoint_metric == "none" else training.best_checkpoint_metric
-    maximised = metric is not None and problems.EPOCH_METRICS.get(metric) == "maximize"
+    mode = training.best_checkpoint_mode
+    if mode == "auto":
+        mode = "max" if problems.EPOCH_METRICS.get(metric or "") == "maximize" else "min"
     return RetentionPolicy(
         keep_last=training.keep_checkpoints,
         metric=metric,
-        mode="max" if maximised else "min",
+        mode=mode,
         metrics_file=METRICS_FILE,
         kept_files=(METRICS_FILE,),
     )
@@ -153,24 +160,6 @@ class EpochOutcome:
     metrics: dict[str, float]
     stop_requested: bool  # the run's stop file exists (on some worker)
     commit_due: bool  # rank 0's checkpoint budget has room for this epoch's weights
-
-
-def make_optimizer(name: str, params: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    import torch
-
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-
-
-def make_scheduler(name: str, optimizer: torch.optim.Optimizer, epochs: int) -> Any:
-    import torch
-
-    if name == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
 
 
 def precision_context(precision: str, device: torch.device) -> Any:
@@ -459,7 +448,11 @@ class EpochTrainer:
         self.extra_metrics = hooks.metrics_function(model)
         self.network = model  # what forward() runs: validation, evaluation and serving
         self.pipeline: model_parallel.Pipeline | None = None  # pp: this rank's stage
+        # What the model's self.log records, and the loop as a LightningModule sees it.
+        self.step_log = step_log.StepLog(self.device)
+        self.loop_state: hooks.LoopState | None = None
         if self.hooked:  # DDP wraps the steps; checkpoints hold the network's own state
+            model.to(self.device)  # a LightningModule's own .to() keeps its self.device right
             self.model = apply_strategy(hooks.step_module(model), "ddp", self.device, prepare_model)
             self.state_module = model
         else:
@@ -482,15 +475,45 @@ class EpochTrainer:
         # A RuntimeError in the forward of this process's first step is the model's own (a
         # shape its layers do not take): the same on every retry, so it ends the run.
         self.stepped = False
-        self.optimizer = hooks.configured_optimizer(model) or make_optimizer(
-            config.training.optimizer,
-            self.model.parameters(),
-            config.training.lr,
-            config.training.weight_decay,
+        shards = shards or {
+            split: open_shard(
+                config.data.splits_url,
+                config.data.layout,
+                split,
+                tuple(config.data.sample_shape),
+                self.data_rank,
+                self.data_world_size,
+            )
+            for split in ("train", "val")
+        }
+        self.train, self.val = shards["train"], shards["val"]
+        self.steps_per_epoch = math.ceil(self.train.rows / config.training.batch_size)
+        if self.hooked:
+            self.loop_state = hooks.LoopState(
+                max_epochs=config.training.epochs,
+                num_training_batches=self.steps_per_epoch,
+                world_size=world_size,
+                global_rank=rank,
+            )
+            hooks.attach(model, self.step_log, self.loop_state)
+        # The model's configure_optimizers() (any form Lightning accepts), else the flags'.
+        configured = (
+            optimization.configured(model) if hooks.defines(model, "configure_optimizers") else None
         )
-        self.scheduler = make_scheduler(
-            config.training.scheduler, self.optimizer, config.training.epochs
+        self.optimization = configured or optimization.default(
+            make_optimizer(
+                config.training.optimizer,
+                self.model.parameters(),
+                config.training.lr,
+                config.training.weight_decay,
+            ),
+            config.training.scheduler,
+            config.training.epochs,
         )
+        self.optimizer = self.optimization.optimizer
+        if self.loop_state is not None:
+            self.loop_state.optimizers = [self.optimizer]
+            self.loop_state.lr_scheduler_configs = self.optimization.schedulers
         # Loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's range.
         self.scaler = torch.amp.GradScaler(
             self.device.type, enabled=config.training.precision == "fp16"
@@ -509,36 +532,30 @@ class EpochTrainer:
         latest = self.store.latest()
         if latest is not None:
             self._restore(latest.files)
-        shards = shards or {
-            split: open_shard(
-                config.data.splits_url,
-                config.data.layout,
-                split,
-                tuple(config.data.sample_shape),
-                self.data_rank,
-                self.data_world_size,
-            )
-            for split in ("train", "val")
-        }
-        self.train, self.val = shards["train"], shards["val"]
         # The task's own validation pass (forward, the task's loss and metrics) is skipped when
         # the model's validation_step already returns every metric of it.
         self.task_validation = not self.hooked or not self._steps_cover_the_task()
         self._last_checkpoint = time.perf_counter()  # the seconds cadence counts from here
 
     def _steps_cover_the_task(self) -> bool:
-        """Whether the model's ``validation_step`` returns every validation metric of the
-        task (asked once, on two validation rows)."""
+        """Whether the model's ``validation_step`` returns or logs every validation metric of
+        the task (asked once, on two validation rows; what it logs there is forgotten)."""
         import torch
 
-        batch = hooks.batch_of(self.network, *self._on_device(*self.val.head(2)))
+        if not hooks.defines(self.network, "validation_step"):
+            return False
+        rows = self._on_device(*self.val.head(2))
+        batch = hooks.batch_of(self.network, *rows)
         was_training = self.network.training
         self.network.eval()
-        with torch.no_grad():
-            returned = hooks.checked_metrics(self.network.validation_step(batch, 0), self.network)  # type: ignore[operator]
+        with torch.no_grad(), self.step_log.hook("validation_step", len(rows[1])):
+            found = self.network.validation_step(batch, 0)  # type: ignore[operator]
+        returned = set(hooks.checked_metrics(found, self.network))
+        logged = set(self.step_log.names())
+        self.step_log.discard()
         self.network.train(was_training)
         task = {name for name in self.problem.epoch_metrics if name.startswith("val_")}
-        return task <= set(returned)
+        return task <= returned | logged
 
     def _on_device(
         self, features: np.ndarray, labels: np.ndarray
@@ -560,7 +577,11 @@ class EpochTrainer:
         except CheckpointError:  # written before optimiser state was flattened per parameter
             self._load_state(files, flatten=False)
         trainer_state = json.loads(files[TRAINER_STATE_FILE])
-        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        # One scheduler's state under "scheduler" before configure_optimizers' forms came.
+        schedulers = trainer_state.get("schedulers", [trainer_state.get("scheduler")])
+        self.optimization.load_state_dict([state for state in schedulers if state is not None])
+        if self.loop_state is not None:
+            self.loop_state.global_step = int(trainer_state.get("global_step", 0))
         if trainer_state.get("scaler"):
             self.scaler.load_state_dict(trainer_state["scaler"])
         epoch = int(trainer_state["epoch"])
@@ -618,6 +639,8 @@ class EpochTrainer:
         (the other ranks pass None). An epoch a mid-epoch checkpoint was restored from
         continues at the step after it.
         """
+        import torch
+
         from prefect_ml.integrations import devices
 
         config, model = self.config, self.model
@@ -626,7 +649,11 @@ class EpochTrainer:
         model.train()
         order = EpochOrder(config.training.seed, epoch, self.data_rank)
         first_step, loss_sum = self._epoch_start(epoch, order)  # loss summed on the device
-        steps = math.ceil(self.train.rows / config.training.batch_size)
+        steps = self.steps_per_epoch
+        lr = self.optimization.lr  # the rate this epoch starts with
+        if self.loop_state is not None:
+            self.loop_state.current_epoch, self.loop_state.training = epoch - 1, True
+            hooks.call_hook(self.network, "on_train_epoch_start", self.step_log)
         batches = self.train.batches(
             config.training.batch_size, order, self._on_device, skip=first_step
         )
@@ -637,7 +664,6 @@ class EpochTrainer:
                 files = self.snapshot(epoch, step=step + 1, loss_sum=loss_sum)
                 if committer is not None:
                     committer.submit_step(epoch, step + 1, files, blocked_since=blocked_since)
-        self.scheduler.step()
         train_seconds = time.perf_counter() - started
         val_batch = max(config.training.batch_size, 256)
         with precision_context(config.training.precision, self.device):
@@ -652,6 +678,8 @@ class EpochTrainer:
                 else []
             )
             model_sums = self._model_validation(val_batch)
+            if self.loop_state is not None:
+                hooks.call_hook(self.network, "on_train_epoch_end", self.step_log)
         # One rank per model replica adds its rows and validation sums (its loss sum is its
         # steps' losses: zero on the others, see _train_step), so the metrics are DDP's.
         share = 1.0 if self.reports else 0.0
@@ -675,6 +703,7 @@ class EpochTrainer:
                 train_seconds / max(1, steps - first_step),
                 sent.collectives,
                 sent.p2p_bytes,
+                float(self.step_log.logged_any),
                 float(stop),
                 float(due),
             ],
@@ -683,6 +712,11 @@ class EpochTrainer:
         columns = zip(*(row[: len(summed)] for row in rows), strict=True)
         train_rows, val_rows, seconds, *totals = [sum(column) for column in columns]
         model_metrics = dict(zip(model_sums, totals[1 + len(val_sums) :], strict=True))
+        logged = (
+            step_log.combine([json.loads(p) for p in collectives.gather_strings(self._logged())])
+            if any(row[-3] > 0 for row in rows)  # one more collective, for models that log
+            else {}
+        )
         metrics = {
             "train_loss": totals[0] / train_rows,
             **(
@@ -693,15 +727,25 @@ class EpochTrainer:
                 else {}
             ),
             **{name: total / val_rows for name, total in model_metrics.items()},
+            **logged,
+            "lr": lr,
             "samples_per_second": train_rows / (seconds / self.world_size),
             **self._per_rank_metrics([row[len(summed) : len(summed) + 4] for row in rows]),
             "workers": self.world_size,  # elastic groups change size between restarts
         }
+        self.optimization.after_epoch(epoch, steps, metrics)
+        if self.loop_state is not None:
+            self.loop_state.callback_metrics = {k: torch.tensor(v) for k, v in metrics.items()}
+            self.loop_state.training = False
         return EpochOutcome(
             metrics,
             stop_requested=any(row[-2] > 0 for row in rows),
             commit_due=rows[0][-1] > 0,
         )
+
+    def _logged(self) -> str:
+        """What this worker's model logged this epoch, as JSON for the epoch's gather."""
+        return json.dumps(self.step_log.take())
 
     def _per_rank_metrics(self, rows: list[list[float]]) -> dict[str, float]:
         """From each rank's peak memory, mean step time and what one step communicated (rank
@@ -749,6 +793,13 @@ class EpochTrainer:
             torch.cuda.set_rng_state(_tensor_of(state["cuda_rng"]), self.device)
         loss_sum += float(state["loss_sum"])
         return resume.step, loss_sum
+
+    @property
+    def scheduler(self) -> Any:
+        """The first learning-rate scheduler (the training section's, for a model without
+        ``configure_optimizers``), or None."""
+        schedulers = self.optimization.schedulers
+        return schedulers[0].scheduler if schedulers else None
 
     def _checkpoint_due(self, steps_done: int) -> bool:
         """Whether a checkpoint is due after ``steps_done`` steps of the epoch; the same answer
@@ -800,7 +851,10 @@ class EpochTrainer:
         try:
             with precision_context(self.config.training.precision, self.device):
                 if self.hooked:
-                    loss = model(hooks.batch_of(self.network, features, targets), step).float()
+                    self.step_log.enter("training_step", len(targets))
+                    returned = model(hooks.batch_of(self.network, features, targets), step)
+                    self.step_log.enter(None)
+                    loss = hooks.step_loss(returned, self.network, checked=not self.stepped)
                 else:
                     loss = self.loss(model(features), targets)
         except RuntimeError as exc:
@@ -815,6 +869,9 @@ class EpochTrainer:
         scaler.scale(loss).backward()
         scaler.step(self.optimizer)
         scaler.update()
+        self.optimization.after_batch(step)
+        if self.loop_state is not None:
+            self.loop_state.global_step += 1
         self.stepped = True
         return loss.detach() if self.reports else loss.detach() * 0.0
 
@@ -824,16 +881,21 @@ class EpochTrainer:
         workers' up); empty for a model without either hook."""
         import torch
 
-        if not (self.hooked or self.extra_metrics):
+        validates = self.hooked and hooks.defines(self.network, "validation_step")
+        if not (validates or self.extra_metrics):
             return {}
         sums: dict[str, torch.Tensor] = {}
         self.model.eval()
+        if self.loop_state is not None:
+            self.loop_state.validating = True
+            hooks.call_hook(self.network, "on_validation_epoch_start", self.step_log)
         with torch.no_grad():
             batches = self.val.batches(batch_size, None, self._on_device)
             for batch_idx, (features, targets) in enumerate(batches):
-                if self.hooked:
+                if validates:
                     batch = hooks.batch_of(self.network, features, targets)
-                    found = self.model(batch, batch_idx, True)
+                    with self.step_log.hook("validation_step", len(targets)):
+                        found = self.model(batch, batch_idx, True)
                     metrics = hooks.checked_metrics(found, self.network)
                 else:
                     assert self.extra_metrics is not None
@@ -845,6 +907,9 @@ class EpochTrainer:
                 for name, value in metrics.items():
                     weighted = value * len(targets)
                     sums[name] = sums[name] + weighted if name in sums else weighted
+        if self.loop_state is not None:
+            hooks.call_hook(self.network, "on_validation_epoch_end", self.step_log)
+            self.loop_state.validating = False
         return sums
 
     @property
@@ -914,7 +979,8 @@ class EpochTrainer:
         trainer_state = {
             "epoch": epoch,
             "seed": self.config.training.seed,
-            "scheduler": self.scheduler.state_dict(),
+            "schedulers": self.optimization.state_dict(),
+            "global_step": self.loop_state.global_step if self.loop_state else 0,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             **resume,
         }
@@ -986,6 +1052,24 @@ def stopped_early(
     return collectives.any_worker(early_stopping.decide(history) is not None, device)
 
 
+def check_monitored(training: TrainingParams, metrics: Mapping[str, float]) -> None:
+    """Refuse, after an epoch, an early-stopping or best-checkpoint metric that the epoch did
+    not produce (a name the model never logged), as Lightning's callbacks do."""
+    watched = []
+    if training.early_stopping() is not None:
+        watched.append(("training.early_stopping_metric", training.early_stopping_monitor))
+    if training.best_checkpoint_metric != "none":
+        watched.append(("training.best_checkpoint_metric", training.best_checkpoint_metric))
+    for field, metric in watched:
+        if metric not in metrics:
+            names = sorted(name for name in metrics if name.startswith(("train", "val")))
+            raise ConfigurationError(
+                field,
+                f"{metric!r} is not among the epoch's metrics {names}; name one of them, or "
+                "log it from the model's steps with self.log",
+            )
+
+
 def train_epochs(trainer: EpochTrainer) -> None:
     """A worker group's training: epochs from ``trainer.first_epoch`` until the last one, a stop
     request or early stopping, each committing a checkpoint.
@@ -1024,6 +1108,7 @@ def train_epochs(trainer: EpochTrainer) -> None:
         started = time.perf_counter()
         outcome = trainer.run_epoch(epoch, committer, budget)
         history[epoch] = outcome.metrics  # from the collective: the same on every worker
+        check_monitored(config.training, outcome.metrics)
         last = (
             epoch == config.training.epochs
             or outcome.stop_requested

@@ -38,10 +38,17 @@ checkpointing, resume and retention::
 A batch is ``(features, targets)``: a float32 tensor of ``(batch, *sample_shape)`` and the
 task's targets (class ids, or regression targets standardised as the data was prepared); a
 model with ``batch_format = "dict"`` gets ``{"features": ..., "targets": ...}`` instead.
-``validation_step`` metrics are logged as ``val_<name>`` (batch-size-weighted means over every
-worker's validation rows) next to the task's own, which ``forward`` still provides: evaluation,
-registration and serving call ``forward``. Hooked models train with ``--strategy ddp`` (the
-steps run inside DDP's forward); FSDP is refused for them.
+The steps log as a ``LightningModule`` does, with ``self.log``/``self.log_dict`` (see
+:mod:`integrations.step_log`); metrics ``validation_step`` returns, if it returns any, are
+logged as ``val_<name>`` (batch-size-weighted means over every worker's validation rows). Both
+come next to the task's own, which ``forward`` still provides: evaluation, registration and
+serving call ``forward`` (``test_step`` and ``predict_step``, when the model defines them, add
+test metrics and shape what serving returns). ``configure_optimizers`` may return any form
+Lightning accepts (:mod:`integrations.optimization`). The loop calls ``on_train_epoch_start``,
+``on_train_epoch_end``, ``on_validation_epoch_start`` and ``on_validation_epoch_end`` where
+Lightning does; a ``LightningModule`` reads ``self.current_epoch``, ``self.global_step`` and
+``self.trainer`` (a :class:`LoopState`) as under Lightning's ``Trainer``. Hooked models train
+with ``--strategy ddp`` (the steps run inside DDP's forward); FSDP is refused for them.
 
 Two simpler hooks keep the task's steps and change one part, on a plain model: a
 ``compute_loss(outputs, targets)`` method replaces the task's loss, and a
@@ -52,9 +59,11 @@ validation metrics.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.step_log import StepLog
 
 if TYPE_CHECKING:
     import torch
@@ -64,14 +73,16 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class TrainingModule(Protocol):
-    """A model that brings its own steps; ``configure_optimizers()`` is optional."""
+    """A model that brings its own steps; ``validation_step`` and ``configure_optimizers()``
+    are optional, as in Lightning."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """The loss of one batch: a scalar tensor that backpropagates to the parameters."""
         ...
 
-    def validation_step(self, batch: Any, batch_idx: int) -> Mapping[str, torch.Tensor]:
-        """Metrics of one batch, each a scalar tensor (a mean over the batch)."""
+    def validation_step(self, batch: Any, batch_idx: int) -> Mapping[str, torch.Tensor] | None:
+        """Metrics of one batch, each a scalar tensor (a mean over the batch), or None (the
+        step logs with ``self.log``)."""
         ...
 
 
@@ -97,19 +108,24 @@ def batch_of(model: Any, features: torch.Tensor, targets: torch.Tensor) -> Any:
     return features, targets
 
 
+def defines(model: Any, hook: str) -> bool:
+    """Whether ``model`` defines ``hook`` itself (a ``LightningModule``'s base class defines
+    every hook as a no-op, which does not count)."""
+    if not callable(getattr(model, hook, None)):
+        return False
+    method = getattr(type(model), hook, None)
+    return method is None or not getattr(method, "__module__", "").startswith(
+        ("lightning.", "pytorch_lightning.")
+    )
+
+
 def is_hooked(model: Any) -> bool:
     """Whether ``model`` brings its own training step."""
-    return callable(getattr(model, "training_step", None))
+    return defines(model, "training_step")
 
 
 def check_contract(model: Any, *, strategy: str) -> None:
     """Refuse a hooked model that cannot train here, naming the hook and the fix."""
-    if not callable(getattr(model, "validation_step", None)):
-        raise ConfigurationError(
-            "model.model",
-            f"{type(model).__name__} defines training_step but no validation_step(batch, "
-            "batch_idx) returning a dict of metrics; add it (see integrations/hooks.py)",
-        )
     if strategy == "fsdp":
         raise ConfigurationError(
             "training.strategy",
@@ -138,24 +154,35 @@ def check_loss(loss: Any, model: Any, hook: str = "training_step") -> None:
         raise ConfigurationError(
             f"model.{hook}",
             f"{type(model).__name__}.{hook} must return the batch's loss as a scalar "
-            f"tensor that requires grad, got {what}",
+            f"tensor that requires grad (or a dict holding it under 'loss'), got {what}",
         )
+
+
+def step_loss(returned: Any, model: Any, *, checked: bool = True) -> torch.Tensor:
+    """The loss ``training_step`` returned: the tensor, or a dict's ``"loss"`` (as Lightning
+    takes it), as float32; ``checked`` verifies it first (:func:`check_loss`)."""
+    loss = returned.get("loss") if isinstance(returned, Mapping) else returned
+    if checked:
+        check_loss(loss, model)
+    return loss.float()  # type: ignore[no-any-return,union-attr]
 
 
 def checked_metrics(
     metrics: Any, model: Any, hook: str = "validation_step"
 ) -> dict[str, torch.Tensor]:
     """``validation_step``'s (or ``compute_metrics``') dict of scalar tensors, keyed
-    ``val_<name>``."""
+    ``val_<name>``; a ``validation_step`` that returns nothing (it logs) adds none."""
     import torch
 
+    if metrics is None and hook == "validation_step":
+        return {}
     if not isinstance(metrics, Mapping) or not all(
         isinstance(v, torch.Tensor) and v.dim() == 0 for v in metrics.values()
     ):
         raise ConfigurationError(
             f"model.{hook}",
-            f"{type(model).__name__}.{hook} must return a dict of scalar tensors, "
-            f"got {type(metrics).__name__}",
+            f"{type(model).__name__}.{hook} must return a dict of scalar tensors (or "
+            f"nothing, logging with self.log), got {type(metrics).__name__}",
         )
     return {
         name if name.startswith("val_") else f"val_{name}": value.detach().double()
@@ -182,23 +209,115 @@ def step_module(model: torch.nn.Module) -> torch.nn.Module:
     return StepModule(model)
 
 
-def configured_optimizer(model: Any) -> torch.optim.Optimizer | None:
-    """The optimiser ``configure_optimizers()`` returns (alone, first of a list, or under the
-    ``"optimizer"`` key), or None without the hook."""
+@dataclass
+class LoopState:
+    """What a ``LightningModule`` reads of its trainer (``self.trainer``,
+    ``self.current_epoch``, ``self.global_step``, ``self.global_rank``), kept by the loop.
+
+    Epochs count from 0 as in Lightning (prefect-ml's epoch 1 is ``current_epoch`` 0);
+    ``global_step`` counts optimiser steps; ``callback_metrics`` holds the last finished
+    epoch's metrics as tensors, as Lightning's callbacks read them.
+    """
+
+    max_epochs: int
+    num_training_batches: int
+    world_size: int = 1
+    global_rank: int = 0
+    current_epoch: int = 0
+    global_step: int = 0
+    callback_metrics: dict[str, Any] = field(default_factory=dict)
+    training: bool = False
+    validating: bool = False
+    testing: bool = False
+    predicting: bool = False
+    sanity_checking: bool = False
+    should_stop: bool = False
+    barebones: bool = False
+    logger: Any = None
+    loggers: list[Any] = field(default_factory=list)
+    lr_scheduler_configs: list[Any] = field(default_factory=list)
+    optimizers: list[Any] = field(default_factory=list)
+    datamodule: Any = None
+
+    @property
+    def estimated_stepping_batches(self) -> int:
+        """Optimiser steps of the whole run (what ``OneCycleLR(total_steps=...)`` wants)."""
+        return self.max_epochs * self.num_training_batches
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def local_rank(self) -> int:
+        return self.global_rank
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def num_devices(self) -> int:
+        return self.world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return 1
+
+    @property
+    def logged_metrics(self) -> dict[str, Any]:
+        return self.callback_metrics
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, Any]:
+        return self.callback_metrics
+
+
+def attach(model: Any, log: StepLog, state: LoopState | None) -> None:
+    """Route ``model``'s ``self.log``/``self.log_dict`` to ``log`` and, on a
+    ``LightningModule``, make ``state`` its trainer (and its child modules')."""
+    model.log = log.log
+    model.log_dict = log.log_dict
+    if state is not None and hasattr(model, "_trainer"):
+        model.trainer = state
+
+
+def call_hook(model: Any, name: str, log: StepLog) -> None:
+    """Call ``model``'s epoch hook ``name`` if it defines one, logging into it."""
+    if defines(model, name):
+        with log.hook(name):
+            getattr(model, name)()
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a hooked model's steps did on a first batch: the metric names they return or log
+    (``names``) and those logged with ``prog_bar=True``."""
+
+    names: frozenset[str]
+    prog_bar: frozenset[str]
+
+
+def probe_steps(model: Any, features: torch.Tensor, targets: torch.Tensor, epochs: int) -> Probe:
+    """Run ``model``'s ``training_step`` (and ``validation_step``) once on a small batch, with
+    its logging and trainer attached as in training, and parse ``configure_optimizers()``: a
+    hook that breaks its contract fails here, naming the hook."""
     import torch
 
-    hook = getattr(model, "configure_optimizers", None)
-    if not callable(hook):
-        return None
-    configured = hook()
-    if isinstance(configured, Mapping):
-        configured = configured.get("optimizer")
-    if isinstance(configured, list | tuple) and configured:
-        configured = configured[0]
-    if not isinstance(configured, torch.optim.Optimizer):
-        raise ConfigurationError(
-            "model.configure_optimizers",
-            f"{type(model).__name__}.configure_optimizers must return a torch optimizer (or "
-            f"{{'optimizer': ...}}), got {type(configured).__name__}",
-        )
-    return configured
+    from prefect_ml.integrations import optimization
+
+    log = StepLog()
+    attach(model, log, LoopState(max_epochs=epochs, num_training_batches=1))
+    if defines(model, "configure_optimizers"):
+        optimization.configured(model)
+    batch = batch_of(model, features, targets)
+    with log.hook("training_step", len(targets)):
+        step_loss(model.training_step(batch, 0), model)
+    returned: dict[str, torch.Tensor] = {}
+    if defines(model, "validation_step"):
+        with torch.no_grad(), log.hook("validation_step", len(targets)):
+            returned = checked_metrics(model.validation_step(batch, 0), model)
+    names = frozenset(returned) | frozenset(log.names())
+    prog_bar = frozenset(log.prog_bar)
+    log.discard()
+    return Probe(names, prog_bar)

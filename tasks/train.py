@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import prefect.runtime
 from prefect import get_run_logger, task
@@ -42,6 +43,7 @@ from prefect_ml.tasks.retries import transient_retries
 __all__ = ["TrainResult", "train"]
 
 RESUMED_FROM_TAG = "prefect_ml.resumed_from_epoch"  # on runs: the checkpoint a resume started at
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     import torch
@@ -116,9 +118,11 @@ class EpochRecorder:
         epochs: int,
         lease: Lease | None = None,
         headline: str = "val_accuracy",
+        shown: tuple[str, ...] = (),
     ) -> None:
         self._client = tracking.client_for(tracking_uri)
         self._headline = headline  # the task's metric shown next to the loss
+        self._shown = shown  # and what the model logged with prog_bar=True
         self._lease = lease
         self._run_id, self._epochs = run_id, epochs
         self._store = CheckpointStore(checkpoint_url)
@@ -174,11 +178,12 @@ class EpochRecorder:
                 timeline.mark(f"epoch {epoch} committed (seen by the driver's 1 s poll)")
                 self._recorded_any = True
             self._logged.add(epoch)
-            line = (
-                f"train_loss {metrics['train_loss']:.4f}  "
-                f"{self._headline} {metrics[self._headline]:.4f}  "
-                f"{metrics['samples_per_second']:,.0f} samples/s"
-            )
+            shown = [
+                "train_loss",
+                *(name for name in (self._headline, *self._shown) if name != "train_loss"),
+            ]
+            values = "  ".join(f"{name} {metrics[name]:.4f}" for name in shown if name in metrics)
+            line = f"{values}  {metrics['samples_per_second']:,.0f} samples/s"
             self._logger.info("epoch %d/%d  %s", epoch, self._epochs, line)
             self._progress.update(self._bar, completed=len(self._logged), metrics=line)
 
@@ -205,14 +210,18 @@ def train_loop(
     )
 
 
-def check_model(params: TrainingSections, data: PreparedData) -> None:
-    """Refuse, before any run starts, a model that cannot train as asked: one without the
-    ``--gradient-checkpointing`` hook, or one whose own hooks (integrations.hooks: steps,
-    ``compute_loss``, ``compute_metrics``) break their contract.
+def check_model(params: TrainingSections, data: PreparedData) -> hooks.Probe | None:
+    """Refuse, before any run starts, a model that cannot train as asked: one whose factory
+    raises, one without the ``--gradient-checkpointing`` hook, or one whose own hooks
+    (integrations.hooks: steps, ``configure_optimizers``, ``compute_loss``,
+    ``compute_metrics``) break their contract. Returns what a hooked model's steps log.
 
-    The model is built on torch's meta device (no memory, no initialisation cost); a model
-    with hooks is then built on the CPU and tried once on two training rows, so a hook that
-    returns the wrong thing fails here, naming the hook, not in every worker.
+    The model is built on torch's meta device when it can be (no memory, no initialisation
+    cost), else on the CPU: a model whose construction computes with tensors (``.item()``,
+    pretrained weights) fails on meta but is valid. A model with hooks is built on the CPU and
+    tried once on two training rows, so a hook that returns the wrong thing fails here, naming
+    the hook, not in every worker. An error of the user's code is a :class:`TrainingCodeError`,
+    which no retry repeats.
     """
     import torch
 
@@ -220,8 +229,11 @@ def check_model(params: TrainingSections, data: PreparedData) -> None:
         options = params.model.factory_options()
         return catalog.build_model(params.model.model, data.sample_shape, data.num_classes, options)
 
-    with torch.device("meta"):
-        model = build()
+    try:
+        with torch.device("meta"):
+            model = build()
+    except Exception:  # the meta device is only an optimisation: build it for real
+        model = _users_code(build, params, "its factory")
     if params.training.gradient_checkpointing:
         catalog.check_gradient_checkpointing(model)
     training = params.training
@@ -232,24 +244,44 @@ def check_model(params: TrainingSections, data: PreparedData) -> None:
         name for name in ("compute_loss", "compute_metrics") if callable(getattr(model, name, None))
     ]
     if not (hooks.is_hooked(model) or own):
-        return
+        return None
     if hooks.is_hooked(model):
         hooks.check_contract(model, strategy=params.training.strategy)
-    model = build()
+    if next(iter(model.parameters()), torch.empty(0)).is_meta:
+        model = _users_code(build, params, "its factory")
     rows, raw_labels = data.shard("train").head(2)
     targets = data.problem.targets(raw_labels, data.target_mean, data.target_std)
     features, labels = torch.from_numpy(rows), torch.from_numpy(targets)
     if hooks.is_hooked(model):
-        hooked, batch = cast(hooks.TrainingModule, model), hooks.batch_of(model, features, labels)
-        hooks.check_loss(hooked.training_step(batch, 0), model)
-        with torch.no_grad():
-            hooks.checked_metrics(hooked.validation_step(batch, 0), model)
-        return
-    loss = hooks.loss_function(model, data.problem)(model(features), labels)
-    hooks.check_loss(loss, model, "compute_loss")
-    if extra := hooks.metrics_function(model):
-        with torch.no_grad():
-            hooks.checked_metrics(extra(model(features), labels), model, "compute_metrics")
+        epochs = params.training.epochs
+        return _users_code(
+            lambda: hooks.probe_steps(model, features, labels, epochs), params, "its hooks"
+        )
+
+    def steps() -> None:
+        loss = hooks.loss_function(model, data.problem)(model(features), labels)
+        hooks.check_loss(loss, model, "compute_loss")
+        if extra := hooks.metrics_function(model):
+            with torch.no_grad():
+                hooks.checked_metrics(extra(model(features), labels), model, "compute_metrics")
+
+    _users_code(steps, params, "its loss and metrics")
+    return None
+
+
+def _users_code(call: Callable[[], T], params: TrainingSections, what: str) -> T:
+    """``call()``, with an exception of the user's model code (not one of prefect-ml's, which
+    names its field already) as a :class:`TrainingCodeError`: deterministic, never retried."""
+    try:
+        return call()
+    except PrefectMLError:
+        raise
+    except Exception as exc:
+        raise TrainingCodeError(
+            f"the model {params.model.model} failed the pre-flight check of {what} on two "
+            f"training rows, before any worker started: {type(exc).__name__}: {exc}. Fix the "
+            "model's code; no retry would change this"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -345,12 +377,15 @@ def train_distributed(params: TrainingSections, data: PreparedData) -> TrainResu
     reopens the MLflow run or touches its uploads, and is released on the way out (a Prefect
     retry in this process takes it again).
     """
-    check_model(params, data)
+    probe = check_model(params, data)
+    shown = tuple(sorted(probe.prog_bar)) if probe else ()
     with training_lease(params, data.fingerprint) as lease:
-        return _train_holding(params, data, lease)
+        return _train_holding(params, data, lease, shown)
 
 
-def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -> TrainResult:
+def _train_holding(
+    params: TrainingSections, data: PreparedData, lease: Lease, shown: tuple[str, ...] = ()
+) -> TrainResult:
     logger = get_run_logger()
     settings = get_settings()
     client = tracking.client_for(settings.resolved_tracking_uri)
@@ -403,6 +438,7 @@ def _train_holding(params: TrainingSections, data: PreparedData, lease: Lease) -
         params.training.epochs,
         lease,
         headline=data.problem.headline,
+        shown=shown,
     )
     with recorder:  # also logs epochs a killed process committed but never logged
         # A run that already stopped early (before a crash) trains no further.

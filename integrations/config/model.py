@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from prefect_ml.integrations.catalog import resolve_model
+from prefect_ml.integrations.catalog import explicit_parameters, resolve_model
 from prefect_ml.integrations.config._base import Role, Section
 
 
@@ -39,6 +39,10 @@ class ModelParams(Section):
         return self
 
     def factory_options(self) -> dict[str, Any]:
-        """Options offered to the factory; it receives those its signature accepts."""
-        built_in = {"hidden": self.hidden, "depth": self.depth, "channels": self.channels}
-        return {**built_in, "dropout": self.dropout, **self.model_options}
+        """What the factory receives besides the shape: ``model_options``, and those of the
+        built-in models' fields (``hidden``, ``depth``, ``channels``, ``dropout``) that it
+        names in its signature (a ``**kwargs`` names none of them)."""
+        shape: dict[str, Any] = {"hidden": self.hidden, "depth": self.depth}
+        shape.update(channels=self.channels, dropout=self.dropout)
+        named = explicit_parameters(resolve_model(self.model))
+        return {**{k: v for k, v in shape.items() if k in named}, **self.model_options}

@@ -22,6 +22,9 @@ from prefect_ml.integrations.config.resources import (
 from prefect_ml.integrations.early_stopping import EarlyStopping
 from prefect_ml.integrations.resources import ResourceRequest, custom_resources
 
+# An epoch metric's name: the task's (val_loss) or one a model logs (val_acc, val/f1).
+METRIC_NAME = r"^[A-Za-z][A-Za-z0-9_./-]*$"
+
 
 class TrainingParams(Section):
     """How to train: workers, epochs, optimiser, fault tolerance."""
@@ -179,14 +182,20 @@ class TrainingParams(Section):
         description="Newest checkpoints that keep their weights; older ones keep only their "
         "metrics (the best one by the best-checkpoint metric is kept too).",
     )
-    best_checkpoint_metric: Annotated[
-        Literal["val_loss", "val_accuracy", "val_rmse", "val_mae", "val_r2", "none"],
-        Role.OPERATIONAL,
-    ] = Field(
+    best_checkpoint_metric: Annotated[str, Role.OPERATIONAL] = Field(
         "val_loss",
+        pattern=METRIC_NAME,
         title="Best-checkpoint metric",
-        description="Validation metric whose best epoch keeps its weights whatever its age "
-        "(one the task type produces); 'none' keeps only the newest.",
+        description="Epoch metric whose best epoch keeps its weights whatever its age: one the "
+        "task type produces (val_loss, val_accuracy, val_rmse, val_mae, val_r2) or, for a "
+        "model of your own, one it logs with self.log; 'none' keeps only the newest.",
+    )
+    best_checkpoint_mode: Annotated[Literal["auto", "min", "max"], Role.OPERATIONAL] = Field(
+        "auto",
+        title="Best-checkpoint mode",
+        description="Whether the best-checkpoint metric is best when lowest (min) or highest "
+        "(max); auto: the task metric's direction, min for any other (as Lightning's "
+        "ModelCheckpoint).",
     )
     early_stopping_patience: Annotated[int | None, Role.EARLY_STOPPING] = Field(
         None,
@@ -203,14 +212,20 @@ class TrainingParams(Section):
         title="Early-stopping min delta",
         description="How much an epoch must beat the best value so far to count as improving.",
     )
-    early_stopping_metric: Annotated[
-        Literal["val_loss", "val_accuracy", "val_rmse", "val_mae", "val_r2"] | None,
-        Role.EARLY_STOPPING,
-    ] = Field(
+    early_stopping_metric: Annotated[str | None, Role.EARLY_STOPPING] = Field(
         None,
+        pattern=METRIC_NAME,
         title="Early-stopping metric",
-        description="Validation metric early stopping watches (one the task type produces); by "
-        "default the best-checkpoint metric (val_loss when that is 'none').",
+        description="Epoch metric early stopping watches: one the task type produces or one "
+        "your model logs with self.log; by default the best-checkpoint metric (val_loss when "
+        "that is 'none').",
+    )
+    early_stopping_mode: Annotated[Literal["auto", "min", "max"], Role.EARLY_STOPPING] = Field(
+        "auto",
+        title="Early-stopping mode",
+        description="Whether the early-stopping metric improves downwards (min) or upwards "
+        "(max); auto: the task metric's direction, min for any other (as Lightning's "
+        "EarlyStopping).",
     )
     force: Annotated[bool, Role.OPERATIONAL] = Field(
         False,
@@ -298,8 +313,19 @@ class TrainingParams(Section):
         if not self.early_stopping_patience:
             return None
         return EarlyStopping.for_metric(
-            self.early_stopping_monitor, self.early_stopping_patience, self.early_stopping_min_delta
+            self.early_stopping_monitor,
+            self.early_stopping_patience,
+            self.early_stopping_min_delta,
+            self.early_stopping_direction,
         )
+
+    @property
+    def early_stopping_direction(self) -> Literal["auto", "min", "max"]:
+        """The early-stopping mode, which follows the best-checkpoint metric's when it watches
+        that metric."""
+        if self.early_stopping_mode == "auto" and self.early_stopping_metric is None:
+            return self.best_checkpoint_mode
+        return self.early_stopping_mode
 
     def identity(self) -> dict[str, Any]:
         """The values that shape the result: every field but the operational ones, and early
@@ -313,6 +339,8 @@ class TrainingParams(Section):
                 "min_delta": self.early_stopping_min_delta,
                 "metric": self.early_stopping_monitor,
             }
+            if self.early_stopping_direction != "auto":  # runs from before the field: auto
+                values["early_stopping"]["mode"] = self.early_stopping_direction
         return values
 
     @property

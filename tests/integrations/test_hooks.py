@@ -61,7 +61,7 @@ def test_a_hooked_model_trains_through_its_own_steps_and_resumes(tmp_path: Path)
 @pytest.mark.parametrize(
     ("model", "options", "training", "field", "words"),
     [
-        (STEPS, {"broken": "missing"}, {}, "model.model", "no validation_step"),
+        (STEPS, {"broken": "optimizers"}, {}, "model.configure_optimizers", "manual optim"),
         (STEPS, {"broken": "loss"}, {}, "model.training_step", "scalar tensor"),
         (STEPS, {"broken": "validation"}, {}, "model.validation_step", "dict of scalar tensors"),
         (STEPS, {}, {"strategy": "fsdp"}, "training.strategy", "use --strategy ddp"),

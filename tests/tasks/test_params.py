@@ -82,9 +82,14 @@ from prefect_ml.tasks.params import (
             "training.early_stopping_metric: classification produces no 'val_rmse'",
         ),
         (
-            {"training": {"early_stopping_metric": "train_loss"}},
+            {"training": {"early_stopping_metric": "val loss!"}},
             "training.early_stopping_metric",
-            "'val_loss', 'val_accuracy', 'val_rmse', 'val_mae' or 'val_r2'",
+            "String should match pattern",
+        ),
+        (
+            {"training": {"early_stopping_patience": 2, "early_stopping_metric": "val_acc"}},
+            "",
+            "classification produces no 'val_acc'",  # the built-in MLP logs nothing of its own
         ),
         ({"training": {"early_stopping_patience": -1}}, "training.early_stopping_patience", "0"),
         ({"training": {"early_stopping_min_delta": -1}}, "training.early_stopping_min_delta", "0"),
@@ -172,6 +177,7 @@ def test_the_role_marked_on_a_field_decides_the_run_identity_and_the_search_spac
         "early_stopping_patience",
         "early_stopping_min_delta",
         "early_stopping_metric",
+        "early_stopping_mode",
     }
     marked = fields_with(ModelParams, *Role) | fields_with(TrainingParams, *Role)
     assert {"model", "workers", "use_gpu", "strategy", "force"} <= marked
