@@ -144,8 +144,9 @@ def cli_page() -> str:
         "Flags that set a flow parameter mirror its name in kebab-case "
         "(`training.batch_size` → `--batch-size`); their types, defaults and checks are on the "
         "[parameters page](parameters.md). Mapping-valued options take inline JSON or YAML, or "
-        "the path of a JSON/YAML file. Invalid values exit with status 2 and a table naming "
-        "each bad parameter, before any Ray, MLflow or storage resource is touched.",
+        "the path of a JSON/YAML file; booleans come in pairs (`--use-gpu/--no-use-gpu`). "
+        "Invalid values exit with status 2 and a table naming each bad parameter, before any "
+        "Ray, MLflow or storage resource is touched.",
         "",
         "```text",
         _cell(app.help or ""),
