@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -35,7 +36,7 @@ from prefect_ml.integrations.config.resources import (
     resources_field,
     to_bytes,
 )
-from prefect_ml.integrations.config.training import TrainingParams
+from prefect_ml.integrations.config.training import METRIC_NAME, TrainingParams
 from prefect_ml.integrations.resources import ResourceRequest, custom_resources
 
 EPOCH_METRICS = tuple(problems.EPOCH_METRICS)  # of every task type; each flow checks its own
@@ -240,9 +241,14 @@ class SweepParams(Section):
             raise ValueError("search_space is empty; name at least one parameter to tune")
         if not self.objectives:
             raise ValueError("objectives is empty; e.g. {'val_accuracy': 'maximize'}")
-        unknown = [name for name in self.objectives if name not in EPOCH_METRICS]
+        # A model of one's own may log its objective (self.log): any metric name; the flow
+        # checks a built-in model's against its task type.
+        unknown = [name for name in self.objectives if not re.fullmatch(METRIC_NAME, name)]
         if unknown:
-            raise ValueError(f"unknown objective {unknown}; choose from {list(EPOCH_METRICS)}")
+            raise ValueError(
+                f"objective {unknown} is not a metric name; choose from {list(EPOCH_METRICS)} "
+                "or a metric your model logs"
+            )
         if len(self.objectives) > 1 and "pruner" in self.model_fields_set and self.pruner != "none":
             raise ValueError("pruning needs a single objective; set --pruner none")
         if self.trial_accelerator_type and not self.trial_gpus:

@@ -288,3 +288,17 @@ def test_a_hooked_model_without_validation_step_trains(tmp_path: Path) -> None:
     assert not hooks.defines(trainer.network, "validation_step")
     metrics = trainer.train_epoch(1)
     assert {"train_loss", "val_loss", "val_accuracy"} <= set(metrics)
+
+
+def test_a_campaign_may_optimise_what_a_model_of_one_s_own_logs(examples_allowed: None) -> None:
+    """A logged metric is a valid objective for a user model; the built-in MLP logs nothing,
+    so the same objective is refused for it, naming the task's metrics."""
+    from pydantic import ValidationError
+
+    from prefect_ml.tasks.params import CampaignParams
+
+    sweep = {"n_trials": 2, "objectives": {"val_acc": "maximize"}}
+    own = CampaignParams.model_validate({"model": {"model": EXAMPLE}, "sweep": sweep})
+    assert own.sweep.objectives == {"val_acc": "maximize"}
+    with pytest.raises(ValidationError, match="produces no \\['val_acc'\\]"):
+        CampaignParams.model_validate({"sweep": sweep})

@@ -258,7 +258,7 @@ def test_worker_request_carries_gpu_type_and_memory() -> None:
         ({"concurrency": 0}, "sweep.concurrency", "greater than or equal to 1"),
         ({"timeout_seconds": -5}, "sweep.timeout_seconds", "greater than 0"),
         ({"n_trials": None}, "sweep", "set a budget: n_trials and/or timeout_seconds"),
-        ({"objectives": {"accuracy": "maximize"}}, "sweep", "unknown objective ['accuracy']"),
+        ({"objectives": {"val acc!": "maximize"}}, "sweep", "['val acc!'] is not a metric name"),
         (
             {
                 "objectives": {"val_accuracy": "maximize", "val_loss": "minimize"},
