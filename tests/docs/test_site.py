@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from types import ModuleType
 
@@ -50,10 +51,26 @@ def page(site: Path, path: str) -> str:
     return (site / path / "index.html").read_text()
 
 
-def test_the_site_builds_strictly_and_lists_every_command(site: Path) -> None:
+def test_the_site_builds_strictly_and_lists_every_command_and_flag(site: Path) -> None:
     cli = page(site, "reference/cli")
-    for name in app.commands:
-        assert f"prefect-ml {name}" in cli
+    for name, command in app.commands.items():
+        section = cli.split(f'id="prefect-ml-{name}"', 1)[1].split("<h2", 1)[0]
+        for option in command.params:
+            assert option.opts[0] in section or option.human_readable_name in section, (
+                f"prefect-ml {name} {option.opts[0]}"
+            )
+
+
+def test_the_parameters_page_lists_every_field_of_every_flow(site: Path) -> None:
+    from prefect_ml.tasks import params
+
+    parameters = page(site, "reference/parameters")
+    for model in (params.PipelineParams, params.ServeModelParams, params.PredictParams):
+        for name, field in model.model_fields.items():
+            models = [field.annotation, *typing.get_args(field.annotation)]
+            section = next((m for m in models if isinstance(m, type) and m is not type(None)), None)
+            for leaf in getattr(section, "model_fields", None) or [name]:
+                assert f"<code>{leaf}</code>" in parameters, f"{model.__name__}: {leaf}"
 
 
 def test_the_settings_page_lists_every_setting(site: Path) -> None:
