@@ -171,7 +171,7 @@ def test_a_campaign_trial_receives_the_same_sections_with_its_tuned_values(
         }
     )
     identity = CampaignIdentity(name="c", key="c@0", checkpoint_root="file:///campaign")
-    planner = TrialPlanner(params, _prepared(), identity, home)
+    planner = TrialPlanner.of(params, _prepared(), identity, home)
     loop = planner.trial_loop({"lr": 0.05}, "file:///campaign/trial-00003", 3)
     received = _on_a_worker(loop)
     _assert_arrives(received, {**values, "lr": 0.05, "early_stopping_patience": None})
