@@ -16,11 +16,11 @@ from typing import Any
 
 # training.json's modes, as BENCHMARKS.md names them
 TRAINING_MODES = {
-    "a-bare": "bare torch DDP",
-    "b-ray": "Ray Train, per-step reporting",
-    "b-lean": "Ray Train, lean loop",
-    "c-ours": "prefect-ml",
-    "d-hooked": "prefect-ml, hooks",
+    "a-bare": "plain PyTorch, one process",
+    "b-ray": "Ray Train, a report every epoch",
+    "b-lean": "Ray Train, one report",
+    "c-ours": "prefect-ml train",
+    "d-hooked": "prefect-ml train, a hooked model",
 }
 
 
@@ -76,7 +76,7 @@ def training(results: dict[str, Any]) -> str:
         axes.set_yscale("log")
         axes.set_ylabel("samples / s (log)")
         machine = results["machine"]
-        axes.set_title(f"Training loops, 2 workers ({machine['cpus']} CPUs)")
+        axes.set_title(f"Training throughput, {machine['cpus']} CPUs (Ray modes: 2 workers)")
         axes.legend(fontsize=7)
 
     return _svg(draw)
