@@ -245,10 +245,10 @@ def parameters_page() -> str:
     lines = [
         "# Flow parameters",
         "",
-        "Every flow takes one parameter, `params`: a pydantic model whose nested sections the "
-        "Prefect UI renders as a form and the server validates (the message names the field: "
-        "`params.training.epochs`). The CLI's flags and the public tasks' keyword options are "
-        "the same fields. Generated from `tasks/params.py` and `integrations/config/`.",
+        "Every flow takes one parameter, `params`: a pydantic model of nested sections, which "
+        "the Prefect UI renders as a [form](../how-to/deployments.md#parameter-forms). The "
+        "CLI's flags and the public tasks' keyword options are the same fields. Generated from "
+        "`tasks/params.py` and `integrations/config/`.",
         "",
         "| flow | entrypoint | `params` | sections |",
         "|---|---|---|---|",
