@@ -34,6 +34,7 @@ _EXPORTS = {
     "hpo_campaign": "prefect_ml.flows.sweep",
     "serve_model": "prefect_ml.flows.serve",
     "TrainingModule": "prefect_ml.integrations.hooks",
+    "SearchSpace": "prefect_ml.integrations.search_spaces",
     "PrefectMLSettings": "prefect_ml.integrations.settings",
     "get_settings": "prefect_ml.integrations.settings",
     "PrefectMLError": "prefect_ml.integrations.errors",
@@ -59,6 +60,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
         PrefectMLError as PrefectMLError,
     )
     from prefect_ml.integrations.hooks import TrainingModule as TrainingModule
+    from prefect_ml.integrations.search_spaces import SearchSpace as SearchSpace
     from prefect_ml.integrations.settings import (
         PrefectMLSettings as PrefectMLSettings,
     )

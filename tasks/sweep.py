@@ -75,14 +75,17 @@ def campaign(
             (:class:`~prefect_ml.tasks.params.SweepParams`: ``campaign``, ``search_space``,
             ``objectives``, ``sampler``, ``pruner``, ``n_trials``, ``timeout_seconds``,
             ``concurrency``, ...) and the fixed values of every trial (model and training
-            fields, as for :func:`~prefect_ml.train`).
+            fields, as for :func:`~prefect_ml.train`). ``search_space`` may be the
+            define-by-run function itself (``space(trial) -> dict``, see
+            :class:`~prefect_ml.integrations.search_spaces.SearchSpace`).
 
     Returns:
         The campaign's counts, its best trial(s) with their parameters (``best_params``) and
         the trial table (``trials``, best first).
 
     Raises:
-        ConfigurationError: an unknown or invalid option, before any trial runs.
+        ConfigurationError: an unknown or invalid option, or a search space that cannot
+            run (asked for one trial first), before any trial runs.
         CampaignFailedError: the budget was spent and no trial completed.
     """
     params = params_on_data(
