@@ -206,6 +206,10 @@ class MlflowServer:
                 env={
                     **os.environ,
                     "MLFLOW_S3_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
+                    # MLflow 3's job runner (GenAI jobs, unused here) starts seven huey consumer
+                    # processes beside the server: about 40 s of CPU at start-up, and they outlive
+                    # a terminated server.
+                    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
                     # mlflow starts uvicorn by name: the virtualenv's bin must be on PATH.
                     "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
                 },
