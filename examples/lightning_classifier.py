@@ -1,6 +1,7 @@
 """A ``lightning.LightningModule`` written as Lightning's documentation writes it, trained by
 prefect-ml unchanged: ``self.log`` in its steps, nothing returned from ``validation_step``, a
-``StepLR`` scheduler stepped every epoch, and a shape computed with tensors in ``__init__``.
+``StepLR`` scheduler stepped every epoch, a shape computed with tensors in ``__init__``, a
+``test_step`` that evaluation runs and a ``predict_step`` that serving runs.
 
     export PREFECT_ML_ALLOWED_MODULES=examples
     prefect-ml train --model examples.lightning_classifier:build --workers 2 --epochs 6 \\
@@ -22,7 +23,12 @@ from torch import nn
 
 class LitClassifier(L.LightningModule):
     def __init__(
-        self, input_shape: tuple[int, ...], num_classes: int, hidden: int = 64, lr: float = 0.1
+        self,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        hidden: int = 64,
+        lr: float = 0.1,
+        temperature: float = 2.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -46,6 +52,13 @@ class LitClassifier(L.LightningModule):
         self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
         acc = (logits.argmax(dim=1) == y).float().mean()
         self.log("val_acc", acc, prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_acc", (self(x).argmax(dim=1) == y).float().mean())
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self(batch) / self.hparams.temperature  # calibrated logits for serving
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)

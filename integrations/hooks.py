@@ -58,10 +58,11 @@ validation metrics.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from prefect_ml.integrations import step_log
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.step_log import StepLog
 
@@ -171,10 +172,11 @@ def checked_metrics(
     metrics: Any, model: Any, hook: str = "validation_step"
 ) -> dict[str, torch.Tensor]:
     """``validation_step``'s (or ``compute_metrics``') dict of scalar tensors, keyed
-    ``val_<name>``; a ``validation_step`` that returns nothing (it logs) adds none."""
+    ``val_<name>`` (``test_step``'s: ``test_<name>``); a step that returns nothing (it logs)
+    adds none."""
     import torch
 
-    if metrics is None and hook == "validation_step":
+    if metrics is None and hook in ("validation_step", "test_step"):
         return {}
     if not isinstance(metrics, Mapping) or not all(
         isinstance(v, torch.Tensor) and v.dim() == 0 for v in metrics.values()
@@ -184,8 +186,9 @@ def checked_metrics(
             f"{type(model).__name__}.{hook} must return a dict of scalar tensors (or "
             f"nothing, logging with self.log), got {type(metrics).__name__}",
         )
+    prefix = "test_" if hook == "test_step" else "val_"
     return {
-        name if name.startswith("val_") else f"val_{name}": value.detach().double()
+        name if name.startswith(prefix) else f"{prefix}{name}": value.detach().double()
         for name, value in sorted(metrics.items())
     }
 
@@ -321,3 +324,50 @@ def probe_steps(model: Any, features: torch.Tensor, targets: torch.Tensor, epoch
     prog_bar = frozenset(log.prog_bar)
     log.discard()
     return Probe(names, prog_bar)
+
+
+def test_step_metrics(
+    model: Any, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, float]:
+    """What ``model``'s ``test_step`` logs (``self.log``) or returns over ``batches`` of the
+    test split, then its ``on_test_epoch_end``, as ``test_<name>`` epoch values; empty for a
+    model without ``test_step``. One process: the evaluation's."""
+    import torch
+
+    if not defines(model, "test_step"):
+        return {}
+    log, state = StepLog(), LoopState(max_epochs=0, num_training_batches=0, testing=True)
+    attach(model, log, state)
+    returned: dict[str, list[float]] = {}
+    model.eval()
+    with torch.no_grad():
+        for batch_idx, (features, targets) in enumerate(batches):
+            with log.hook("test_step", len(targets)):
+                found = model.test_step(batch_of(model, features, targets), batch_idx)
+            for name, value in checked_metrics(found, model, "test_step").items():
+                totals = returned.setdefault(name, [0.0, 0.0])
+                totals[0] += float(value) * len(targets)
+                totals[1] += len(targets)
+        call_hook(model, "on_test_epoch_end", log)
+    means = {name: total / rows for name, (total, rows) in returned.items() if rows}
+    return {**means, **step_log.combine([log.take()])}
+
+
+def served_module(model: torch.nn.Module) -> torch.nn.Module:
+    """What serving and batch scoring run: ``model``, or with a ``predict_step`` of its own a
+    module whose forward is ``predict_step(features, 0)`` (a batch of features, as Lightning's
+    default ``predict_step`` takes it)."""
+    from torch import nn
+
+    if not defines(model, "predict_step"):
+        return model
+
+    class PredictStep(nn.Module):
+        def __init__(self, network: nn.Module) -> None:
+            super().__init__()
+            self.network = network
+
+        def forward(self, features: torch.Tensor) -> Any:
+            return self.network.predict_step(features, 0)  # type: ignore[operator]
+
+    return PredictStep(model).eval()

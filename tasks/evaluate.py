@@ -7,7 +7,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import ray_cluster, shards, streaming, tracking
+from prefect_ml.integrations import hooks, ray_cluster, shards, streaming, tracking
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.data import PreparedData
@@ -75,7 +75,8 @@ def predicted_figure(predictions: np.ndarray, actual: np.ndarray):  # type: igno
     return figure
 
 
-Scored = tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]  # test sums; predicted and actual
+# test sums; predicted and actual; what the model's own test_step logs (test_<name>)
+Scored = tuple[np.ndarray, tuple[np.ndarray, np.ndarray], dict[str, float]]
 
 
 def _score_here(trained: TrainResult, scored: PreparedData) -> Scored:
@@ -89,8 +90,13 @@ def _score_here(trained: TrainResult, scored: PreparedData) -> Scored:
         outputs = torch.cat([model(batch) for batch in batches]).float().numpy()
     if trained.data.task == "regression":  # the model predicts standardised targets
         outputs = outputs * trained.data.target_std + trained.data.target_mean
-    sums = trained.data.problem.test_sums(outputs, labels, scored.num_classes)
-    return sums, (outputs.reshape(-1), labels)
+    problem = trained.data.problem
+    sums = problem.test_sums(outputs, labels, scored.num_classes)
+    targets = torch.from_numpy(
+        problem.targets(labels, trained.data.target_mean, trained.data.target_std)
+    )
+    batches = zip(torch.from_numpy(features).split(512), targets.split(512), strict=True)
+    return sums, (outputs.reshape(-1), labels), hooks.test_step_metrics(model, batches)
 
 
 def _score_on_cluster(trained: TrainResult, scored: PreparedData) -> Scored:
@@ -107,7 +113,10 @@ def _score_on_cluster(trained: TrainResult, scored: PreparedData) -> Scored:
     }
     files = shards.read_manifest(scored.splits_url)["test"]
     with ray_cluster.ray_session(get_settings()):
-        return streaming.score_split(scored.splits_url, files, trained.checkpoint_url, loop)
+        sums, outputs = streaming.score_split(
+            scored.splits_url, files, trained.checkpoint_url, loop
+        )
+    return sums, outputs, {}  # a test_step runs on in-memory splits only
 
 
 def evaluate_model(trained: TrainResult, data: PreparedData | None = None) -> Evaluation:
@@ -131,10 +140,11 @@ def evaluate_model(trained: TrainResult, data: PreparedData | None = None) -> Ev
 
     problem = trained_on.problem
     if scored.layout == "parquet":  # scored by Ray Data actors on the cluster
-        sums, (predicted, actual) = _score_on_cluster(trained, scored)
+        sums, (predicted, actual), own = _score_on_cluster(trained, scored)
     else:
-        sums, (predicted, actual) = _score_here(trained, scored)
+        sums, (predicted, actual), own = _score_here(trained, scored)
     metrics = problem.scores(sums, scored.num_classes)
+    metrics.update({name.removeprefix("test_"): value for name, value in own.items()})
     matrix = None
     if problem.name == "regression":
         figure = predicted_figure(predicted, actual)

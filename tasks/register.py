@@ -13,7 +13,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import alerts, problems, storage, tracking
+from prefect_ml.integrations import alerts, hooks, problems, storage, tracking
 from prefect_ml.integrations.catalog import taking_float64, with_standardizer, with_target_scale
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.problems import Direction
@@ -145,7 +145,8 @@ def register_model(
     std = storage.read_array(storage.statistic_url(data.splits_url, "std"))
     test_rows, _ = data.shard("test").head(INPUT_EXAMPLE_ROWS)
     raw_example = (test_rows * std + mean).astype("float32")
-    served = with_standardizer(model, mean, std, data.sample_shape)
+    # A model's own predict_step (Lightning's) is what serving and batch scoring run.
+    served = with_standardizer(hooks.served_module(model), mean, std, data.sample_shape)
     if data.task == "regression":
         served = with_target_scale(served, data.target_mean, data.target_std)
     input_dtype = "float32"

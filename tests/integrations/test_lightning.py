@@ -302,3 +302,21 @@ def test_a_campaign_may_optimise_what_a_model_of_one_s_own_logs(examples_allowed
     assert own.sweep.objectives == {"val_acc": "maximize"}
     with pytest.raises(ValidationError, match="produces no \\['val_acc'\\]"):
         CampaignParams.model_validate({"sweep": sweep})
+
+
+def test_test_step_scores_the_test_split_and_predict_step_is_what_serves(
+    tmp_path: Path, examples_allowed: None
+) -> None:
+    """Evaluation adds what test_step logs (test_acc); registration exports predict_step's
+    output (here logits over a temperature) instead of forward's."""
+    trainer = blob_trainer((tmp_path / "run").as_uri(), model=EXAMPLE, epochs=2)
+    trainer.train_epoch(1)
+    features, labels = (torch.from_numpy(a) for a in trainer.val.head(trainer.val.rows))
+    batches = zip(features.split(32), labels.split(32), strict=True)
+    metrics = hooks.test_step_metrics(trainer.network, batches)
+    accuracy = (trainer.network(features).argmax(dim=1) == labels).double().mean()
+    assert metrics == {"test_acc": pytest.approx(float(accuracy))}
+    served = hooks.served_module(trainer.network)
+    exported = torch.export.export(served, (features[:4],)).module()
+    torch.testing.assert_close(exported(features[:4]), trainer.network(features[:4]) / 2.0)
+    assert hooks.served_module(torch.nn.Linear(4, 3)).__class__ is torch.nn.Linear

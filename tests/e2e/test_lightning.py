@@ -1,0 +1,107 @@
+"""examples/lightning_classifier.py, a LightningModule written as Lightning's documentation
+writes it, trained with DDP on 2 Ray workers through ``prefect-ml train`` and through the
+``train`` task in a user's flow: its self.log'ged metrics reach MLflow every epoch, its StepLR
+halves the learning rate every epoch, early stopping watches its own val_acc, evaluation runs its
+test_step, and the registered model (its predict_step) serves (full tier: tests/e2e/ outside
+tests/tiers.py's entry points)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+from prefect import flow
+from ray import serve
+
+from prefect_ml import preprocess, train
+from prefect_ml.flows.serve import serve_model
+from prefect_ml.integrations import tracking
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.params import ServeModelParams
+from tests.conftest import REPO_ROOT
+from tests.helpers import cli_env, free_port
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "examples.lightning_classifier:build"
+# val_acc is logged by the model's validation_step; no epoch after the first beats it by 0.5, so
+# with patience 1 training stops after epoch 2 of 6.
+STOPPING = {
+    "early_stopping_patience": 1,
+    "early_stopping_metric": "val_acc",
+    "early_stopping_mode": "max",
+    "early_stopping_min_delta": 0.5,
+}
+
+
+def _check_run(home: PrefectMLSettings, run_id: str) -> None:
+    client = tracking.client_for(home.resolved_tracking_uri)
+    run = client.get_run(run_id)
+    assert run.data.tags["prefect_ml.worker_group_size"] == "2"
+    for name in ("val_acc", "val_loss", "train_loss_epoch", "train_loss_step"):  # self.log'ged
+        history = client.get_metric_history(run_id, name)
+        assert [m.step for m in history] == [1, 2], (name, history)
+    assert [m.value for m in client.get_metric_history(run_id, "lr")] == [0.1, 0.05]  # StepLR
+    assert run.data.metrics["val_acc"] > 0.85  # digits: a mean over both workers' rows
+    assert "epoch 2 of 6; best epoch 1 (val_acc" in run.data.tags[tracking.EARLY_STOPPED_TAG]
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_the_lightning_example_trains_on_two_workers_through_the_cli_and_serves(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    command = [sys.executable, "-m", "prefect_ml.flows.cli", "train", "--model", MODEL]
+    command += ["--workers", "2", "--epochs", "6", "--model-name", "lit-digits"]
+    for name, value in STOPPING.items():
+        command += [f"--{name.replace('_', '-')}", str(value)]
+    env = cli_env(home.home_dir)
+    env["PREFECT_ML_ALLOWED_MODULES"] = "examples,tests.fixtures"
+    run = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-4000:]
+    assert "val_acc" in output and "train_loss_epoch" in output  # prog_bar=True: the CLI line
+    assert "self.trainer` reference is not registered" not in output  # no Lightning warnings
+
+    client = tracking.client_for(home.resolved_tracking_uri)
+    version = client.get_model_version("lit-digits", "1")
+    _check_run(home, version.run_id)
+    metrics = client.get_run(version.run_id).data.metrics
+    assert metrics["test_acc"] == pytest.approx(metrics["test_accuracy"])  # its test_step
+
+    monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "examples,tests.fixtures")
+    port = free_port()
+    served = serve_model(
+        ServeModelParams(model_name="lit-digits", serving={"port": port, "replica_cpus": 0.25})
+    )
+    try:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        rows = digits.images[:64].reshape(64, -1).tolist()
+        response = httpx.post(f"{served.url}/predict", json={"inputs": rows}, timeout=30)
+        assert response.status_code == 200, response.text
+        predicted = np.asarray(response.json()["predictions"]).astype(int)
+        assert (predicted == digits.target[:64]).mean() > 0.85
+    finally:
+        for app_name in serve.status().applications:
+            serve.delete(app_name)
+        serve.shutdown()
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_the_lightning_example_trains_through_the_train_task_in_a_user_s_flow(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "examples,tests.fixtures")
+
+    @flow
+    def my_flow() -> str:
+        data = preprocess(dataset="digits")
+        return train(data, model=MODEL, workers=2, epochs=6, **STOPPING).run_id
+
+    _check_run(home, my_flow())
