@@ -13,6 +13,7 @@ import torch
 
 from examples import wine
 from prefect_ml.integrations import catalog
+from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.tasks.params import TrainModelParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -62,3 +63,22 @@ def test_the_own_model_example_meets_the_contracts(monkeypatch: pytest.MonkeyPat
     hidden = list(model.children())[1]
     assert isinstance(hidden, torch.nn.Linear) and hidden.out_features == 128  # the option
     assert catalog.resolve_model("examples.wine:build") is wine.build
+
+
+def test_the_alert_blocks_example_saves_blocks_that_deploy_accepts() -> None:
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock, SlackWebhook
+
+    from examples import alert_blocks
+    from prefect_ml.integrations import alerts
+
+    alert_blocks.save_alert_blocks()
+    alert_blocks.save_alert_blocks()  # again: updated, not refused
+    assert SlackWebhook.load("ml-alerts").url.get_secret_value().startswith("https://hooks.")
+    custom = CustomWebhookNotificationBlock.load("ml-alerts")
+    assert custom.json_data == {"subject": "{{subject}}", "body": "{{body}}"}
+    # as the page says: NAME, or TYPE/NAME where several block types share the name
+    assert alerts.find_notification_block("slack-webhook/ml-alerts").reference == (
+        "slack-webhook/ml-alerts"
+    )
+    with pytest.raises(ConfigurationError, match="several notification blocks"):
+        alerts.find_notification_block("ml-alerts")
