@@ -653,7 +653,15 @@ class EpochTrainer:
         lr = self.optimization.lr  # the rate this epoch starts with
         if self.loop_state is not None:
             self.loop_state.current_epoch, self.loop_state.training = epoch - 1, True
-            hooks.call_hook(self.network, "on_train_epoch_start", self.step_log)
+            try:
+                hooks.call_hook(self.network, "on_train_epoch_start", self.step_log)
+            except RuntimeError as exc:  # before the first step: the model's own, every time
+                if self.stepped:
+                    raise
+                raise ModelStepError(
+                    f"the model {config.model.model}'s on_train_epoch_start failed before its "
+                    f"first training step: {exc}. Fix the hook"
+                ) from exc
         batches = self.train.batches(
             config.training.batch_size, order, self._on_device, skip=first_step
         )

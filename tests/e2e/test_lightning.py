@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import httpx
 import numpy as np
@@ -95,13 +96,49 @@ def test_the_lightning_example_trains_on_two_workers_through_the_cli_and_serves(
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_the_lightning_example_trains_through_the_train_task_in_a_user_s_flow(
-    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+    home: PrefectMLSettings,
 ) -> None:
-    monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "examples,tests.fixtures")
-
     @flow
     def my_flow() -> str:
         data = preprocess(dataset="digits")
-        return train(data, model=MODEL, workers=2, epochs=6, **STOPPING).run_id
+        # the example's module, through a factory under the session Ray's allowed prefix
+        model = "tests.fixtures.lightning_code:lit_classifier"
+        return train(data, model=model, workers=2, epochs=6, **STOPPING).run_id
 
     _check_run(home, my_flow())
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_factory_that_raises_fails_the_train_task_once_without_retries(
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40, finding 5: a TypeError of the user's factory was retried twice with 20-70 s of
+    back-off; it is the user's code, so the task fails at its first run, naming the error."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from prefect_ml.integrations.errors import TrainingCodeError
+
+    monkeypatch.setenv("PREFECT_ML_TASK_RETRIES", "2")
+
+    @flow
+    def my_flow() -> None:
+        data = preprocess(dataset="tests.fixtures.user_code:blobs")
+        train(data, model="tests.fixtures.lightning_code:kwargs_only", model_options={"depth": 2})
+
+    state = my_flow(return_state=True)
+    with pytest.raises(TrainingCodeError, match="TypeError: kwargs_only got unexpected"):
+        state.result()
+
+    async def task_runs() -> list[Any]:
+        async with get_client() as client:
+            return await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(
+                    id=FlowRunFilterId(any_=[state.state_details.flow_run_id])
+                )
+            )
+
+    (run,) = [r for r in asyncio.run(task_runs()) if r.name.startswith("train")]
+    assert run.run_count == 1 and run.state_name == "Failed"  # no retry
