@@ -180,7 +180,7 @@ def test_a_user_project_with_its_own_flows_package_runs_a_flow_of_public_tasks(
         "prefect_ml/py.typed",
         "prefect_ml/flows/pipeline.py",
         "prefect_ml/tasks/campaign/run.py",
-        "prefect_ml/integrations/storage.py",
+        "prefect_ml/integrations/storage/__init__.py",
     } <= set(names)
     assert "[prefect.collections]\nprefect_ml = prefect_ml" in entry_points
     assert "prefect-ml = prefect_ml.flows.cli:app" in entry_points

@@ -25,6 +25,7 @@ from prefect_ml.integrations.errors import (
     ConfigurationError,
     EnvironmentCheckError,
 )
+from prefect_ml.integrations.storage import _files as storage_files
 from tests.helpers import blob_trainer, wait_for
 from tests.s3 import TEST_BUCKET, FaultyProxy, MotoS3
 
@@ -58,8 +59,8 @@ def endpoint(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
 def test_multipart_objects_round_trip_and_large_reads_are_exact(
     s3_bucket: str, moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(storage, "S3_PART_SIZE", 5 * MIB)  # S3's smallest part
-    data = os.urandom(3 * storage.S3_PART_SIZE + 12345)  # four parts, the last one short
+    monkeypatch.setattr(storage_files, "S3_PART_SIZE", 5 * MIB)  # S3's smallest part
+    data = os.urandom(3 * storage_files.S3_PART_SIZE + 12345)  # four parts, the last one short
     storage.write_bytes(storage.join(s3_bucket, "a", "big.bin"), data)
     storage.write_bytes(storage.join(s3_bucket, "a", "small.txt"), b"small")
 
@@ -75,8 +76,8 @@ def test_reads_take_one_get_per_object_and_no_head(
     endpoint: Callable[[str], None],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(storage, "S3_PART_SIZE", 5 * MIB)  # S3's smallest part
-    big = os.urandom(2 * storage.S3_PART_SIZE + 12345)  # written in three parts, read in one GET
+    monkeypatch.setattr(storage_files, "S3_PART_SIZE", 5 * MIB)  # S3's smallest part
+    big = os.urandom(2 * storage_files.S3_PART_SIZE + 12345)  # three parts written, one GET read
     urls = {name: storage.join(s3_bucket, "r", name) for name in ("big.bin", "one.bin", "empty")}
     storage.write_bytes(urls["big.bin"], big)
     storage.write_bytes(urls["one.bin"], b"one part")
@@ -173,8 +174,8 @@ def test_injected_503s_and_resets_never_leave_a_partial_checkpoint(
     rate: float,
 ) -> None:
     monkeypatch.setenv("PREFECT_ML_S3_MAX_ATTEMPTS", str(attempts))
-    monkeypatch.setattr(storage, "S3_PART_SIZE", 5 * MIB)  # S3's smallest part: more requests
-    payloads = {epoch: os.urandom(2 * storage.S3_PART_SIZE + epoch) for epoch in range(1, 9)}
+    monkeypatch.setattr(storage_files, "S3_PART_SIZE", 5 * MIB)  # S3's smallest part: more requests
+    payloads = {epoch: os.urandom(2 * storage_files.S3_PART_SIZE + epoch) for epoch in range(1, 9)}
     outcomes: dict[int, str] = {}
     with FaultyProxy(moto_s3.port, rate=rate, seed=attempts) as proxy:
         endpoint(proxy.endpoint)
@@ -284,7 +285,8 @@ def test_training_rides_out_a_short_s3_outage_and_resumes_after_a_long_one(
 _SLOW_WRITER = """
 import os, sys
 from prefect_ml.integrations import storage
-storage.S3_PART_SIZE = 5 * 2**20  # S3's smallest part: many parts, a long upload
+from prefect_ml.integrations.storage import _files
+_files.S3_PART_SIZE = 5 * 2**20  # S3's smallest part: many parts, a long upload
 storage.write_bytes(sys.argv[1], os.urandom(200 * 2**20))
 """
 
