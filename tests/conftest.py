@@ -194,7 +194,7 @@ def mlflow_database_template() -> Path:
     """An MLflow SQLite database with MLflow's schema, migrated once for the session: a new
     database takes MLflow's migrations, 2-4 s a home. The product's own creation of a database
     on first use is covered by tests/e2e/test_cold_start.py."""
-    from prefect_ml.integrations.tracking import _create_sqlite_database
+    from prefect_ml.integrations.tracking._store import _create_sqlite_database
 
     template = _SESSION_DIR / "mlflow-template.db"
     _create_sqlite_database(str(template))

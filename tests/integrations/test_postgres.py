@@ -14,6 +14,7 @@ from prefect_ml.integrations import studies, tracking
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.prefect_server import server_database
 from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.tracking import _store as tracking_store
 from tests.conftest import REPO_ROOT
 from tests.helpers import wait_for
 from tests.postgres import PostgresServer
@@ -76,7 +77,7 @@ def test_two_processes_opening_a_new_mlflow_database_take_turns(
     """MLflow creates its tables when a client first opens a new database; two processes doing
     it at once collided ("duplicate key value violates unique constraint"). Both are held at
     the schema lock (taken here first) and then create it one after the other."""
-    lock = f"SELECT pg_advisory_lock({tracking._INIT_LOCK_KEY})"
+    lock = f"SELECT pg_advisory_lock({tracking_store._INIT_LOCK_KEY})"
     import psycopg
 
     with psycopg.connect(postgres_database, autocommit=True) as holder:
