@@ -78,6 +78,7 @@ class AdaptiveBatcher(Generic[Item, Result]):
         self._arrived = asyncio.Event()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prefect-ml-{name}")
         self._consumer: asyncio.Task[None] | None = None
+        self._retired = False
 
     def submit(self, item: Item) -> asyncio.Future[Result]:
         """Queue ``item`` now; the future resolves with its result (cancel it to withdraw)."""
@@ -97,9 +98,17 @@ class AdaptiveBatcher(Generic[Item, Result]):
             self._queue.popleft().future.cancel()
         self._thread.shutdown(wait=False)
 
+    def retire(self) -> None:
+        """Stop once what is queued has run (a request that held the model before it was let
+        go still gets its answer); the thread ends with the last reference to the batcher."""
+        self._retired = True
+        self._arrived.set()
+
     async def _consume(self) -> None:
         while True:
             await self._arrival()
+            if self._retired and not self._queue:
+                return
             batch = self._take()  # the model was idle: what is queued runs at once
             while batch:
                 await self._run(batch)
@@ -108,8 +117,8 @@ class AdaptiveBatcher(Generic[Item, Result]):
                 batch = self._take()
 
     async def _arrival(self) -> None:
-        """Until something is queued (at once if something is)."""
-        while not self._queue:
+        """Until something is queued (at once if something is), or the batcher retired."""
+        while not self._queue and not self._retired:
             self._arrived.clear()
             await self._arrived.wait()
 

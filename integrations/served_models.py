@@ -8,13 +8,19 @@ import them), and torch and MLflow only when a model is loaded.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, Field
 
 from prefect_ml.integrations import tracking
+from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.inference import InferencePrecision, Predictor, serving_device
+from prefect_ml.integrations.redaction import masked
+
+if TYPE_CHECKING:
+    from mlflow.entities.model_registry import ModelVersion
 
 
 class ModelIdentity(BaseModel):
@@ -54,6 +60,90 @@ class ServedModel(BaseModel):
         return self.model_dump(
             include={"sample_shape", "feature_names", "class_names", "task", "input_dtype"}
         )
+
+
+def registered_model(version: ModelVersion, tracking_uri: str) -> ServedModel:
+    """The registry's ``version`` as a :class:`ServedModel`: its schema from our tags, or the
+    input signature of any MLflow model; ``tracking_uri`` is shipped masked."""
+    return ServedModel(
+        name=str(version.name),  # the registry's own name: in the tenant's namespace
+        version=str(version.version),
+        run_id=str(version.run_id),
+        tracking_uri=tracking.shipped_uri(tracking_uri),  # Ray shows actor arguments
+        sample_shape=_sample_shape(version),
+        feature_names=_json_tag(version, tracking.FEATURE_NAMES_TAG),
+        class_names=_json_tag(version, tracking.CLASS_NAMES_TAG),
+        dataset_fingerprint=version.tags.get(tracking.FINGERPRINT_TAG),
+        task=version.tags.get(tracking.TASK_TAG, "classification"),
+        input_dtype=version.tags.get(tracking.INPUT_DTYPE_TAG, "float32"),
+    )
+
+
+class NotRegistered(LookupError):
+    """The registry has no such version or alias (or cannot have: a malformed one)."""
+
+
+# What MLflow's registry answers for a version or alias it does not have (or cannot have).
+MISSING = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+
+
+def version_by_reference(tracking_uri: str, name: str, reference: str, alias: bool) -> ServedModel:
+    """Version ``reference`` (a number, or with ``alias`` an alias) of ``name``, read from the
+    registry; raises :class:`NotRegistered` when it has none such, MLflow's errors otherwise."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    mlflow.set_tracking_uri(tracking_uri)  # a signature is read through the global one
+    mlflow.set_registry_uri(tracking_uri)
+    client = tracking.client_for(tracking_uri)
+    try:
+        if alias:
+            version = client.get_model_version_by_alias(name, reference)
+        else:
+            version = client.get_model_version(name, reference)
+    except MlflowException as exc:
+        if exc.error_code in MISSING:
+            raise NotRegistered(name, reference) from None
+        raise
+    return registered_model(version, tracking_uri)
+
+
+def check_registered(tracking_uri: str, names: list[str], field: str) -> None:
+    """A ConfigurationError naming ``field`` unless each of ``names`` is a registered model."""
+    from mlflow.exceptions import MlflowException
+
+    client = tracking.client_for(tracking_uri)
+    for name in names:
+        try:
+            client.get_registered_model(name)
+        except MlflowException:
+            raise ConfigurationError(
+                field,
+                f"no registered model {name!r} in {masked(tracking_uri)}; name "
+                "registered models, or train and register one first",
+            ) from None
+
+
+def _sample_shape(version: ModelVersion) -> list[int]:
+    """The model's input shape per sample: our tag, or the logged signature of any MLflow model."""
+    if tracking.SAMPLE_SHAPE_TAG in version.tags:
+        return [int(d) for d in json.loads(version.tags[tracking.SAMPLE_SHAPE_TAG])]
+    from mlflow.models import get_model_info
+
+    signature = get_model_info(f"models:/{version.name}/{version.version}").signature
+    if signature is None or not signature.inputs.inputs:
+        raise ConfigurationError(
+            "model_name",
+            f"{version.name} v{version.version} was logged without an input signature; "
+            "log it with one (mlflow.pytorch.log_model(..., signature=...))",
+        )
+    shape = signature.inputs.inputs[0].shape
+    return [int(d) for d in (shape or ())[1:]]
+
+
+def _json_tag(version: ModelVersion, key: str) -> list[str] | None:
+    value = version.tags.get(key)
+    return [str(v) for v in json.loads(value)] if value else None
 
 
 def load_predictor(

@@ -10,6 +10,8 @@ dtype, finiteness and batch size each get a 4xx with a message, never a 5xx. Bes
 ``/predict``, the app speaks MLflow's scoring protocol (``/invocations``) and the Open Inference
 Protocol v2 (``/v2/...``): :mod:`serving_protocols` translates their bodies and answers, and
 every protocol's requests go through the same authentication, limits, batches, canary and log.
+A request may select another registered version, which the replica loads on demand
+(:mod:`serving_versions`); each version it holds has its own batcher.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the route signatures at runtime, and
@@ -20,7 +22,7 @@ import hmac
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -68,6 +70,13 @@ from prefect_ml.integrations.serving_protocols import (
     rows_matrix,
     server_metadata,
 )
+from prefect_ml.integrations.serving_versions import (
+    MODEL_ID_HEADER,
+    PinnedVersions,
+    Selection,
+    VersionCatalog,
+    chosen,
+)
 from prefect_ml.integrations.settings import check_port_free, haproxy_on_loopback
 
 DEPLOYMENT_NAME = "ModelServer"
@@ -85,6 +94,15 @@ class PredictRequest(BaseModel):
         description="Optional: each row's true class or value, where it is known when the "
         "request is made; a canary rollout compares the versions' accuracy (or RMSE) on them.",
     )
+
+
+class PredictProblem(BaseModel):
+    message: str
+    errors: list[dict[str, Any]] = Field(description="Per field, what is wrong.")
+
+
+class PredictError(BaseModel):
+    detail: PredictProblem
 
 
 class PredictResponse(BaseModel):
@@ -182,6 +200,14 @@ def load_version(served: ServedModel, limits: ServingParams) -> LoadedVersion:
     return LoadedVersion(predictor, served, served.identity(), rows)
 
 
+class Pinned(NamedTuple):
+    """A version a request selected, loaded in a replica next to the serving one, and the
+    batcher its requests share."""
+
+    version: LoadedVersion
+    batcher: AdaptiveBatcher[np.ndarray, np.ndarray]
+
+
 def _batched(version: LoadedVersion | None, matrices: list[np.ndarray]) -> list[np.ndarray]:
     if version is None:
         raise RuntimeError("the canary was dropped while its batch waited")
@@ -247,10 +273,11 @@ def _openapi(
     *,
     media: dict[str, Any] | None = None,
     path: tuple[str, ...] = (),
+    selectable: bool = True,
 ) -> dict[str, Any]:
-    """A route's request body (JSON of ``body``, plus other ``media`` types), error answers and
-    ``path`` parameters, for /openapi.json (the routes read their bodies and these parameters
-    themselves)."""
+    """A route's request body (JSON of ``body``, plus other ``media`` types), error answers,
+    ``path`` parameters and (``selectable``) the header that selects a version, for
+    /openapi.json (the routes read their bodies and these parameters themselves)."""
     extra: dict[str, Any] = {
         "responses": {
             str(status): {
@@ -260,26 +287,61 @@ def _openapi(
             for status in statuses
         }
     }
-    if path:
-        extra["parameters"] = [
-            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-            for name in path
-        ]
+    parameters = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in path
+    ]
+    if selectable and "version" not in path:
+        parameters.append(SELECTION_HEADER)
+    if parameters:
+        extra["parameters"] = parameters
     if body is not None:
         json_body = {"application/json": {"schema": inlined_schema(body)}}
         extra["requestBody"] = {"required": True, "content": {**json_body, **(media or {})}}
     return extra
 
 
-SCORING_ERRORS = (400, 401, 408, 413, 500)
-INFER_ERRORS = (400, 401, 404, 408, 413, 500)
+SELECTION_HEADER = {
+    "name": MODEL_ID_HEADER,
+    "in": "header",
+    "required": False,
+    "description": "Another registered version to answer: <name>/<version> or <name>@<alias> "
+    "(the served model's, or one of serving.other_models); without it, the served version.",
+    "schema": {"type": "string"},
+}
+SCORING_ERRORS = (400, 401, 404, 408, 413, 500, 503)
+INFER_ERRORS = (400, 401, 404, 408, 413, 500, 503)
+PREDICT_ERRORS = (401, 404, 408, 413, 415, 422, 500, 503)
+PINNED = "pinned"  # the role of a selected version's answers: not counted by a canary
 
 
+def _scoring_openapi(path: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``/invocations``' request body (JSON or CSV) and MLflow's errors, for /openapi.json."""
+    csv = {"text/csv": {"schema": {"type": "string"}}}
+    return _openapi(ScoringRequest, ScoringError, SCORING_ERRORS, media=csv, path=path)
+
+
+def _path(request: Request) -> tuple[str, str | None]:
+    """The model and version (None: none) a route's path names."""
+    return request.path_params["name"], request.path_params.get("version")
+
+
+async def _described(served: ServedModel) -> dict[str, Any]:
+    return model_metadata(served)
+
+
+def _retire(pinned: Pinned) -> None:
+    """A selected version unloaded: its batcher ends once its queued requests are answered."""
+    pinned.batcher.retire()
+
+
+# Defined above the class: Serve's decorators capture the names it uses when they run.
 @serve.deployment(name=DEPLOYMENT_NAME, max_surge_percent=100)
 @serve.ingress(api)
 class ModelServer:
     """One replica: the model version in memory, a request validator and a batcher per
-    version (the serving one and, during a rollout, the canary)."""
+    version (the serving one, during a rollout the canary, and each selected version it
+    holds)."""
 
     def __init__(self, served: dict[str, Any], options: dict[str, Any]) -> None:
         import torch
@@ -297,6 +359,14 @@ class ModelServer:
         self.canary = canary.CanaryRoute(
             context.app_name, context.replica_id.unique_id, self._load_canary
         )
+        self.catalog = VersionCatalog(self.served, self.limits.other_models)
+        most = self.limits.max_models_per_replica
+        self.pinned = PinnedVersions(most, self._load_pinned, _retire) if most else None
+
+    def _load_pinned(self, served: ServedModel) -> Pinned:
+        """A selected version, loaded (in a thread) with a batcher of its own."""
+        version = load_version(served, self.limits)
+        return Pinned(version, self._batcher(f"v{served.version}", lambda: version))
 
     def _load_canary(self, served: dict[str, Any]) -> LoadedVersion:
         candidate = ServedModel.model_validate(served)
@@ -342,12 +412,7 @@ class ModelServer:
         "/predict",
         summary="Predictions for a batch of rows: classes and probabilities, or values",
         response_model=PredictResponse,
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": PredictRequest.model_json_schema()}},
-            }
-        },
+        openapi_extra=_openapi(PredictRequest, PredictError, PREDICT_ERRORS),
     )
     async def predict(self, request: Request) -> Response:
         return await self._serve(request, PREDICT)
@@ -359,7 +424,7 @@ class ModelServer:
         openapi_extra=_openapi(InferRequest, InferError, INFER_ERRORS, path=("name",)),
     )
     async def oip_infer(self, request: Request) -> Response:
-        return await self._serve(request, self._oip(request), (request.path_params["name"], None))
+        return await self._serve(request, self._oip(request), _path(request))
 
     @api.post(
         "/v2/models/{name}/versions/{version}/infer",
@@ -368,23 +433,37 @@ class ModelServer:
         openapi_extra=_openapi(InferRequest, InferError, INFER_ERRORS, path=("name", "version")),
     )
     async def oip_infer_version(self, request: Request) -> Response:
-        model = (request.path_params["name"], request.path_params["version"])
-        return await self._serve(request, self._oip(request), model)
+        return await self._serve(request, self._oip(request), _path(request))
 
     @api.post(
         "/invocations",
         summary="MLflow's scoring protocol: dataframe_split, dataframe_records, instances, "
         "inputs or CSV in; one prediction per row out (mlflow models serve's route)",
         response_model=ScoringResponse,
-        openapi_extra=_openapi(
-            ScoringRequest,
-            ScoringError,
-            SCORING_ERRORS,
-            media={"text/csv": {"schema": {"type": "string"}}},
-        ),
+        openapi_extra=_scoring_openapi(),
     )
     async def invocations(self, request: Request) -> Response:
         return await self._serve(request, MLFLOW)
+
+    @api.post(
+        "/models/{name}/versions/{version}/predict",
+        summary="/predict answered by this version (a number, or an alias)",
+        response_model=PredictResponse,
+        openapi_extra=_openapi(
+            PredictRequest, PredictError, PREDICT_ERRORS, path=("name", "version")
+        ),
+    )
+    async def predict_version(self, request: Request) -> Response:
+        return await self._serve(request, PREDICT, _path(request))
+
+    @api.post(
+        "/models/{name}/versions/{version}/invocations",
+        summary="MLflow's scoring protocol answered by this version (a number, or an alias)",
+        response_model=ScoringResponse,
+        openapi_extra=_scoring_openapi(path=("name", "version")),
+    )
+    async def invocations_version(self, request: Request) -> Response:
+        return await self._serve(request, MLFLOW, _path(request))
 
     @api.get("/healthz", summary="Liveness: the replica is up and its model is loaded")
     async def healthz(self, request: Request) -> dict[str, Any]:
@@ -423,6 +502,16 @@ class ModelServer:
             },
             "device": asdict(self.stable.predictor.describe()),
             "input_example": {"inputs": self.stable.input_example},
+            "versions": {
+                "models": sorted(self.catalog.names),
+                "max_models_per_replica": self.limits.max_models_per_replica,
+                # this replica's selected versions in memory (the earliest loaded first) and
+                # what each one's batcher has run
+                "loaded": {
+                    name: asdict(pinned.batcher.stats)
+                    for name, pinned in (self.pinned.loaded if self.pinned else {}).items()
+                },
+            },
         }
 
     @api.get("/ping", summary="MLflow's health check: the replica is up (no token needed)")
@@ -455,109 +544,158 @@ class ModelServer:
         "/v2/models/{name}",
         summary="Open Inference Protocol: the model's inputs and outputs",
         response_model=ModelMetadata,
-        openapi_extra=_openapi(None, InferError, (401, 404)),
+        openapi_extra=_openapi(None, InferError, (401, 404), selectable=False),
     )
     async def oip_model(self, name: str, request: Request) -> Response:
-        return self._oip_model(request, name, None, lambda: model_metadata(self.served))
+        return await self._oip_model(request, (name, None), _described)
 
     @api.get(
         "/v2/models/{name}/versions/{version}",
         summary="Open Inference Protocol: the version's inputs and outputs",
         response_model=ModelMetadata,
-        openapi_extra=_openapi(None, InferError, (401, 404)),
+        openapi_extra=_openapi(None, InferError, (401, 404), selectable=False),
     )
     async def oip_model_version(self, name: str, version: str, request: Request) -> Response:
-        return self._oip_model(request, name, version, lambda: model_metadata(self.served))
+        return await self._oip_model(request, (name, version), _described)
 
     @api.get(
         "/v2/models/{name}/ready",
         summary="Open Inference Protocol: the model is ready",
-        openapi_extra=_openapi(None, InferError, (401, 404)),
+        openapi_extra=_openapi(None, InferError, (401, 404), selectable=False),
     )
     async def oip_model_ready(self, name: str, request: Request) -> Response:
-        return self._oip_model(request, name, None, lambda: {"name": name, "ready": True})
+        return await self._oip_model(request, (name, None), self._ready)
 
     @api.get(
         "/v2/models/{name}/versions/{version}/ready",
-        summary="Open Inference Protocol: the version is ready",
-        openapi_extra=_openapi(None, InferError, (401, 404)),
+        summary="Open Inference Protocol: the version is ready (loading it if need be)",
+        openapi_extra=_openapi(None, InferError, (401, 404, 503), selectable=False),
     )
     async def oip_version_ready(self, name: str, version: str, request: Request) -> Response:
-        return self._oip_model(request, name, version, lambda: {"name": name, "ready": True})
+        return await self._oip_model(request, (name, version), self._ready)
 
     @staticmethod
     def _oip(request: Request) -> OpenInference:
         return OpenInference(request.headers.get("inference-header-content-length"))
 
-    def _check_model(self, name: str, version: str | None) -> None:
-        """A 404 unless ``name`` (and ``version``, if given) is the version served here."""
-        served = self.served
-        if name != served.name or version not in (None, served.version):
-            asked = name if version is None else f"{name} v{version}"
-            raise RequestError(
-                404, f"{asked} is not served here; {served.name} v{served.version} is"
-            )
+    async def _ready(self, served: ServedModel) -> dict[str, Any]:
+        """Ready: the serving version always; a selected one once it is loaded (now)."""
+        if served is not self.served:
+            await self._pinned_version(served)
+        return {"name": served.name, "ready": True}
 
-    def _oip_model(
+    async def _oip_model(
         self,
         request: Request,
-        name: str,
-        version: str | None,
-        answer: Callable[[], dict[str, Any]],
+        path: tuple[str, str | None],
+        answer: Callable[[ServedModel], Awaitable[dict[str, Any]]],
     ) -> Response:
-        """``answer()`` about the model, for a caller with the token, if it is the one served."""
+        """``answer`` about the version the path names, for a caller with the token."""
         try:
             self._authorize(request)
-            self._check_model(name, version)
+            content = await answer(await self._selected(path, ""))
         except RequestError as problem:
             return _error_response(OpenInference(), problem)
-        return JSONResponse(answer())
+        return JSONResponse(content)
+
+    async def _selected(self, path: tuple[str, str | None] | None, header: str) -> ServedModel:
+        """The version a request selects by its path (name, version or None) or its
+        ``serve_multiplexed_model_id`` header (``header``, "" without one): the served one
+        (``self.served``, also without any selection) or another that may be loaded here;
+        a 400, 404 or 503 otherwise."""
+        named = None if path is None or path[1] is None else Selection(path[0], path[1])
+        selection = chosen(header, named)
+        if path is not None and path[1] is None:  # /v2/models/{name}/...: a model, no version
+            self.catalog.check_name(path[0])
+            if selection is not None and selection.name != path[0]:
+                raise RequestError(
+                    400, f"the path names {path[0]} and the {MODEL_ID_HEADER} header {selection}"
+                )
+            if selection is None and path[0] != self.served.name:
+                raise RequestError(
+                    404, f"select a version of {path[0]}: /v2/models/{path[0]}/versions/<version>"
+                )
+        if selection is None:
+            return self.served
+        catalog = self.catalog
+        served = catalog.cached(selection)
+        if served is None:
+            served = await asyncio.to_thread(catalog.resolve, selection)
+        if (served.name, served.version) == (self.served.name, self.served.version):
+            return self.served
+        if self.pinned is None:
+            raise RequestError(
+                404,
+                f"{selection} is not served here: only {self.served.name} v{self.served.version} "
+                "is (serving.max_models_per_replica is 0)",
+            )
+        catalog.failure(served)
+        return served
+
+    async def _pinned_version(self, served: ServedModel) -> Pinned:
+        """``served`` loaded in this replica (now, if need be); a 503 when it cannot be."""
+        assert self.pinned is not None  # _selected returns other versions only with it
+        try:
+            return await self.pinned.get(served)
+        except Exception as exc:
+            raise self.catalog.record_failure(served, exc) from None
 
     async def _serve(
         self,
         request: Request,
         protocol: WireProtocol,
-        model: tuple[str, str | None] | None = None,
+        path: tuple[str, str | None] | None = None,
     ) -> Response:
         """One request of any protocol: authenticated, its body read within the limits, parsed
-        by ``protocol``, answered by the canary for its share (unless ``model`` pins a version)
-        or by the serving version, batched with the other requests, and answered or refused in
-        the protocol's shape."""
+        by ``protocol`` for the version it selects (by ``path``, the model and version its
+        path names, or by header), answered by that version, or else by the canary for its
+        share or by the serving version, batched with the other requests of the same version,
+        and answered or refused in the protocol's shape."""
         try:
             self._authorize(request)
-            if model is not None:
-                self._check_model(*model)
+            header = serve.get_multiplexed_model_id()
+            selected = await self._selected(path, header)
             body = await _read_body(
                 request, self.limits.max_body_bytes, self.limits.request_timeout_s
             )
-            scoring = protocol.parse(body, request.headers.get("content-type", ""), self.served)
+            scoring = protocol.parse(body, request.headers.get("content-type", ""), selected)
             if len(scoring.matrix) > self.limits.max_rows:
                 _problem(
                     413,
                     f"{len(scoring.matrix)} rows in one request; the limit is "
                     f"{self.limits.max_rows}",
                 )
-            pinned = model is not None and model[1] is not None
+            if selected is not self.served:
+                pinned = await self._pinned_version(selected)
+                return await self._answer(PINNED, pinned.version, pinned.batcher, scoring, protocol)
+            chose = bool(header) or (path is not None and path[1] is not None)
             candidate = self.canary.predictor  # read once: the sync thread may drop it meanwhile
-            if not pinned and candidate is not None and self.canary.takes_request():
+            if not chose and candidate is not None and self.canary.takes_request():
                 try:
-                    return await self._answer("canary", candidate, scoring, protocol)
+                    batcher = self.batchers["canary"]
+                    return await self._answer("canary", candidate, batcher, scoring, protocol)
                 except Exception:  # answered by the serving version below, counted as the canary's
                     self.canary.record("canary", canary.VersionStats(requests=1, errors=1))
-            return await self._answer("stable", self.stable, scoring, protocol)
+            batcher = self.batchers["stable"]
+            return await self._answer("stable", self.stable, batcher, scoring, protocol)
         except RequestError as problem:
             return _error_response(protocol, problem)
 
     async def _answer(
-        self, role: str, version: LoadedVersion, scoring: Scoring, protocol: WireProtocol
+        self,
+        role: str,
+        version: LoadedVersion,
+        batcher: AdaptiveBatcher[np.ndarray, np.ndarray],
+        scoring: Scoring,
+        protocol: WireProtocol,
     ) -> Response:
-        """``version``'s answer in ``protocol``'s shape, timed and (during a canary rollout)
-        recorded as ``role``'s."""
+        """``version``'s answer in ``protocol``'s shape, through its ``batcher``, timed and
+        (during a canary rollout, unless a request selected it) recorded as ``role``'s."""
         started = time.perf_counter()
         served = version.served
         try:
             if self.limits.batching:
-                outputs = await self.batchers[role].submit(scoring.matrix)
+                outputs = await batcher.submit(scoring.matrix)
             else:
                 outputs = version.predictor.outputs(scoring.matrix)
             body = protocol.render(outputs, served, version.identity, scoring)
@@ -565,7 +703,7 @@ class ModelServer:
             if role == "stable":
                 self.canary.record(role, canary.VersionStats(requests=1, errors=1))
             raise
-        if self.canary.active:
+        if self.canary.active and role != PINNED:
             labels = scoring.labels
             outcome = (
                 canary.label_outcome(

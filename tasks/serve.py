@@ -35,8 +35,6 @@ from prefect_ml.tasks.train import current_flow_run_id
 __all__ = ["ServingResult", "SmokeResult", "serve"]
 
 if TYPE_CHECKING:
-    from mlflow.entities.model_registry import ModelVersion
-
     # Imported where it is used (Ray Serve, FastAPI: about a second of imports), so a run that
     # does not serve never loads it.
     from prefect_ml.integrations import serving
@@ -68,28 +66,6 @@ class ServingResult(BaseModel):
     listening: str = ""  # which ports serving opens, where (serving.listening)
 
 
-def _sample_shape(version: ModelVersion) -> list[int]:
-    """The model's input shape per sample: our tag, or the logged signature of any MLflow model."""
-    if tracking.SAMPLE_SHAPE_TAG in version.tags:
-        return [int(d) for d in json.loads(version.tags[tracking.SAMPLE_SHAPE_TAG])]
-    from mlflow.models import get_model_info
-
-    signature = get_model_info(f"models:/{version.name}/{version.version}").signature
-    if signature is None or not signature.inputs.inputs:
-        raise ConfigurationError(
-            "model_name",
-            f"{version.name} v{version.version} was logged without an input signature; "
-            "log it with one (mlflow.pytorch.log_model(..., signature=...))",
-        )
-    shape = signature.inputs.inputs[0].shape
-    return [int(d) for d in (shape or ())[1:]]
-
-
-def _json_tag(version: ModelVersion, key: str) -> list[str] | None:
-    value = version.tags.get(key)
-    return [str(v) for v in json.loads(value)] if value else None
-
-
 def resolve_served_model(
     model_name: str, alias: str, model_version: str | None
 ) -> served_models.ServedModel:
@@ -97,18 +73,7 @@ def resolve_served_model(
     tracking_uri = get_settings().resolved_tracking_uri
     client = tracking.client_for(tracking_uri)
     version = tracking.registered_version(client, model_name, alias=alias, version=model_version)
-    return served_models.ServedModel(
-        name=str(version.name),  # the registry's own name: in the tenant's namespace
-        version=str(version.version),
-        run_id=str(version.run_id),
-        tracking_uri=tracking.shipped_uri(tracking_uri),  # Ray shows actor arguments
-        sample_shape=_sample_shape(version),
-        feature_names=_json_tag(version, tracking.FEATURE_NAMES_TAG),
-        class_names=_json_tag(version, tracking.CLASS_NAMES_TAG),
-        dataset_fingerprint=version.tags.get(tracking.FINGERPRINT_TAG),
-        task=version.tags.get(tracking.TASK_TAG, "classification"),
-        input_dtype=version.tags.get(tracking.INPUT_DTYPE_TAG, "float32"),
-    )
+    return served_models.registered_model(version, tracking_uri)
 
 
 MIN_TOKEN_BYTES = 32
@@ -160,14 +125,19 @@ def is_loopback(host: str) -> bool:
 
 
 def in_tenant(params: ServingParams, tenant: str | None) -> ServingParams:
-    """``params`` with the application and its route in the tenant's namespace
-    (``<tenant>.<app>`` at ``/<tenant><route>``): a tenant can neither replace nor shadow
-    another's application by naming it."""
+    """``params`` with the application, its route and the other models its requests may select
+    in the tenant's namespace (``<tenant>.<app>`` at ``/<tenant><route>``): a tenant can
+    neither replace nor shadow another's application, nor serve another's model, by naming
+    it."""
     if tenant is None:
         return params
     route = f"/{tenant}{params.route_prefix.rstrip('/')}"
     return params.model_copy(
-        update={"app_name": tenancy.qualify(params.app_name, tenant), "route_prefix": route}
+        update={
+            "app_name": tenancy.qualify(params.app_name, tenant),
+            "route_prefix": route,
+            "other_models": [tenancy.qualify(name, tenant) for name in params.other_models],
+        }
     )
 
 
@@ -317,6 +287,9 @@ def serve_registered_model(
     token = bearer_token(settings)
     check_exposure(params, token)
     served = resolve_served_model(model_name, alias, model_version)
+    served_models.check_registered(
+        settings.resolved_tracking_uri, params.other_models, "serving.other_models"
+    )
     tls_pair = settings.serve_tls
     url = serving_url(params, tls_pair)
     certificate = tls_pair[0] if tls_pair else None

@@ -3,9 +3,9 @@ the canary that compares a new version with the serving one."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from prefect_ml.integrations import storage
 from prefect_ml.integrations.canary import CanaryPolicy
@@ -22,6 +22,19 @@ from prefect_ml.integrations.resources import ResourceRequest, custom_resources
 
 # Serving options that chose the bearer token; refused with what to set instead.
 REMOVED_TOKEN_FIELDS = frozenset({"auth_token_env", "auth_token_secret"})
+# What separates a registered model's name from a version (``name/3``) or alias (``name@a``)
+# where a request selects one: a name holding either could not be selected.
+SELECTION_SEPARATORS = ("/", "@")
+
+
+def _names(value: Any) -> Any:
+    """A comma-separated list (as a command-line flag gives it) as a list of names."""
+    if isinstance(value, str):
+        return [name.strip() for name in value.split(",") if name.strip()]
+    return value
+
+
+ModelNames = Annotated[list[str], BeforeValidator(_names)]
 
 
 class ServingParams(Section):
@@ -139,6 +152,22 @@ class ServingParams(Section):
         title="Max body (bytes)",
         description="Larger request bodies get a 413.",
     )
+    max_models_per_replica: int = Field(
+        3,
+        ge=0,
+        le=64,
+        title="Other versions per replica",
+        description="Versions a request may select (header serve_multiplexed_model_id: "
+        "<name>/<version> or <name>@<alias>, or /v2/models/<name>/versions/<version>) that a "
+        "replica keeps loaded besides the one it serves; one more unloads the least recently "
+        "used (0: only the served version answers).",
+    )
+    other_models: ModelNames = Field(
+        default_factory=list,
+        title="Other registered models",
+        description="Registered models, besides the served one, whose versions a request may "
+        "select (comma-separated); each must exist when serving starts.",
+    )
     smoke_test: bool = Field(
         True, title="Smoke request", description="Send one example request after deploying."
     )
@@ -198,6 +227,19 @@ class ServingParams(Section):
             raise ValueError(f"{exc.message}; give a plain path such as /models") from None
         return route_prefix
 
+    @field_validator("other_models")
+    @classmethod
+    def _check_other_models(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if any(separator in name for separator in SELECTION_SEPARATORS):
+                raise ValueError(
+                    f"{name!r} holds '/' or '@', which a request uses to name a version or "
+                    "alias (<name>/<version>, <name>@<alias>); give the registered model's name"
+                )
+        if len(set(names)) != len(names):
+            raise ValueError(f"a registered model is named twice in {names}; name each once")
+        return names
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_token_parameters(cls, values: Any) -> Any:
@@ -228,6 +270,12 @@ class ServingParams(Section):
         if self.replica_accelerator_type and not self.replica_gpus:
             raise ValueError(
                 "replica_accelerator_type places GPU replicas: set --replica-gpus as well"
+            )
+        if self.other_models and not self.max_models_per_replica:
+            raise ValueError(
+                f"other_models {self.other_models} can only be selected with "
+                "max_models_per_replica of 1 or more (0 serves only the served version); "
+                "raise --max-models-per-replica or drop --other-models"
             )
         if self.inference_precision != "fp32" and not self.replica_gpus:
             raise ValueError(

@@ -329,23 +329,18 @@ ACCESS_LINE = re.compile(r"POST /\S*predict 200")
 
 
 def _replica_log(app_name: str) -> str:
-    """The Serve log file of the application's first replica, read through Ray's state API of
-    this session's Ray (without an address it takes the newest Ray on the machine, which may be
-    another test's cluster, stopped since)."""
-    import ray
-    from ray.util.state import get_log
+    """The Serve log file of the application's first replica, read from this session's Ray's
+    log folder (the session's Ray is one node on this machine). Not through Ray's state API:
+    its node agent is missing while another Ray on the machine holds the agent's port
+    ("Agent for node id: ... doesn't exist"), e.g. beside another test run."""
+    from ray._private import worker
 
     details = _get_global_client().get_serve_details()["applications"][app_name]
     replica = details["deployments"]["ModelServer"]["replicas"][0]
-    path = replica["log_file_path"].lstrip("/")
-    return "".join(
-        get_log(
-            address=ray.get_runtime_context().gcs_address,
-            filename=path,
-            node_id=replica["node_id"],
-            tail=-1,
-        )
-    )
+    node = worker._global_node
+    assert node is not None, "the session's Ray is not started"
+    logs = Path(node.get_logs_dir_path())
+    return (logs / replica["log_file_path"].lstrip("/")).read_text()
 
 
 def _haproxy_config() -> Path:

@@ -26,6 +26,7 @@ from ray import serve
 from tritonclient.utils import InferenceServerException
 
 from prefect_ml.flows.serve import serve_model
+from prefect_ml.integrations import tracking
 from tests.e2e import test_serving
 from tests.e2e.test_pipeline import _predict_with_mlflow_models_serve
 from tests.e2e.test_serving import (
@@ -35,8 +36,12 @@ from tests.e2e.test_serving import (
     MAX_ROWS,
     TOKEN,
     Served,
+    _broken_version,
+    _local_probabilities,
+    _pickle_format,
     _replica_log,
 )
+from tests.helpers import register_classifier
 
 # test_serving's fixture, the same deployment for this module: digits-classifier v1, no token.
 served = test_serving.served
@@ -147,10 +152,10 @@ def test_tritonclient_speaks_the_open_inference_protocol_to_the_served_model(
     assert [o["name"] for o in result.get_response()["outputs"]] == ["label"]
     assert _labels(result) == expected["predictions"]
 
-    for model, version, status in [("other", "", "404"), (MODEL, "2", "404")]:
+    for model, version, words in [("other", "", "is not served here"), (MODEL, "99", "no version")]:
         with pytest.raises(InferenceServerException) as refused:
             client.infer(model, [images], model_version=version)
-        assert refused.value.status() == status and "is not served here" in refused.value.message()
+        assert refused.value.status() == "404" and words in refused.value.message()
     wrong = triton.InferInput("input", [len(ROWS), 63], "FP32")
     wrong.set_data_from_numpy(ROWS[:, :63], binary_data=False)
     with pytest.raises(InferenceServerException) as refused:
@@ -215,12 +220,12 @@ def _bad_requests() -> list[tuple[str, str, dict[str, str], str | bytes, int, st
             "limit is",
         ),
         (
-            f"/v2/models/{MODEL}/versions/7/infer",
+            f"/v2/models/{MODEL}/versions/99/infer",
             "unknown version",
             as_json,
             json.dumps({"inputs": [tensor]}),
             404,
-            "is not served here",
+            "digits-classifier has no version 99",
         ),
     ]
 
@@ -320,8 +325,15 @@ def test_the_openapi_schema_describes_every_route_and_a_fuzz_run_finds_no_5xx(
         "/v2/models/{name}/versions/{version}/ready",
         "/v2/models/{name}/infer",
         "/v2/models/{name}/versions/{version}/infer",
+        "/models/{name}/versions/{version}/predict",
+        "/models/{name}/versions/{version}/invocations",
     }
     assert routes <= set(paths)
+    for route in ("/predict", "/invocations", "/v2/models/{name}/infer"):
+        parameters = paths[route]["post"]["parameters"]
+        assert {"name": "serve_multiplexed_model_id", "in": "header"}.items() <= parameters[
+            -1
+        ].items()
     scoring = paths["/invocations"]["post"]
     assert set(scoring["requestBody"]["content"]) == {"application/json", "text/csv"}
     assert {"dataframe_split", "dataframe_records", "instances", "inputs"} <= set(
@@ -351,3 +363,129 @@ def test_the_openapi_schema_describes_every_route_and_a_fuzz_run_finds_no_5xx(
     # healthy afterwards: the same answers as before the run
     assert httpx.get(f"{served.url}/healthz").json()["status"] == "ok"
     assert _predicted(served.url, ROWS)["model"]["version"] == "1"
+
+
+def _select(version: str) -> dict[str, str]:
+    """The header that selects ``version`` of the model (Ray Serve's multiplexing header)."""
+    return {"serve_multiplexed_model_id": f"{MODEL}/{version}"}
+
+
+def test_several_versions_answer_side_by_side_loaded_on_demand_with_lru_and_a_broken_one_alone_503(
+    served: Served, tmp_path: Path
+) -> None:
+    """Issue 41, part 3: the champion, a challenger (by alias) and pinned versions answer on one
+    endpoint by header and by path on every protocol, each with its own model; a replica keeps
+    at most max_models_per_replica of them and unloads the least recently used; a version that
+    cannot load answers 503 while the others answer on."""
+    settings = served.settings
+    client = tracking.client_for(settings.resolved_tracking_uri)
+    three, four = (
+        register_classifier(settings, MODEL, FEATURES, DIGITS.target, seed=seed, alias=None)
+        for seed in (2, 5)
+    )
+    broken = _broken_version(served, _pickle_format, seed=6)
+    tracking.set_alias(client, MODEL, "challenger", "2")
+    params = served.params(app_name="versions", route_prefix="/versions", max_models_per_replica=2)
+    assert serve_model(params).version == "1"
+    url = f"{served.url}/versions"
+    rows = ROWS[:8]
+
+    def loaded() -> dict[str, Any]:
+        return httpx.get(f"{url}/metadata").json()["versions"]["loaded"]
+
+    # Each selection answers with its own model: the probabilities of that registered version.
+    answers = {
+        "1": httpx.post(f"{url}/predict", json={"inputs": rows.tolist()}),
+        "2": httpx.post(f"{url}/predict", json={"inputs": rows.tolist()}, headers=_select("2")),
+        three: httpx.post(
+            f"{url}/models/{MODEL}/versions/{three}/predict", json={"inputs": rows.tolist()}
+        ),
+    }
+    # the versions are different models: their probabilities differ
+    assert not np.allclose(
+        _local_probabilities(settings, "1", rows),
+        _local_probabilities(settings, "2", rows),
+        atol=1e-3,
+    )
+    for version, answer in answers.items():
+        assert answer.status_code == 200, (version, answer.text)
+        assert answer.json()["model"]["version"] == version
+        expected = _local_probabilities(settings, version, rows)
+        np.testing.assert_allclose(answer.json()["probabilities"], expected, atol=1e-5)
+    assert list(loaded()) == [f"{MODEL}/2", f"{MODEL}/{three}"]
+    metadata = httpx.get(f"{url}/metadata").json()
+    assert metadata["model"]["version"] == "1"  # the served version is not one of the two
+    assert metadata["versions"]["max_models_per_replica"] == 2
+
+    # The challenger by alias, on the OIP path: v2 again, now the most recently used.
+    tensor = {"name": "input", "shape": list(rows.shape), "datatype": "FP32"}
+    infer = {"inputs": [{**tensor, "data": rows.tolist()}]}
+    challenger = httpx.post(f"{url}/v2/models/{MODEL}/versions/challenger/infer", json=infer)
+    assert challenger.status_code == 200 and challenger.json()["model_version"] == "2"
+    # A third selected version unloads the least recently used one (v3), not the oldest (v2).
+    scored = httpx.post(
+        f"{url}/models/{MODEL}/versions/{four}/invocations", json={"inputs": rows.tolist()}
+    )
+    assert scored.status_code == 200, scored.text
+    assert set(loaded()) == {f"{MODEL}/2", f"{MODEL}/{four}"}
+    after = loaded()
+    assert after[f"{MODEL}/2"]["requests"] == 2 and after[f"{MODEL}/{four}"]["requests"] == 1
+    again = httpx.post(f"{url}/predict", json={"inputs": rows.tolist()}, headers=_select(three))
+    assert again.json()["model"]["version"] == three  # loaded again on demand
+    assert set(loaded()) == {f"{MODEL}/{four}", f"{MODEL}/{three}"}
+
+    # A version that cannot load: 503 in each protocol's shape, for that version only.
+    for attempt in range(2):  # the second within FAILURE_TTL_S: refused without a new load
+        oip = httpx.post(f"{url}/v2/models/{MODEL}/versions/{broken}/infer", json=infer)
+        assert oip.status_code == 503 and "cannot be served now" in oip.json()["error"], attempt
+        assert "pickle" in oip.json()["error"] and oip.headers["retry-after"] == "30"
+        mlflow_answer = httpx.post(
+            f"{url}/invocations", json={"inputs": rows.tolist()}, headers=_select(broken)
+        )
+        assert mlflow_answer.status_code == 503
+        assert mlflow_answer.json()["error_code"] == "TEMPORARILY_UNAVAILABLE"
+        ready = httpx.get(f"{url}/v2/models/{MODEL}/versions/{broken}/ready")
+        assert ready.status_code == 503
+        for version, headers in [("1", {}), (three, _select(three)), ("2", _select("2"))]:
+            answer = httpx.post(f"{url}/predict", json={"inputs": rows.tolist()}, headers=headers)
+            assert answer.status_code == 200 and answer.json()["model"]["version"] == version
+
+    # Unknown versions, aliases and models are 404s; a malformed or contradicting selection 400.
+    refusals = [
+        ("/predict", _select("99"), 404, "has no version 99"),
+        ("/predict", {"serve_multiplexed_model_id": f"{MODEL}@nobody"}, 404, "no alias nobody"),
+        ("/predict", {"serve_multiplexed_model_id": "other/1"}, 404, "other is not served here"),
+        ("/predict", {"serve_multiplexed_model_id": MODEL}, 400, "names no version"),
+        (f"/models/{MODEL}/versions/2/predict", _select(three), 400, "send one"),
+    ]
+    for route, headers, status, words in refusals:
+        answer = httpx.post(f"{url}{route}", json={"inputs": rows.tolist()}, headers=headers)
+        assert answer.status_code == status, (route, headers, answer.text)
+        assert words in answer.json()["detail"]["message"], answer.text
+
+    # tritonclient selects by the version in the path; metadata and readiness per version.
+    triton_client = triton.InferenceServerClient(url=f"127.0.0.1:{served.port}/versions")
+    assert triton_client.is_model_ready(MODEL, "2")
+    assert not triton_client.is_model_ready(MODEL, broken)
+    assert triton_client.get_model_metadata(MODEL, four)["versions"] == [four]
+    triton_client.close()
+
+    # The selected version answers through /invocations and OIP with the classes that
+    # `mlflow models predict` gives on the same registered version.
+    by_mlflow = [str(c) for c in _mlflow_models_predict(served, "2", rows, tmp_path).argmax(axis=1)]
+    invocations = httpx.post(
+        f"{url}/invocations", json={"inputs": rows.tolist()}, headers=_select("2")
+    )
+    assert invocations.json() == {"predictions": by_mlflow}
+    oip = httpx.post(f"{url}/v2/models/{MODEL}/versions/2/infer", json=infer).json()
+    assert oip["outputs"][0]["name"] == "label" and oip["outputs"][0]["data"] == by_mlflow
+
+    log = _replica_log("versions")
+    for line in (
+        "POST /versions/predict 200",
+        "POST /versions/models/{name}/versions/{version}/invocations 200",
+        "POST /versions/v2/models/{name}/versions/{version}/infer 503",
+        "POST /versions/invocations 503",
+    ):
+        assert line in log, line
+    serve.delete("versions")

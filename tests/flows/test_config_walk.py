@@ -90,6 +90,8 @@ def _argv(values: dict[str, Any]) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):  # a list of names: comma-separated
+            argv += [flag, ",".join(value)]
         else:
             argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return argv
@@ -213,6 +215,8 @@ SERVING = {
     "replica_resources": {"fast_disk": 1.0},
     "max_rows": 100,
     "max_body_bytes": 2048,
+    "max_models_per_replica": 1,
+    "other_models": ["walked-other", "another"],
     "smoke_test": False,
     "canary_share": 0.1,
     "canary_window_s": 60.0,

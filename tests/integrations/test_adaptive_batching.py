@@ -249,3 +249,26 @@ def test_with_no_inline_bound_every_call_runs_in_the_thread() -> None:
         batcher.close()
 
     run(scenario())
+
+
+def test_a_retired_batcher_answers_what_is_queued_then_its_consumer_ends() -> None:
+    """A version unloaded while requests wait for it (serving_versions): they are answered,
+    and nothing keeps the batcher (and its model) alive afterwards."""
+
+    async def scenario() -> None:
+        model = GatedModel(asyncio.get_running_loop())
+        batcher = AdaptiveBatcher(model, max_batch_size=8)
+        first = batcher.submit("a")
+        await model.running()
+        queued = [batcher.submit("b"), batcher.submit("c")]
+        batcher.retire()
+        model.gate.set()
+        assert [await first, *[await f for f in queued]] == ["A", "B", "C"]
+        consumer = batcher._consumer
+        assert consumer is not None
+        await asyncio.wait_for(consumer, timeout=5)  # ended, not waiting for more
+        late = batcher.submit("d")  # a request that held the version before it was unloaded
+        assert await late == "D"
+        assert model.batches == [["a"], ["b", "c"], ["d"]]
+
+    run(scenario())
