@@ -62,21 +62,29 @@ MODES = (*PLAIN_MODES, *OURS)
 HOOKED_TARGET = 0.95  # steady samples/s of d over c
 
 
-def hooked_mlp(input_shape: tuple[int, ...], num_classes: int, **options: Any) -> torch.nn.Module:
-    """The built-in MLP of ``options``, trained through hooks that compute what the built-in
-    path does (cross-entropy; validation loss and accuracy), as a LightningModule-shaped user
-    model would. Its validation_step returns the task's metrics, so the trainer's own
-    validation pass is skipped, as for any such model."""
+def hooked_mlp(
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    *,
+    hidden: int = 128,
+    depth: int = 2,
+    dropout: float = 0.1,
+) -> torch.nn.Module:
+    """The built-in MLP of the workload's ``hidden``, ``depth`` and ``dropout`` (named, so the
+    factory receives them), trained through hooks that compute what the built-in path does
+    (cross-entropy; validation loss and accuracy), as a LightningModule-shaped user model
+    would. Its validation_step returns the task's metrics, so the trainer's own validation pass
+    is skipped, as for any such model."""
     import torch.nn.functional as F
     from torch import nn
 
-    from prefect_ml.integrations.catalog import accepted_options, build_mlp
+    from prefect_ml.integrations.catalog import build_mlp
 
     class HookedMLP(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.network = build_mlp(
-                input_shape, num_classes, **accepted_options(build_mlp, options)
+                input_shape, num_classes, hidden=hidden, depth=depth, dropout=dropout
             )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
