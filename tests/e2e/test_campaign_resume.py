@@ -100,30 +100,39 @@ def _trial_runs(home: PrefectMLSettings, campaign: str) -> tuple[list[Any], dict
     return parents, runs
 
 
-@pytest.mark.entry_point("sweep killed and resumed")
-def test_killed_campaign_resumes_to_exactly_n_trials(
-    home: PrefectMLSettings, tmp_path: Path
-) -> None:
-    command, env = _command("killed", N_TRIALS), _env(home)
+def kill_mid_way_and_resume(
+    home: PrefectMLSettings, tmp_path: Path, campaign: str, command: list[str]
+) -> list[int]:
+    """Run ``command`` until some trials finished and one is mid-way, SIGKILL its process
+    tree, then run it again to its end; the numbers of the trials the kill left running."""
+    env = _env(home)
     log = (tmp_path / "first.log").open("wb")
     first = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_while_running(
             first,
             tmp_path / "first.log",
-            lambda: _killable(home, "killed"),
+            lambda: _killable(home, campaign),
             400,
             "finished trials and one mid-way",
         )
     finally:
         _kill_tree(first)
-    left_running = [t.number for t in _trials(home, "killed") if t.state == TrialState.RUNNING]
+    left_running = [t.number for t in _trials(home, campaign) if t.state == TrialState.RUNNING]
     assert left_running, "the process must die with trials running"
 
     second = subprocess.run(
         command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
     )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    return left_running
+
+
+@pytest.mark.entry_point("sweep killed and resumed")
+def test_killed_campaign_resumes_to_exactly_n_trials(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    left_running = kill_mid_way_and_resume(home, tmp_path, "killed", _command("killed", N_TRIALS))
 
     trials = _trials(home, "killed")
     counted = [t for t in trials if studies.counts_toward_budget(t)]

@@ -19,18 +19,17 @@ from optuna.trial import TrialState
 from prefect_ml.flows.sweep import hpo_campaign
 from prefect_ml.integrations import studies, tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.tracking import WORKER_TAG
 from prefect_ml.tasks.params import CampaignParams
 from tests.conftest import REPO_ROOT
 from tests.e2e.test_campaign_resume import (
     _command,
-    _env,
     _keeps_parameters,
-    _killable,
     _trial_runs,
     _trials,
+    kill_mid_way_and_resume,
 )
-from tests.e2e.test_resume_after_kill import _kill_tree
-from tests.helpers import cli_env, wait_while_running
+from tests.helpers import cli_env
 
 MODEL = "tests.fixtures.search_spaces:blocks_model"
 SPACE = "tests.fixtures.search_spaces:branch_and_loop"
@@ -119,6 +118,8 @@ def test_prefect_ml_sweep_tunes_a_user_model_with_a_define_by_run_space(
         drawn = {k.removeprefix("drawn."): v for k, v in params.items() if k.startswith("drawn.")}
         assert set(drawn) == set(trial.params)
         assert ("skip_scale" in params["model.model_options"]) == ("skip_scale" in trial.params)
+    workers = {run.data.tags[WORKER_TAG] for run in runs.values() if WORKER_TAG in run.data.tags}
+    assert 1 <= len(workers) <= 2, "warm workers: two processes trained every trial"
     client = tracking.client_for(home.resolved_tracking_uri)
     plots = {a.path for a in client.list_artifacts(parents[0].info.run_id, "plots")}
     assert {"plots/optimization_history.png", "plots/parallel_coordinate.png"} <= plots
@@ -180,28 +181,7 @@ def test_a_killed_campaign_with_a_define_by_run_space_resumes_to_exactly_n_trial
         "--search-space",
         SPACE,
     ]
-    env = _env(home)
-    log = (tmp_path / "first.log").open("wb")
-    first = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_while_running(
-            first,
-            tmp_path / "first.log",
-            lambda: _killable(home, "by-run-killed"),
-            400,
-            "finished trials and one mid-way",
-        )
-    finally:
-        _kill_tree(first)
-    left_running = [
-        t.number for t in _trials(home, "by-run-killed") if t.state == TrialState.RUNNING
-    ]
-    assert left_running, "the process must die with trials running"
-
-    second = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    left_running = kill_mid_way_and_resume(home, tmp_path, "by-run-killed", command)
 
     trials = _trials(home, "by-run-killed")
     counted = [t for t in trials if studies.counts_toward_budget(t)]
