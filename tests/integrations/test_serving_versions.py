@@ -101,10 +101,12 @@ def registry(
         settings = PrefectMLSettings()
         digits = load_digits()
         features, labels = digits.data[:300].astype(np.float32), digits.target[:300]
-        for seed, alias in ((0, "champion"), (1, None)):
-            register_classifier(settings, MODEL, features, labels, seed=seed, alias=alias)
+        register_classifier(settings, MODEL, features, labels, seed=0)
         uri = settings.resolved_tracking_uri
-        version = tracking.client_for(uri).get_model_version(MODEL, "1")
+        client = tracking.client_for(uri)
+        version = client.get_model_version(MODEL, "1")
+        # v2: the same artifacts and tags registered again (the catalog reads only the registry)
+        client.create_model_version(MODEL, str(version.source), version.run_id, tags=version.tags)
         yield settings, registered_model(version, uri)
 
 
