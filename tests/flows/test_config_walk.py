@@ -65,9 +65,11 @@ TRAINING = {
     "elastic_resize_s": 30.0,
     "keep_checkpoints": 2,
     "best_checkpoint_metric": "val_accuracy",
+    "best_checkpoint_mode": "max",
     "early_stopping_patience": 2,
     "early_stopping_min_delta": 0.01,
     "early_stopping_metric": "val_accuracy",
+    "early_stopping_mode": "max",
     "force": True,
 }
 # Two meshes: a tensor-parallel size and a pipeline's cannot both be set in one run.
