@@ -311,7 +311,7 @@ def api_page() -> str:
     for title, belongs in groups.items():
         lines += [f"## {title}", ""]
         for name, module in exports.items():
-            if belongs(name, module) and not (title == "Settings and errors" and "hooks" in module):
+            if belongs(name, module) and f"{module}.{name}" not in CONTRACTS:
                 lines += [f"::: {module}.{name}", ""]
     lines += [
         "## User contracts",
