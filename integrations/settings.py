@@ -274,9 +274,10 @@ class PrefectMLSettings(BaseSettings):
     serve_ingress: Literal["haproxy", "proxy"] = Field(
         default="haproxy",
         title="Serving ingress",
-        description="haproxy: Ray Serve's HAProxy ingress, about 3x the requests/s, but its "
-        "stats page (8404) and Prometheus metrics (9101) listen on every interface whatever "
-        "--host says; proxy: Serve's own proxy, which listens on --host:--port only. Read "
+        description="haproxy: Ray Serve's HAProxy ingress, about 3x the requests/s; its stats "
+        "page (8404) and Prometheus metrics (9101) listen on loopback when a local Ray started "
+        "by prefect-ml runs it, on every interface on a cluster started without prefect-ml's "
+        "HAProxy script; proxy: Serve's own proxy, which listens on --host:--port only. Read "
         "where a local Ray starts; HTTPS serving always uses proxy.",
     )
     serve_token: SecretStr | None = Field(
