@@ -21,10 +21,14 @@ arm runs one server process or replica and answers one digit per request; the lo
   MLflow's scoring protocol (the body ``mlflow-serve`` gets) and in the Open Inference Protocol
   v2 (``POST /v2/models/<name>/infer``), taking turns with ``ours+batching``'s ``/predict`` at
   each concurrency (three turns each): what each protocol's translation costs, and
-  ``/invocations`` against ``mlflow models serve`` itself.
+  ``/invocations`` against ``mlflow models serve`` itself;
+* ``ours, 2 versions``: the same ``/predict`` rows on the defaults' deployment, every other
+  request selecting a second registered version by the ``serve_multiplexed_model_id`` header
+  (the same network registered again: two models in the replica, each with its own batcher),
+  in the same turns: what serving several versions on one endpoint costs.
 
 ``--protocols`` runs only the arms the protocols are compared with (``mlflow-serve``,
-``ours+batching`` and the two protocol arms).
+``ours+batching``, the two protocol arms and the two versions).
 
 Throughput (requests/s), p50 and p99 latency (wrk's own percentiles), and errors (non-2xx and
 socket errors) per arm and concurrency 1, 8, 32. Needs ``wrk`` (``apt-get install -y wrk``).
@@ -66,6 +70,7 @@ OUR_ARMS: dict[str, dict[str, Any]] = {
 }
 MODEL_NAME = "digits-classifier"
 PROTOCOL_ARMS = ("ours /invocations", "ours OIP infer")
+VERSIONS_ARM = "ours, 2 versions"
 WRK_TIMEOUT = "10s"
 
 
@@ -123,13 +128,33 @@ def _wait_ready(
     raise RuntimeError(f"{url} did not answer within {timeout:.0f}s")
 
 
-def _wrk(url: str, body: dict[str, Any], connections: int, seconds: float) -> dict[str, float]:
-    """One wrk run: requests/s, p50/p99 latency in ms, errors."""
+# Each connection's requests take turns selecting the model ids of ``model_ids``.
+ALTERNATING = """
+local ids, n = {%s}, 0
+request = function()
+  n = n + 1
+  wrk.headers["serve_multiplexed_model_id"] = ids[n %% #ids + 1]
+  return wrk.format()
+end
+"""
+
+
+def _wrk(
+    url: str,
+    body: dict[str, Any],
+    connections: int,
+    seconds: float,
+    model_ids: tuple[str, ...] = (),
+) -> dict[str, float]:
+    """One wrk run: requests/s, p50/p99 latency in ms, errors; with ``model_ids``, each
+    connection's requests select them in turn."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(
             'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
             f"wrk.body = {json.dumps(json.dumps(body))}\n"
         )
+        if model_ids:
+            script.write(ALTERNATING % ", ".join(json.dumps(i) for i in model_ids))
     command = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency"]
     output = subprocess.run(
         [*command, "--timeout", WRK_TIMEOUT, "-s", script.name, url],
@@ -185,11 +210,12 @@ def _point(
     connections: int,
     seconds: float,
     batch_counts: Callable[[], dict[str, int]] | None,
+    model_ids: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """One wrk run after a 2 s warm-up; with ``batch_counts``, its mean batch size too."""
-    _wrk(url, body, connections, 2)
+    _wrk(url, body, connections, 2, model_ids)
     before = batch_counts() if batch_counts else None
-    point = _wrk(url, body, connections, seconds)
+    point = _wrk(url, body, connections, seconds, model_ids)
     if batch_counts and before:
         after = batch_counts()
         calls = max(after["batches"] - before["batches"], 1)
@@ -198,7 +224,7 @@ def _point(
 
 
 def interleaved_curves(
-    requests: dict[str, tuple[str, dict[str, Any]]],
+    requests: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]],
     seconds: float,
     batch_counts: Callable[[], dict[str, int]],
     rounds: int = 3,
@@ -207,7 +233,7 @@ def interleaved_curves(
     times ``seconds // rounds`` each, each round starting with the next arm, so that a change of
     the machine's load meets all of them; a point is the mean of an arm's turns (errors: their
     sum)."""
-    for url, body in requests.values():
+    for url, body, _ in requests.values():
         _wait_ready(url, body, lambda: None)
     curves: dict[str, dict[int, dict[str, float]]] = {arm: {} for arm in requests}
     turn_s = max(1, int(seconds // rounds))  # wrk takes whole seconds
@@ -215,8 +241,8 @@ def interleaved_curves(
         turns: dict[str, list[dict[str, float]]] = {arm: [] for arm in requests}
         order = list(requests.items())
         for turn in range(rounds):  # each round starts with another arm
-            for arm, (url, body) in order[turn % len(order) :] + order[: turn % len(order)]:
-                turns[arm].append(_point(url, body, connections, turn_s, batch_counts))
+            for arm, (url, body, ids) in order[turn % len(order) :] + order[: turn % len(order)]:
+                turns[arm].append(_point(url, body, connections, turn_s, batch_counts, ids))
         for arm, points in turns.items():
             mean = {key: float(np.mean([p[key] for p in points])) for key in points[0]}
             curves[arm][connections] = {**mean, "errors": sum(p["errors"] for p in points)}
@@ -315,16 +341,19 @@ def measure(seconds: float, protocols_only: bool = False) -> dict[str, Any]:
     port = _free_port()
 
     def batch_counts() -> dict[str, int]:
-        counts: dict[str, int] = httpx.get(f"http://127.0.0.1:{port}/metadata").json()["batching"]
-        return counts
+        """Model calls and requests so far, of every version the replica holds."""
+        metadata = httpx.get(f"http://127.0.0.1:{port}/metadata").json()
+        versions = [metadata["batching"], *metadata["versions"]["loaded"].values()]
+        return {key: sum(v[key] for v in versions) for key in ("batches", "requests")}
 
     base = f"http://127.0.0.1:{port}"
     oip_body = {
         "inputs": [{"name": "input", "shape": [1, len(row)], "datatype": "FP32", "data": row}]
     }
     protocol_requests = {
-        "ours /invocations": (f"{base}/invocations", mlflow_body),
-        "ours OIP infer": (f"{base}/v2/models/{MODEL_NAME}/infer", oip_body),
+        "ours /invocations": (f"{base}/invocations", mlflow_body, ()),
+        "ours OIP infer": (f"{base}/v2/models/{MODEL_NAME}/infer", oip_body, ()),
+        VERSIONS_ARM: (f"{base}/predict", flat_body, _two_versions(settings, version)),
     }
     ours = {"ours+batching": OUR_ARMS["ours+batching"]} if protocols_only else OUR_ARMS
     with ray_session(settings):
@@ -336,7 +365,7 @@ def measure(seconds: float, protocols_only: bool = False) -> dict[str, Any]:
             if arm != "ours+batching":
                 arms[arm] = load_curve(f"{base}/predict", flat_body, seconds, batch_counts=counts)
         # The defaults, deployed last: /predict and the protocols take turns on that replica.
-        side_by_side = {"ours+batching": (f"{base}/predict", flat_body), **protocol_requests}
+        side_by_side = {"ours+batching": (f"{base}/predict", flat_body, ()), **protocol_requests}
         arms.update(interleaved_curves(side_by_side, seconds, batch_counts))
         if not protocols_only:
             arm = "ours+batching, replica port"
@@ -344,6 +373,18 @@ def measure(seconds: float, protocols_only: bool = False) -> dict[str, Any]:
             replica = f"http://127.0.0.1:{_replica_port()}/predict"
             arms[arm] = load_curve(replica, flat_body, seconds, batch_counts=batch_counts)
     return {"model_uri": model_uri, "arms": arms}
+
+
+def _two_versions(settings: Any, version: str) -> tuple[str, ...]:
+    """The model ids of ``version`` and of a second version registered from its artifacts."""
+    from prefect_ml.integrations import tracking
+
+    client = tracking.client_for(settings.resolved_tracking_uri)
+    first = client.get_model_version(MODEL_NAME, version)
+    second = client.create_model_version(
+        MODEL_NAME, str(first.source), str(first.run_id), tags=first.tags
+    )
+    return f"{MODEL_NAME}/{version}", f"{MODEL_NAME}/{second.version}"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -381,6 +422,16 @@ def markdown(report: dict[str, Any]) -> str:
             "ours+batching",
             "rps",
         )
+    ratios[f"{VERSIONS_ARM} / ours+batching /predict, throughput"] = (
+        VERSIONS_ARM,
+        "ours+batching",
+        "rps",
+    )
+    ratios[f"{VERSIONS_ARM} / ours+batching /predict, p99"] = (
+        VERSIONS_ARM,
+        "ours+batching",
+        "p99_ms",
+    )
     ratios["ours /invocations / mlflow-serve, throughput"] = (
         PROTOCOL_ARMS[0],
         "mlflow-serve",
