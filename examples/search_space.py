@@ -64,6 +64,7 @@ def build(
     )
 
 
+# --8<-- [start:space]
 def space(trial: Any) -> dict[str, Any]:
     """One width per layer for however many layers were drawn; weight decay only with SGD; a
     residual scale only for residual models."""
@@ -83,3 +84,6 @@ def space(trial: Any) -> dict[str, Any]:
     if values["model_options.residual"]:
         values["model_options.residual_scale"] = trial.suggest_float("residual_scale", 0.1, 1.0)
     return values
+
+
+# --8<-- [end:space]

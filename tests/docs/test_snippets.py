@@ -24,13 +24,25 @@ BLOCK = re.compile(r"^( *)```python\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
 INCLUDE = re.compile(r'^--8<-- "(?P<path>[^"]+)"$', re.MULTILINE)
 
 
+def included(path: str) -> str:
+    """What ``--8<-- "path"`` includes: the file, or with ``path:name`` the lines between its
+    ``# --8<-- [start:name]`` and ``# --8<-- [end:name]`` markers (pymdownx.snippets' sections)."""
+    path, _, section = path.partition(":")
+    text = (REPO_ROOT / path).read_text()
+    if not section:
+        return text
+    start, end = f"# --8<-- [start:{section}]\n", f"# --8<-- [end:{section}]\n"
+    assert start in text and end in text, f"{path} has no section {section!r}"
+    return text.split(start, 1)[1].split(end, 1)[0]
+
+
 def python_blocks() -> list[tuple[str, str]]:
     """(where, code) of every Python block on the pages, includes read from their files."""
     blocks = []
     for page in PAGES:
         for number, match in enumerate(BLOCK.finditer(page.read_text())):
             code = textwrap.dedent(match[2])
-            code = INCLUDE.sub(lambda m: (REPO_ROOT / m["path"]).read_text(), code)
+            code = INCLUDE.sub(lambda m: included(m["path"]), code)
             blocks.append((f"{page.relative_to(REPO_ROOT)}#{number}", code))
     return blocks
 
