@@ -145,6 +145,15 @@ def test_a_tenant_s_application_and_route_are_in_its_namespace(
     assert in_tenant(params, None) == params
 
 
+def test_a_tenant_s_requests_select_versions_of_its_own_models_only() -> None:
+    """Issue 41, part 3: serving.other_models names models in the tenant's namespace, so a
+    request to alice's application cannot select a version of bob's model."""
+    params = ServingParams(other_models=["wine", "alice.iris", "bob.digits"])
+    qualified = in_tenant(params, "alice")
+    assert qualified.other_models == ["alice.wine", "alice.iris", "alice.bob.digits"]
+    assert in_tenant(params, None).other_models == ["wine", "alice.iris", "bob.digits"]
+
+
 def test_the_served_model_that_ray_s_actors_receive_holds_no_database_password(
     home: PrefectMLSettings, postgres_database: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
