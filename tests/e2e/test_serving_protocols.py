@@ -25,6 +25,7 @@ from mlflow.pyfunc.scoring_server.client import ScoringServerClient
 from ray import serve
 from tritonclient.utils import InferenceServerException
 
+from examples import serving_clients
 from prefect_ml.flows.serve import serve_model
 from prefect_ml.integrations import tracking
 from tests.e2e import test_serving
@@ -91,6 +92,8 @@ def test_mlflows_client_and_every_scoring_format_answer_as_predict_and_as_mlflow
     shuffled = pd.DataFrame(ROWS).iloc[:, ::-1]  # columns 63..0: matched by name, not order
     assert client.invoke(shuffled)["predictions"] == classes
     assert client.invoke(ROWS)["predictions"] == classes
+    # the docs' client script (docs/how-to/serving-protocols.md includes it) as a user runs it
+    assert serving_clients.classes_from_mlflow_client("127.0.0.1", served.port, ROWS) == classes
     assert httpx.get(f"{served.url}/health").status_code == 200
 
     records = shuffled.to_dict(orient="records")
@@ -162,6 +165,13 @@ def test_tritonclient_speaks_the_open_inference_protocol_to_the_served_model(
         client.infer(MODEL, [wrong])
     assert refused.value.status() == "400" and "input 'input'" in refused.value.message()
     client.close()
+
+    # the docs' client script (docs/how-to/serving-protocols.md includes it) as a user runs it
+    labels, probabilities = serving_clients.classes_from_triton_client(
+        "127.0.0.1", served.port, ROWS
+    )
+    assert labels == expected["predictions"]
+    np.testing.assert_allclose(probabilities, expected["probabilities"], atol=1e-6)
 
 
 def _bad_requests() -> list[tuple[str, str, dict[str, str], str | bytes, int, str]]:
