@@ -279,7 +279,7 @@ def training_loop(
 
     from prefect_ml.integrations.checkpoints import CheckpointStore
     from prefect_ml.integrations.distributed_checkpoint import to_files
-    from prefect_ml.integrations.epoch_trainer import METRICS_FILE, EpochCommitter, StagedSnapshot
+    from prefect_ml.integrations.training import METRICS_FILE, EpochCommitter, StagedSnapshot
 
     asynchronous, share = LOOPS[name]
     work_seconds *= share

@@ -181,8 +181,8 @@ def _trainer(
     from torch.nn.parallel import DistributedDataParallel
 
     from prefect_ml.integrations.config.loop import TrainLoop
-    from prefect_ml.integrations.epoch_trainer import EpochTrainer
     from prefect_ml.integrations.shards import ArrayShard
+    from prefect_ml.integrations.training import EpochTrainer
 
     def ddp(model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(device)

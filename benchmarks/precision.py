@@ -3,7 +3,7 @@ checkpointing cost and save in our training step, against a bare PyTorch loop, i
 
 An arm is one loop on one workload at one precision, with or without checkpointing:
 
-* ``ours``: ``integrations.epoch_trainer.EpochTrainer`` (the step our Ray Train workers and campaign
+* ``ours``: ``integrations.training.EpochTrainer`` (the step our Ray Train workers and campaign
   trials run) built from ``TrainLoop.from_options(precision=..., gradient_checkpointing=...)``, on
   in-memory shards, in one process;
 * ``bare``: the bare-limit peer, the same catalog model, Adam and batches in a hand-written loop:
@@ -273,8 +273,8 @@ class OursArm:
         checkpoint_url: str,
     ) -> None:
         from prefect_ml.integrations.config.loop import TrainLoop
-        from prefect_ml.integrations.epoch_trainer import EpochTrainer
         from prefect_ml.integrations.shards import ArrayShard
+        from prefect_ml.integrations.training import EpochTrainer
 
         config = TrainLoop.from_options(
             splits_url="",
@@ -302,7 +302,7 @@ class OursArm:
         self.model, self.optimizer = self.trainer.model, self.trainer.optimizer
 
     def autocast(self) -> AbstractContextManager[Any]:
-        from prefect_ml.integrations.epoch_trainer import precision_context
+        from prefect_ml.integrations.training import precision_context
 
         return precision_context(self.precision, self.device)  # type: ignore[no-any-return]
 
@@ -499,7 +499,7 @@ def run_jobs(jobs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         import torch
 
         # Both loops import the product's training module, so their RSS baselines match.
-        import prefect_ml.integrations.epoch_trainer  # noqa: F401
+        import prefect_ml.integrations.training  # noqa: F401
 
         torch.set_num_threads(THREADS)
         results = []

@@ -1,4 +1,4 @@
-"""Ray Train v2: the ``TorchTrainer`` that runs :mod:`integrations.epoch_trainer` on every
+"""Ray Train v2: the ``TorchTrainer`` that runs :mod:`integrations.training` on every
 worker (DDP or FSDP over gloo or NCCL, elastic groups, restarts from the last checkpoint).
 
 Per-epoch metrics travel in the checkpoints the workers commit, not in Ray's reports.
@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from prefect_ml.integrations import collectives, storage, tracking
 from prefect_ml.integrations.config.loop import TrainLoop
-from prefect_ml.integrations.epoch_trainer import EpochTrainer, train_epochs
 from prefect_ml.integrations.errors import TrainingCodeError
 from prefect_ml.integrations.resources import (
     PLACEMENT_NOTICE_S,
@@ -24,6 +23,7 @@ from prefect_ml.integrations.resources import (
     free_per_node,
 )
 from prefect_ml.integrations.settings import get_settings
+from prefect_ml.integrations.training import EpochTrainer, train_epochs
 
 if TYPE_CHECKING:
     from prefect_ml.integrations.resources import ResourceRequest
@@ -47,7 +47,7 @@ def worker_nodes() -> list[str]:
 def train_loop_per_worker(config: dict[str, TrainLoop]) -> None:
     """One Ray Train worker: resume from the newest verified checkpoint (mid-epoch ones at
     the step after it), then train epochs until the last one, a stop request, or early
-    stopping (``epoch_trainer.train_epochs``: checkpoints every epoch within the checkpoint
+    stopping (``training.train_epochs``: checkpoints every epoch within the checkpoint
     budget, and at the configured step or seconds cadence)."""
     import ray.train
     import ray.train.torch

@@ -352,7 +352,7 @@ class _TestScorer:
     """A Ray Data actor: the checkpoint's model, loaded once, scoring batches of test rows."""
 
     def __init__(self, checkpoint_url: str, loop: dict[str, Any]) -> None:
-        from prefect_ml.integrations.epoch_trainer import load_trained_model
+        from prefect_ml.integrations.training import load_trained_model
 
         self.loop = loop
         self.model, _ = load_trained_model(

@@ -21,13 +21,6 @@ from pathlib import Path
 from prefect_ml.integrations import distributed_checkpoint, storage
 from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.config.loop import TrainLoop
-from prefect_ml.integrations.epoch_trainer import (
-    METRICS_FILE,
-    EpochCommitter,
-    EpochTrainer,
-    make_optimizer,
-    retention,
-)
 from prefect_ml.integrations.errors import (
     DETERMINISTIC_ERRORS,
     CheckpointError,
@@ -35,9 +28,16 @@ from prefect_ml.integrations.errors import (
     TrainingCodeError,
     fix_for,
 )
+from prefect_ml.integrations.optimization import make_optimizer
 from prefect_ml.integrations.ray_training import fit
 from prefect_ml.integrations.resources import ResourceRequest
 from prefect_ml.integrations.shards import Shard, open_shard
+from prefect_ml.integrations.training import (
+    METRICS_FILE,
+    EpochCommitter,
+    EpochTrainer,
+    retention,
+)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -18,23 +17,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from prefect_ml.integrations import (
     catalog,
-    epoch_trainer,
     hooks,
     model_parallel,
     ray_training,
     storage,
     timeline,
     tracking,
+    training,
 )
-from prefect_ml.integrations.checkpoints import CheckpointStore, VerifiedCheckpoint
+from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.config.loop import Splits, TrainLoop
-from prefect_ml.integrations.early_stopping import EarlyStopping, StopDecision
-from prefect_ml.integrations.epoch_trainer import METRICS_FILE
 from prefect_ml.integrations.errors import CheckpointError, PrefectMLError, TrainingCodeError
 from prefect_ml.integrations.leases import Lease
 from prefect_ml.integrations.prefect_server import RAY_TAG
 from prefect_ml.integrations.ray_cluster import ray_session, shipped_code
 from prefect_ml.integrations.settings import get_settings
+from prefect_ml.integrations.training import METRICS_FILE, TrainingEnd, training_end
 from prefect_ml.tasks.data import PreparedData, params_on_data
 from prefect_ml.tasks.params import ModelParams, TrainingSections
 from prefect_ml.tasks.placement import check_placement
@@ -284,34 +282,6 @@ def _users_code(call: Callable[[], T], params: TrainingSections, what: str) -> T
         ) from exc
 
 
-@dataclass(frozen=True)
-class TrainingEnd:
-    """How a run's training ended, read from its verified checkpoints alone."""
-
-    final: VerifiedCheckpoint
-    best_epoch: int  # the checkpoint evaluated and registered
-    stopped: StopDecision | None  # early stopping's decision, if it ended the run
-
-
-def training_end(
-    store: CheckpointStore,
-    final: VerifiedCheckpoint | None,
-    early_stopping: EarlyStopping | None,
-    epochs: int,
-) -> TrainingEnd | None:
-    """How the run whose newest verified checkpoint is ``final`` ended; None while it has
-    epochs left to train (early stopping decides from the committed epochs' metrics), as it
-    has when ``final`` was taken inside an epoch."""
-    if final is None or final.step is not None:
-        return None
-    history = epoch_trainer.committed_history(store, final.epoch) if early_stopping else {}
-    stopped = early_stopping.decide(history) if early_stopping else None
-    if final.epoch < epochs and (stopped is None or final.epoch < stopped.epoch):
-        return None
-    best = early_stopping.best(history) if early_stopping else None
-    return TrainingEnd(final, best.epoch if best else final.epoch, stopped)
-
-
 def train_result(
     params: TrainingSections,
     data: PreparedData,
@@ -501,7 +471,7 @@ def mark_worker_group_ready(client: Any, run_id: str) -> None:
 
 def trained_model(trained: TrainResult) -> torch.nn.Module:
     """The model of the run's best verified checkpoint (``best_epoch``), in eval mode."""
-    model, _epoch = epoch_trainer.load_trained_model(
+    model, _epoch = training.load_trained_model(
         trained.checkpoint_url,
         trained.model.model,
         trained.data.sample_shape,

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from prefect_ml.integrations.config.loop import TrainLoop
-from prefect_ml.integrations.epoch_trainer import EpochTrainer
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.shards import ArrayShard
+from prefect_ml.integrations.training import EpochTrainer
 from tests.fixtures.user_code import blobs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ from prefect_ml.integrations.checkpoints import (
     MetricsOnlyCheckpoint,
     RetentionPolicy,
 )
-from prefect_ml.integrations.epoch_trainer import (
+from prefect_ml.integrations.training import (
     METRICS_FILE,
     CheckpointBudget,
     EpochTrainer,

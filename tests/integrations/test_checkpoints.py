@@ -19,9 +19,9 @@ from prefect_ml.integrations.checkpoints import (
     manifest_signature,
 )
 from prefect_ml.integrations.distributed_checkpoint import load_files, to_files
-from prefect_ml.integrations.epoch_trainer import METRICS_FILE
 from prefect_ml.integrations.errors import CheckpointError
 from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.training import METRICS_FILE
 
 STATE_FILE = "__0_0.distcp"
 

@@ -11,7 +11,7 @@ import pytest
 from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.early_stopping import BestEpoch, EarlyStopping, StopDecision
-from prefect_ml.integrations.epoch_trainer import (
+from prefect_ml.integrations.training import (
     METRICS_FILE,
     EpochCommitter,
     committed_history,

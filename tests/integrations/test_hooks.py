@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from prefect_ml.integrations import epoch_trainer, hooks
+from prefect_ml.integrations import hooks, training
 from prefect_ml.integrations.checkpoints import CheckpointStore
-from prefect_ml.integrations.epoch_trainer import METRICS_FILE
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.training import METRICS_FILE
 from prefect_ml.tasks.data import inspect_dataset, preprocess_dataset
 from prefect_ml.tasks.params import TrainModelParams
 from prefect_ml.tasks.train import check_model
@@ -54,7 +54,7 @@ def test_a_hooked_model_trains_through_its_own_steps_and_resumes(tmp_path: Path)
     for name, value in trainer.network.state_dict().items():
         torch.testing.assert_close(resumed.network.state_dict()[name], value)
     # Checkpoints hold the network's own names: evaluation rebuilds it from the factory.
-    model, epoch = epoch_trainer.load_trained_model(url, STEPS, [4], 3, {})
+    model, epoch = training.load_trained_model(url, STEPS, [4], 3, {})
     assert epoch == 2 and set(model.state_dict()) == set(trainer.network.state_dict())
 
 

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from prefect_ml.integrations import epoch_trainer, hooks, step_log
+from prefect_ml.integrations import hooks, step_log, training
+from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.errors import ConfigurationError, TrainingCodeError
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.data import inspect_dataset, preprocess_dataset
@@ -222,12 +223,12 @@ def test_early_stopping_and_the_best_checkpoint_watch_a_logged_metric(
         "early_stopping_min_delta": 0.5,  # no epoch after the first beats it by that much
     }
     url = (tmp_path / "run").as_uri()
-    epoch_trainer.train_epochs(blob_trainer(url, model=EXAMPLE, epochs=6, **watching))
-    history = epoch_trainer.committed_history(epoch_trainer.CheckpointStore(url), 6)
+    training.train_epochs(blob_trainer(url, model=EXAMPLE, epochs=6, **watching))
+    history = training.committed_history(CheckpointStore(url), 6)
     assert sorted(history) == [1, 2]  # stopped after epoch 2: patience 1 past the best
     typo = {**watching, "early_stopping_metric": "val_acuracy"}
     with pytest.raises(ConfigurationError, match="'val_acuracy' is not among"):
-        epoch_trainer.train_epochs(blob_trainer((tmp_path / "t").as_uri(), model=EXAMPLE, **typo))
+        training.train_epochs(blob_trainer((tmp_path / "t").as_uri(), model=EXAMPLE, **typo))
 
 
 def _prepared(home: PrefectMLSettings, model: str, **model_section: Any) -> tuple[Any, Any]:

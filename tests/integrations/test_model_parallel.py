@@ -18,9 +18,9 @@ from torch import nn
 
 from prefect_ml.integrations import hooks, model_parallel
 from prefect_ml.integrations.config.loop import TrainLoop
-from prefect_ml.integrations.epoch_trainer import EpochTrainer
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.model_parallel import MeshLayout
+from prefect_ml.integrations.training import EpochTrainer
 from tests.integrations.test_parallel_training import (
     _assert_same_weights,
     _config,

@@ -17,15 +17,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from prefect_ml.integrations import catalog, epoch_trainer
+from prefect_ml.integrations import catalog, training
 from prefect_ml.integrations.config.loop import TrainLoop
-from prefect_ml.integrations.epoch_trainer import (
-    EpochCommitter,
-    EpochTrainer,
-)
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.model_parallel import MeshLayout
 from prefect_ml.integrations.shards import ArrayShard, shard_bounds
+from prefect_ml.integrations.training import (
+    EpochCommitter,
+    EpochTrainer,
+)
 from tests.fixtures.user_code import blobs
 from tests.helpers import free_port, in_gloo_group
 
@@ -151,7 +151,7 @@ def test_fsdp_trains_like_ddp_and_its_checkpoint_restores_under_other_layouts(
     assert single.first_epoch == 4
     _assert_same_weights(_full_state(single), resumed_state["final"])
     assert single.scheduler.last_epoch == 3, "the LR schedule resumed where it stopped"
-    model, epoch = epoch_trainer.load_trained_model(
+    model, epoch = training.load_trained_model(
         fsdp_url, "mlp", [6], 3, _config("").model.factory_options()
     )
     assert epoch == 3
@@ -184,7 +184,7 @@ def test_checkpoints_are_distributed_checkpoint_directories(tmp_path: Path) -> N
     trainer = EpochTrainer(_config(tmp_path.as_uri()), shards=_shards(0, 1))
     files = trainer.snapshot(1)
     assert ".metadata" in files and any(name.endswith(".distcp") for name in files)
-    state = json.loads(files[epoch_trainer.TRAINER_STATE_FILE])
+    state = json.loads(files[training.TRAINER_STATE_FILE])
     assert state["epoch"] == 1 and state["scaler"] is None
 
 
@@ -204,7 +204,7 @@ def test_a_checkpoint_written_before_the_optimiser_state_was_flattened_still_res
     model_state, optimizer_state = get_state_dict(trainer.state_module, trainer.optimizer)
     files = distributed_checkpoint.to_files({"model": model_state, "optimizer": optimizer_state})
     trainer_state = {"epoch": 1, "seed": 3, "scheduler": trainer.scheduler.state_dict()}
-    files[epoch_trainer.TRAINER_STATE_FILE] = json.dumps(trainer_state).encode()
+    files[training.TRAINER_STATE_FILE] = json.dumps(trainer_state).encode()
     CheckpointStore(url).save(1, files)
 
     resumed = EpochTrainer(_config(url), shards=_shards(0, 1))
@@ -219,7 +219,7 @@ def test_a_checkpoint_written_before_the_optimiser_state_was_flattened_still_res
 
 def test_bf16_autocast_trains_on_cpu_and_reports_peak_memory(tmp_path: Path) -> None:
     trainer = EpochTrainer(_config(tmp_path.as_uri(), precision="bf16"), shards=_shards(0, 1))
-    with epoch_trainer.precision_context("bf16", trainer.device):
+    with training.precision_context("bf16", trainer.device):
         logits = trainer.model(torch.from_numpy(trainer.train.head(4)[0]))
     assert logits.dtype == torch.bfloat16
     first = trainer.train_epoch(1)
@@ -286,7 +286,7 @@ def test_fp16_on_cuda_scales_the_loss_and_checkpoints_the_scale(tmp_path: Path) 
     first, last = trainer.train_epoch(1), trainer.train_epoch(2)
     assert last["train_loss"] < first["train_loss"]
     files = trainer.snapshot(2)
-    assert json.loads(files[epoch_trainer.TRAINER_STATE_FILE])["scaler"]["scale"] > 0
+    assert json.loads(files[training.TRAINER_STATE_FILE])["scaler"]["scale"] > 0
 
 
 def _nccl_worker(rank: int, world_size: int, port: int, out: str) -> None:

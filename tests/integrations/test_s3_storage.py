@@ -19,13 +19,13 @@ from s3fs import S3FileSystem
 
 from prefect_ml.integrations import storage
 from prefect_ml.integrations.checkpoints import MANIFEST, CheckpointStore
-from prefect_ml.integrations.epoch_trainer import METRICS_FILE, EpochCommitter
 from prefect_ml.integrations.errors import (
     CheckpointError,
     ConfigurationError,
     EnvironmentCheckError,
 )
 from prefect_ml.integrations.storage import _files as storage_files
+from prefect_ml.integrations.training import METRICS_FILE, EpochCommitter
 from tests.helpers import blob_trainer, wait_for
 from tests.s3 import TEST_BUCKET, FaultyProxy, MotoS3
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from prefect_ml.integrations import distributed_checkpoint, epoch_trainer, storage
+from prefect_ml.integrations import distributed_checkpoint, storage, training
 from prefect_ml.integrations.checkpoints import MANIFEST, CheckpointStore, RetentionPolicy
 from prefect_ml.integrations.distributed_checkpoint import resolve_layout
-from prefect_ml.integrations.epoch_trainer import EpochCommitter, EpochTrainer
 from prefect_ml.integrations.errors import CheckpointError
+from prefect_ml.integrations.training import EpochCommitter, EpochTrainer
 from tests.helpers import free_port
 from tests.integrations.test_parallel_training import (
     _assert_same_weights,
@@ -78,7 +78,7 @@ def test_every_rank_writes_its_shards_and_one_manifest_commits_them(
     checkpoint = store.latest()
     assert checkpoint is not None and checkpoint.epoch == 2
     options = config.model.factory_options()
-    model, epoch = epoch_trainer.load_trained_model(url, "mlp", [6], 3, options)
+    model, epoch = training.load_trained_model(url, "mlp", [6], 3, options)
     assert epoch == 2
     _assert_same_weights(model.state_dict(), state["final"])
 
@@ -173,7 +173,7 @@ def test_a_sharded_checkpoint_on_s3_verifies_and_loads(tmp_path: Path, s3_bucket
     assert checkpoint is not None and checkpoint.epoch == 1
     assert _shard_names(_manifest(url, 1)) == {"__0_0.distcp", "__1_0.distcp"}
     options = _config("").model.factory_options()
-    model, _ = epoch_trainer.load_trained_model(url, "mlp", [6], 3, options)
+    model, _ = training.load_trained_model(url, "mlp", [6], 3, options)
     _assert_same_weights(model.state_dict(), state["final"])
 
 

@@ -21,7 +21,7 @@ from torch.multiprocessing import ProcessRaisedException
 from prefect_ml.integrations import shards
 from prefect_ml.integrations.checkpoints import CheckpointPosition, CheckpointStore
 from prefect_ml.integrations.config.loop import TrainLoop
-from prefect_ml.integrations.epoch_trainer import (
+from prefect_ml.integrations.training import (
     METRICS_FILE,
     EpochCommitter,
     EpochTrainer,

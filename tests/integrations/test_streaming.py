@@ -20,12 +20,12 @@ import torch
 
 from prefect_ml.integrations import shards, storage, streaming, tabular_files
 from prefect_ml.integrations.config.loop import TrainLoop
-from prefect_ml.integrations.epoch_trainer import (
+from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.training import (
     EpochCommitter,
     EpochTrainer,
     load_trained_model,
 )
-from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.tasks.data import (
     PreparedData,
     fingerprint_source,

@@ -6,7 +6,7 @@ import json
 
 from prefect import flow
 
-from prefect_ml.integrations import epoch_trainer, tracking
+from prefect_ml.integrations import tracking, training
 from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.train import EpochRecorder
@@ -19,7 +19,7 @@ def _commit(store: CheckpointStore, epoch: int) -> None:
         "val_accuracy": 0.5,
         "samples_per_second": 100.0,
     }
-    store.save(epoch, {epoch_trainer.METRICS_FILE: json.dumps(metrics).encode()})
+    store.save(epoch, {training.METRICS_FILE: json.dumps(metrics).encode()})
 
 
 @flow
