@@ -220,7 +220,7 @@ def mlflow_rates(tracking_uri: str, artifact_root: str | None, seconds: float) -
     with its params, 3 epochs, end it), as a campaign's writer thread makes them."""
     from prefect_ml.integrations import tracking
     from prefect_ml.tasks.params import CampaignParams
-    from prefect_ml.tasks.train import flatten
+    from prefect_ml.tasks.training import flatten
 
     client = tracking.client_for(tracking_uri)
     experiment = tracking.ensure_experiment(

@@ -273,7 +273,7 @@ def run_plain(
     params: TrainModelParams, data: PreparedData, mode: str, report: Report, work_dir: Path
 ) -> Measurement:
     """Run the plain loop in this process (``report=None``) or on a ``TorchTrainer``."""
-    from prefect_ml.tasks.train import train_loop
+    from prefect_ml.tasks.training import train_loop
 
     world = 1 if report is None else WORKERS
     per_worker = data.rows["train"] // world

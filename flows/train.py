@@ -15,7 +15,8 @@ from prefect_ml.tasks.quotas import apply_ray_slots, tenant_tags
 from prefect_ml.tasks.register import Registration, register
 from prefect_ml.tasks.report import published_timeline
 from prefect_ml.tasks.reuse import reuse_finished
-from prefect_ml.tasks.train import TrainResult, train, training_lease
+from prefect_ml.tasks.train import TrainResult, train
+from prefect_ml.tasks.training import training_lease
 
 __all__ = ["TrainingOutcome", "train_model"]
 

@@ -19,7 +19,8 @@ from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.problems import Direction
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.evaluate import Evaluation
-from prefect_ml.tasks.train import TrainResult, current_flow_run_id, trained_model
+from prefect_ml.tasks.train import TrainResult, trained_model
+from prefect_ml.tasks.training import current_flow_run_id
 
 __all__ = ["Registration", "register"]
 

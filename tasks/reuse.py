@@ -12,16 +12,16 @@ from pydantic import BaseModel
 from prefect_ml.integrations import storage, tracking
 from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.settings import get_settings
+from prefect_ml.integrations.training import training_end
 from prefect_ml.tasks.data import PreparedData
 from prefect_ml.tasks.evaluate import Evaluation
 from prefect_ml.tasks.params import TrainModelParams
 from prefect_ml.tasks.register import Registration, publish_summary_artifacts
-from prefect_ml.tasks.train import (
+from prefect_ml.tasks.training import (
     RESUMED_FROM_TAG,
     TrainResult,
     current_flow_run_id,
     train_result,
-    training_end,
 )
 
 __all__ = ["FinishedTraining", "finished_training", "reuse_finished"]

@@ -30,7 +30,7 @@ from prefect_ml.tasks.params import (
 )
 from prefect_ml.tasks.placement import require_fits
 from prefect_ml.tasks.quotas import check_caps
-from prefect_ml.tasks.train import current_flow_run_id
+from prefect_ml.tasks.training import current_flow_run_id
 
 __all__ = ["ServingResult", "SmokeResult", "serve"]
 

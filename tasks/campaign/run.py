@@ -48,7 +48,7 @@ from prefect_ml.tasks.params import (
     with_trial_values,
 )
 from prefect_ml.tasks.placement import require_fits
-from prefect_ml.tasks.train import current_flow_run_id, flatten, train_loop
+from prefect_ml.tasks.training import current_flow_run_id, flatten, train_loop
 
 if TYPE_CHECKING:
     import logging

@@ -30,7 +30,7 @@ from prefect_ml.tasks.params import (
     params_from_options,
     section_options,
 )
-from prefect_ml.tasks.train import train_loop
+from prefect_ml.tasks.training import train_loop
 
 MODEL = {
     "model": "tests.fixtures.user_code:linear_model",

@@ -28,7 +28,7 @@ from prefect_ml.integrations.config.loop import Splits, TrainLoop
 from prefect_ml.integrations.trial_worker import TrialSpec
 from prefect_ml.tasks import serve
 from prefect_ml.tasks.data import PreparedData
-from prefect_ml.tasks.train import train_loop
+from prefect_ml.tasks.training import train_loop
 
 SECTION_FIELDS = {
     name

@@ -19,7 +19,7 @@ from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.training import METRICS_FILE
 from prefect_ml.tasks.data import inspect_dataset, preprocess_dataset
 from prefect_ml.tasks.params import TrainModelParams
-from prefect_ml.tasks.train import check_model
+from prefect_ml.tasks.training import check_model
 from tests.fixtures.user_code import StepsModule
 from tests.helpers import blob_trainer
 

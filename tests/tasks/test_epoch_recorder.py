@@ -9,7 +9,7 @@ from prefect import flow
 from prefect_ml.integrations import tracking, training
 from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.settings import PrefectMLSettings
-from prefect_ml.tasks.train import EpochRecorder
+from prefect_ml.tasks.training import EpochRecorder
 
 
 def _commit(store: CheckpointStore, epoch: int) -> None:

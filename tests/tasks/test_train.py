@@ -178,7 +178,7 @@ def test_the_loop_config_that_ray_s_workers_receive_holds_no_database_password(
     import cloudpickle
 
     from prefect_ml.tasks.data import PreparedData
-    from prefect_ml.tasks.train import train_loop
+    from prefect_ml.tasks.training import train_loop
 
     data = PreparedData(
         fingerprint="f" * 16,
