@@ -8,8 +8,9 @@ declarative dict of the sweep section turned into one (:class:`DeclaredSpace`, w
 conditions are its ``if``).
 
 What a space returns names what each trial sets: model and training fields (``lr``,
-``training.lr``), and the user model's own options (``model_options.blocks``), as dotted names
-or nested sections (``{"model": {"model_options": {"blocks": 3}}}``);
+``training.lr``), and the options of the user's own model and dataset loader
+(``model_options.blocks``, ``dataset_options.noise``), as dotted names or nested sections
+(``{"model": {"model_options": {"blocks": 3}}}``);
 :func:`tuned_values` turns either into one flat dict of those names.
 """
 
@@ -35,6 +36,8 @@ FIELD = "sweep.search_space"
 # Mappings whose keys are names inside them: the sections and the options.
 CONTAINERS = {"model", "training", "data", "model_options", "dataset_options"}
 SECTIONS = ("model", "training", "data")
+# The section that holds each kind of the user's own options.
+OPTION_SECTIONS = {"model_options": "model", "dataset_options": "data"}
 
 
 class SearchSpace(Protocol):
@@ -116,7 +119,7 @@ def resolve(space: dict[str, SearchDimension] | str | Callable[..., Any]) -> Sea
 
 def tuned_values(returned: object, *, source: str) -> dict[str, Any]:
     """What a space returned, as ``{name: value}`` with names as the sweep section writes
-    them: a field (``lr``) or an option (``model_options.blocks``).
+    them: a field (``lr``) or an option (``model_options.blocks``, ``dataset_options.noise``).
 
     Raises:
         ConfigurationError: naming ``source``: not a mapping, or a name that is not tunable
@@ -160,12 +163,13 @@ def _flatten(mapping: Mapping[Any, Any], prefix: str, flat: dict[str, Any], sour
 
 def with_values(parameters: dict[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
     """``parameters`` (a flow's, dumped) with ``values`` put into their sections: a field into
-    its section, an option into the model's ``model_options``."""
+    its section, an option into the model's ``model_options`` or the data's
+    ``dataset_options``."""
     merged = copy.deepcopy(parameters)
     for name, value in values.items():
         option, dot, key = name.partition(".")
-        if dot and option == "model_options":
-            merged["model"]["model_options"][key] = value
+        if dot and option in OPTION_SECTIONS:
+            merged[OPTION_SECTIONS[option]][option][key] = value
             continue
         section = section_of(name)
         assert section is not None, name  # every name was checked by tuned_values

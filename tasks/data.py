@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Any, TypeVar
 
 import numpy as np
@@ -36,6 +37,7 @@ from prefect_ml.tasks.retries import transient_retries
 __all__ = ["PreparedData", "preprocess"]
 
 Sections = TypeVar("Sections", bound=TrainingSections)
+Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
 FORMAT_VERSION = "1"
 
@@ -180,15 +182,18 @@ def train_rows(total_rows: int, data: DataParams) -> int:
     return rest - int(np.ceil(rest * data.val_fraction / (1 - data.test_fraction)))
 
 
-def check_fits_training_split(params: TrainingSections, n_train: int) -> None:
-    """Refuse a batch size or a worker count that a training split of ``n_train`` rows cannot
-    feed, before any compute."""
+def check_fits_training_split(
+    params: TrainingSections, n_train: int, *, workers: int | None = None
+) -> None:
+    """Refuse a batch size or a worker count (``workers``: a campaign trial's) that a training
+    split of ``n_train`` rows cannot feed, before any compute."""
     training: TrainingParams = params.training
-    workers = (
-        params.sweep.trial_workers
-        if isinstance(params, CampaignParams)
-        else training.worker_range[1]  # the largest group has the smallest shards
-    )
+    if workers is None:
+        workers = (
+            params.sweep.trial_workers
+            if isinstance(params, CampaignParams)
+            else training.worker_range[1]  # the largest group has the smallest shards
+        )
     if training.batch_size > n_train:
         raise ConfigurationError(
             "training.batch_size",
@@ -339,7 +344,9 @@ def preprocess_streamed(
     return prepared
 
 
-def prepared_splits(fingerprint: str, storage_url: str) -> PreparedData | None:
+def prepared_splits(
+    fingerprint: str, storage_url: str, logger: Logger | None = None
+) -> PreparedData | None:
     """The splits already prepared for ``fingerprint`` under ``storage_url``, or None.
 
     Decided from the splits' own ``meta.json`` (JSON, written after every split), not from a
@@ -355,7 +362,9 @@ def prepared_splits(fingerprint: str, storage_url: str) -> PreparedData | None:
     except FileNotFoundError:
         return None
     except ValidationError as exc:
-        get_run_logger().warning("Preparing %s again: invalid meta.json (%s)", splits_url, exc)
+        (logger or get_run_logger()).warning(
+            "Preparing %s again: invalid meta.json (%s)", splits_url, exc
+        )
         return None
     if prepared.fingerprint != fingerprint:
         return None
@@ -398,7 +407,13 @@ def preprocess(dataset: str = "digits", **options: Any) -> PreparedData:
     data = params_from_options(DataParams, {"dataset": dataset, **options}, step="preprocess")
     settings = get_settings()
     storage.prepare_storage(settings)
-    storage_url = storage.root_url(settings)
+    return prepare_data(data, storage.root_url(settings), get_run_logger())
+
+
+def prepare_data(data: DataParams, storage_url: str, logger: Logger) -> PreparedData:
+    """:func:`preprocess` as a plain function: the splits of ``data`` under ``storage_url``,
+    reused when that fingerprint was already prepared there (a campaign also calls it for the
+    dataset options its trials draw)."""
     layout, source = choose_layout(data)
     arrays = None
     if layout == "parquet" and source is not None:
@@ -406,12 +421,12 @@ def preprocess(dataset: str = "digits", **options: Any) -> PreparedData:
     else:
         arrays = load_dataset(data.dataset, data.loader_options(), data.task)
         fingerprint = fingerprint_dataset(arrays, data)
-    existing = prepared_splits(fingerprint, storage_url)
+    existing = prepared_splits(fingerprint, storage_url, logger)
     if existing is not None:
-        get_run_logger().info("Reusing the splits prepared at %s", existing.splits_url)
+        logger.info("Reusing the splits prepared at %s", existing.splits_url)
         return existing.model_copy(update={"recipe": data})
     if source is not None and layout == "parquet":
-        get_run_logger().info(
+        logger.info(
             "Streaming %d file(s), %.0f MB, into Parquet shards with Ray Data",
             len(source.files),
             source.total_bytes / 1e6,

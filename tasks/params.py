@@ -31,7 +31,12 @@ from prefect_ml.integrations.config import (
     TrainingParams,
 )
 from prefect_ml.integrations.config.registry import DEFAULT_MODEL_NAME, RegisteredModelName
-from prefect_ml.integrations.config.sweep import default_search_space, space_text
+from prefect_ml.integrations.config.sweep import (
+    DATASET_OPTION,
+    MODEL_OPTION,
+    default_search_space,
+    space_text,
+)
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.resources import RequestFields
 
@@ -135,12 +140,7 @@ class TrainingSections(Section):
             return self
         space = sweep.search_space
         if isinstance(space, dict):
-            options = [n.partition(".")[2] for n in space if n.startswith("model_options.")]
-            if options:
-                try:
-                    resolve_model(self.model.model, [*self.model.model_options, *options])
-                except ConfigurationError as exc:
-                    raise ValueError(f"sweep.search_space: {exc.message}") from None
+            self._check_declared_options(space)
             return self
         source = space_text(space)
 
@@ -158,6 +158,22 @@ class TrainingSections(Section):
 
         search_spaces.first_draw(space, check)
         return self
+
+    def _check_declared_options(self, space: dict[str, SearchDimension]) -> None:
+        """The options a declared space tunes are ones the user's factory and loader accept."""
+        models = [n.removeprefix(MODEL_OPTION) for n in space if n.startswith(MODEL_OPTION)]
+        loaders = [n.removeprefix(DATASET_OPTION) for n in space if n.startswith(DATASET_OPTION)]
+        try:
+            if models:
+                resolve_model(self.model.model, [*self.model.model_options, *models])
+            if loaders:
+                options = {**self.data.dataset_options, **dict.fromkeys(loaders)}
+                DataParams.model_validate({**dict(self.data), "dataset_options": options})
+        except ConfigurationError as exc:
+            raise ValueError(f"sweep.search_space: {exc.message}") from None
+        except ValidationError as exc:
+            message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ValueError(f"sweep.search_space: {message}") from None
 
     def training_sections(self) -> TrainingSections:
         """The experiment, data, model and training sections alone (no sweep to check)."""

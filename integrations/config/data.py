@@ -87,6 +87,12 @@ class DataParams(Section):
                 if not getattr(self, name):
                     flag = "--" + name.replace("_", "-")
                     raise ValueError(f"the 'tabular' dataset needs {name}; set {flag}")
+            if self.dataset_options:
+                raise ValueError(
+                    f"dataset_options {sorted(self.dataset_options)} are a user dataset "
+                    "loader's keyword arguments; the 'tabular' dataset takes none (it reads "
+                    "url and label_column)"
+                )
         resolve_dataset(self.dataset, self.loader_options())
         if self.val_fraction + self.test_fraction >= 0.8:
             raise ValueError("val_fraction + test_fraction must leave at least 20% for training")

@@ -4,7 +4,9 @@ The search space is declared (a dict of dimensions, each optionally active only 
 drew given values) or defined by run: a function ``space(trial) -> dict`` named by its import
 path or plug-in name (:mod:`integrations.search_spaces`). Either sets model and training fields
 that carry no :class:`~prefect_ml.integrations.config.Role` (operational, early stopping, not
-searchable), and the user model's own options as ``model_options.<key>``.
+searchable), and the options of the user's own model and dataset loader as
+``model_options.<key>`` and ``dataset_options.<key>`` (a trial that sets the latter trains on
+data prepared with them).
 """
 
 from __future__ import annotations
@@ -176,9 +178,11 @@ class SweepParams(Section):
         default_factory=default_search_space,
         title="Search space",
         description='Tuned parameters, e.g. {"lr": {"type": "float", "low": 1e-4, "high": 0.1, '
-        '"log": true}}; names are model or training parameters, or model_options.<key> for '
-        "the model's own options. Or a define-by-run space: 'package.module:function' (or a "
-        "'prefect_ml.search_spaces' plug-in) called as function(trial) -> dict.",
+        '"log": true}}; names are model or training parameters, model_options.<key> for '
+        "the model's own options or dataset_options.<key> for a dataset loader's (the data "
+        "is prepared once per distinct options). Or a define-by-run space: "
+        "'package.module:function' (or a 'prefect_ml.search_spaces' plug-in) called as "
+        "function(trial) -> dict.",
     )
     objectives: dict[str, Literal["maximize", "minimize"]] = Field(
         default_factory=lambda: {"val_accuracy": "maximize"},  # type: ignore[arg-type,return-value]
@@ -301,9 +305,11 @@ def section_of(name: str) -> str | None:
     return next((s for s, m in SEARCHABLE_SECTIONS.items() if name in m.model_fields), None)
 
 
-# A user's own options, set by name under these prefixes: ``model_options.blocks``.
-OPTION_PREFIXES = ("model_options.",)
-UNTUNABLE_OPTIONS = "dataset_options."
+# A user's own options, set by name under these prefixes: its model factory's
+# (``model_options.blocks``) and its dataset loader's (``dataset_options.noise``).
+MODEL_OPTION = "model_options."
+DATASET_OPTION = "dataset_options."
+OPTION_PREFIXES = (MODEL_OPTION, DATASET_OPTION)
 
 
 def tunable_names() -> list[str]:
@@ -313,18 +319,14 @@ def tunable_names() -> list[str]:
 
 
 def check_tunable(name: str) -> None:
-    """``name`` is a tunable model or training field, or a user model's option.
+    """``name`` is a tunable model or training field, or an option of the user's model or
+    dataset loader.
 
     Raises:
         ValueError: naming the close matches and every tunable name.
     """
     if name.startswith(OPTION_PREFIXES) and name.partition(".")[2]:
         return
-    if name.startswith(UNTUNABLE_OPTIONS):
-        raise ValueError(
-            f"'{name}' cannot be tuned: a campaign prepares its data once, before its trials, "
-            "so every trial trains on the same dataset; run one campaign per dataset option"
-        )
     section = section_of(name)
     if section is not None and name in searchable(SEARCHABLE_SECTIONS[section]):
         return

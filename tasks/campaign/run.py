@@ -10,6 +10,7 @@ with it, so a process killed between the two leaves nothing wrong.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from prefect_ml.integrations.tracking import TrackingWriter
 from prefect_ml.integrations.trial_pool import RayTrialPool
 from prefect_ml.integrations.trial_worker import TrialSpec
 from prefect_ml.tasks.campaign.coordinator import CampaignRules, Coordinator, TrialRefused
+from prefect_ml.tasks.campaign.datasets import TrialDatasets, tunes_data
 from prefect_ml.tasks.campaign.identity import CampaignIdentity
 from prefect_ml.tasks.campaign.results import (
     LEADERBOARD_SIZE,
@@ -39,7 +41,7 @@ from prefect_ml.tasks.campaign.results import (
     trial_summary,
 )
 from prefect_ml.tasks.campaign.view import CampaignView, short
-from prefect_ml.tasks.data import PreparedData
+from prefect_ml.tasks.data import Logger, PreparedData, check_fits_training_split
 from prefect_ml.tasks.params import (
     TRIAL_FIELDS,
     CampaignParams,
@@ -51,8 +53,6 @@ from prefect_ml.tasks.placement import require_fits
 from prefect_ml.tasks.training import current_flow_run_id, flatten, train_loop
 
 if TYPE_CHECKING:
-    import logging
-
     import optuna
 
 
@@ -67,6 +67,8 @@ class TrialPlanner:
     settings: PrefectMLSettings
     space: SearchSpace
     sections: TrainingSections  # the campaign's fixed values, without its sweep
+    datasets: TrialDatasets  # the data of trials that draw dataset options
+    logger: Logger
 
     @classmethod
     def of(
@@ -75,9 +77,13 @@ class TrialPlanner:
         data: PreparedData,
         identity: CampaignIdentity,
         settings: PrefectMLSettings,
+        logger: Logger | None = None,
     ) -> TrialPlanner:
         space = search_spaces.resolve(params.sweep.search_space)
-        return cls(params, data, identity, settings, space, params.training_sections())
+        sections = params.training_sections()
+        datasets = TrialDatasets(data, sections.data, storage.root_url(settings))
+        logger = logger or logging.getLogger(__name__)
+        return cls(params, data, identity, settings, space, sections, datasets, logger)
 
     def draw(self, trial: optuna.trial.Trial) -> dict[str, Any]:
         """What ``trial`` sets, drawn by the space and kept on the trial (the leaderboard, the
@@ -87,17 +93,46 @@ class TrialPlanner:
         trial.set_user_attr(studies.TUNED_ATTR, values)
         return values
 
-    def mlflow_params(self, values: dict[str, Any], drawn: dict[str, Any]) -> dict[str, Any]:
-        """A trial's MLflow params: every value it trained with, which ones its space set
-        (``trial.tuned``), and exactly the parameters it drew (``drawn.<name>``)."""
+    def mlflow_params(
+        self, values: dict[str, Any], drawn: dict[str, Any], data: PreparedData | None = None
+    ) -> dict[str, Any]:
+        """A trial's MLflow params: every value it trained with (its dataset options among
+        them), which ones its space set (``trial.tuned``), exactly the parameters it drew
+        (``drawn.<name>``), and the fingerprint of its data when it is not the campaign's."""
+        own_data = {} if data is None else {"data.fingerprint": data.fingerprint}
         return {
             **flatten(with_trial_values(self.sections, values)),
             "trial.tuned": sorted(values),
             **{f"drawn.{name}": value for name, value in drawn.items()},
+            **own_data,
         }
 
-    def trial_loop(self, values: dict[str, Any], checkpoint_url: str, number: int) -> TrainLoop:
-        """What a trial's workers receive: the campaign's sections with the trial's ``values``.
+    def trial_data(self, values: dict[str, Any], study: optuna.Study) -> PreparedData | None:
+        """The data of a trial whose ``values`` set dataset options (prepared for them, or
+        shared with the trials that drew the same), checked against its batch size and
+        workers; None for the others, which train on the campaign's data.
+
+        Raises:
+            ConfigurationError: the training split is too small for the trial's values.
+        """
+        if not tunes_data(values):
+            return None
+        tuned = with_trial_values(self.sections, values)
+        data = self.datasets.for_recipe(tuned.data, study, self.logger)
+        check_fits_training_split(
+            tuned, data.rows["train"], workers=self.params.sweep.trial_workers
+        )
+        return data
+
+    def trial_loop(
+        self,
+        values: dict[str, Any],
+        checkpoint_url: str,
+        number: int,
+        data: PreparedData | None = None,
+    ) -> TrainLoop:
+        """What a trial's workers receive: the campaign's sections with the trial's ``values``,
+        and its ``data`` (the campaign's unless it drew dataset options).
 
         Trials train every epoch and report each one: the campaign's pruner is what stops a
         trial early, and the study compares trials at the same epochs."""
@@ -105,7 +140,7 @@ class TrialPlanner:
         every_epoch = tuned.training.model_copy(update={"early_stopping_patience": None})
         return train_loop(
             tuned.model_copy(update={"training": every_epoch}),
-            self.data,
+            data or self.data,
             checkpoint_url=checkpoint_url,
             tracking_uri=self.settings.resolved_tracking_uri,
             run_id="",
@@ -117,15 +152,17 @@ class TrialPlanner:
         """The trial's spec and MLflow params.
 
         Raises:
-            TrialRefused: the space raised for this trial or set a value the sections refuse
-                (its other trials may well train: the campaign goes on).
+            TrialRefused: the space raised for this trial, set a value the sections refuse,
+                or drew dataset options whose data cannot be prepared or is too small (its
+                other trials may well train: the campaign goes on).
         """
         try:
             values = self.draw(trial)
+            data = self.trial_data(values, trial.study)
             loop = self.trial_loop(
-                values, self.identity.trial_url(studies.root_trial(trial)), trial.number
+                values, self.identity.trial_url(studies.root_trial(trial)), trial.number, data
             )
-            mlflow_params = self.mlflow_params(values, trial.params)
+            mlflow_params = self.mlflow_params(values, trial.params, data)
         except Exception as exc:  # the user's space and values: this trial fails, not the run
             reason = f"its search space: {type(exc).__name__}: {exc}"
             raise TrialRefused(reason, {f"drawn.{k}": v for k, v in trial.params.items()}) from exc
@@ -210,7 +247,7 @@ class CampaignRun:
         self.names = list(self.objectives)
         self.logger: logging.Logger | logging.LoggerAdapter[logging.Logger]
         self.logger = get_run_logger()  # type: ignore[assignment]
-        self.planner = TrialPlanner.of(params, data, self.identity, settings)
+        self.planner = TrialPlanner.of(params, data, self.identity, settings, self.logger)
         self.timings: dict[str, float] = {}
 
     def run(self) -> CampaignResult:

@@ -1,12 +1,16 @@
 """A campaign's search space, checked before any trial: define-by-run functions (by import path,
-plug-in or the function itself), the declared dict with the user model's options and
-conditions, the sampler each gets, and every bad space's message. No Ray: the space is asked
-for one trial of an in-memory Optuna study, as the campaign does before it starts."""
+plug-in or the function itself), the declared dict with the user model's and dataset loader's
+options and conditions, the sampler each gets, and every bad space's message; and the data of
+trials that draw dataset options. No Ray: the space is asked for one trial of an in-memory
+Optuna study, as the campaign does before it starts, and trials are planned, not trained."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -15,16 +19,22 @@ from click.testing import CliRunner
 from pydantic import ValidationError
 
 from prefect_ml.flows.cli import _nested_parameters, app
-from prefect_ml.integrations import search_spaces, studies
+from prefect_ml.integrations import search_spaces, storage, studies
 from prefect_ml.integrations.config.sweep import default_search_space
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.tasks.campaign.coordinator import TrialRefused
+from prefect_ml.tasks.campaign.identity import CampaignIdentity
 from prefect_ml.tasks.campaign.results import trial_summary
+from prefect_ml.tasks.campaign.run import TrialPlanner
+from prefect_ml.tasks.data import prepare_data
 from prefect_ml.tasks.params import CampaignParams, params_from_options, with_trial_values
 from tests.conftest import REPO_ROOT
 from tests.fixtures import search_spaces as user_spaces
 
 MODEL = "tests.fixtures.search_spaces:blocks_model"
 SPACES = "tests.fixtures.search_spaces"
+LOADER = f"{SPACES}:feature_subset"
 
 
 def campaign_params(search_space: Any, **sweep: Any) -> CampaignParams:
@@ -122,10 +132,31 @@ def test_dotted_and_nested_names_are_the_same_values() -> None:
     assert params.training.lr == 0.01 and params.model.model_options == {"widths": [8]}
 
 
-def test_dataset_options_cannot_be_tuned_and_the_message_says_why() -> None:
-    problem = refusal({"dataset_options.rows": {"type": "int", "low": 100, "high": 300}})
+def data_params(dataset: str, **options: Any) -> dict[str, Any]:
+    return {"dataset": dataset, **options}
 
-    assert "'dataset_options.rows' cannot be tuned: a campaign prepares its data once" in problem
+
+def test_a_space_tunes_the_options_the_user_loader_accepts_and_refuses_others() -> None:
+    loader = {"data": data_params(LOADER)}
+    declared = {"dataset_options.features": {"type": "categorical", "choices": [2, 4]}}
+    for space in (declared, f"{SPACES}:features_and_widths"):
+        params = CampaignParams.model_validate(
+            {**loader, "model": {"model": MODEL}, "sweep": {"search_space": space}}
+        )
+        tuned = with_trial_values(params, {"dataset_options.features": 2})
+        assert tuned.data.dataset_options == {"features": 2}
+
+    misspelt = {"dataset_options.featurs": {"type": "int", "low": 2, "high": 8}}
+    for space in (misspelt, f"{SPACES}:unknown_dataset_option"):
+        with pytest.raises(ValidationError) as error:
+            CampaignParams.model_validate({**loader, "sweep": {"search_space": space}})
+        problem = str(error.value)
+        assert "sweep.search_space" in problem and "does not accept ['featurs']" in problem
+        assert "feature_subset" in problem, "the message names the loader"
+
+    tabular = data_params("tabular", url="data.csv", label_column="y")
+    with pytest.raises(ValidationError, match="the 'tabular' dataset takes none"):
+        CampaignParams.model_validate({"data": tabular, "sweep": {"search_space": declared}})
 
 
 def declared_conditional() -> dict[str, Any]:
@@ -307,3 +338,90 @@ def test_the_docs_example_and_its_declared_equivalent_tune_the_example_model(
             model = catalog.build_model(tuned.model.model, (1, 8, 8), 10, options)
             assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
             study.tell(trial, 0.5)
+
+
+def loads(received: Path) -> list[int | None]:
+    """The ``features`` the fixture loader was called with, one per call."""
+    return [json.loads(p.read_text())["features"] for p in received.iterdir()]
+
+
+def test_trials_that_draw_dataset_options_train_on_data_prepared_once_per_distinct_options(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    received = tmp_path / "received"
+    params = CampaignParams.model_validate(
+        {
+            "data": {"dataset": LOADER, "dataset_options": {"record": str(received)}},
+            "model": {"model": MODEL},
+            "training": {"batch_size": 32},
+            "sweep": {"search_space": f"{SPACES}:features_and_widths"},
+        }
+    )
+    logger = logging.getLogger("campaign")
+    campaign_data = prepare_data(params.data, storage.root_url(home), logger)
+    assert loads(received) == [None], "the campaign's own data: every feature"
+    identity = CampaignIdentity(name="c", key="c@0", checkpoint_root="file:///campaign")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=4))
+
+    def plan_trials(planner: TrialPlanner, count: int) -> list[tuple[int, Any, dict[str, Any]]]:
+        planned = []
+        for _ in range(count):
+            trial = study.ask()
+            spec, mlflow_params = planner(trial)
+            study.tell(trial, 0.5)
+            planned.append((trial.params["features"], spec.loop.data, mlflow_params))
+        return planned
+
+    planned = plan_trials(TrialPlanner.of(params, campaign_data, identity, home, logger), 8)
+
+    drawn = [features for features, _, _ in planned]
+    assert set(drawn) == {2, 4, 8} and len(drawn) > 3, "some trials drew the same options"
+    assert Counter(loads(received)) == Counter([None, 2, 4, 8]), "once per distinct options"
+    for features, data, mlflow_params in planned:
+        assert data.sample_shape == [features], "the trial trains on its own feature subset"
+        assert mlflow_params["data.dataset_options"]["features"] == features
+        assert mlflow_params["drawn.features"] == features
+        assert data.splits_url.endswith(f"/{mlflow_params['data.fingerprint']}")
+    by_features = {features: data.splits_url for features, data, _ in planned}
+    assert len(set(by_features.values())) == 3
+    assert all(data.splits_url == by_features[f] for f, data, _ in planned), "shared copies"
+    assert by_features[8] == campaign_data.splits_url, "the same content: the same splits"
+
+    # A resumed campaign (a new process) reuses what the study remembers: no loading again.
+    resumed = plan_trials(TrialPlanner.of(params, campaign_data, identity, home, logger), 4)
+    assert len(loads(received)) == 4
+    assert all(data.splits_url == by_features[f] for f, data, _ in resumed)
+
+    # A space that sets no dataset option trains every trial on the campaign's data.
+    sweep = params.sweep.model_copy(update={"search_space": f"{SPACES}:branch_and_loop"})
+    plain = params.model_copy(update={"sweep": sweep})
+    trial = study.ask()
+    spec, mlflow_params = TrialPlanner.of(plain, campaign_data, identity, home, logger)(trial)
+    assert spec.loop.data.splits_url == campaign_data.splits_url
+    assert "data.fingerprint" not in mlflow_params and len(loads(received)) == 4
+
+
+def test_a_trial_whose_dataset_options_leave_too_few_rows_fails_alone_with_the_reason(
+    home: PrefectMLSettings,
+) -> None:
+    params = CampaignParams.model_validate(
+        {
+            "data": {"dataset": LOADER},
+            "model": {"model": MODEL},
+            "training": {"batch_size": 64},
+            "sweep": {"search_space": f"{SPACES}:few_rows"},
+        }
+    )
+    logger = logging.getLogger("campaign")
+    campaign_data = prepare_data(params.data, storage.root_url(home), logger)
+    identity = CampaignIdentity(name="c", key="c@0", checkpoint_root="file:///campaign")
+    planner = TrialPlanner.of(params, campaign_data, identity, home, logger)
+    study = optuna.create_study()
+    study.enqueue_trial({"rows": 30})
+    trial = study.ask()
+
+    with pytest.raises(TrialRefused) as refused:
+        planner(trial)
+
+    assert "training.batch_size: 64 is larger than the training split" in refused.value.reason
+    assert refused.value.mlflow_params == {"drawn.rows": 30}
