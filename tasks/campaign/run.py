@@ -94,30 +94,38 @@ class TrialPlanner:
         return values
 
     def mlflow_params(
-        self, values: dict[str, Any], drawn: dict[str, Any], data: PreparedData | None = None
+        self,
+        values: dict[str, Any],
+        drawn: dict[str, Any],
+        data: PreparedData | None = None,
+        *,
+        tuned: TrainingSections | None = None,
     ) -> dict[str, Any]:
         """A trial's MLflow params: every value it trained with (its dataset options among
         them), which ones its space set (``trial.tuned``), exactly the parameters it drew
-        (``drawn.<name>``), and the fingerprint of its data when it is not the campaign's."""
+        (``drawn.<name>``), and the fingerprint of its data when it is not the campaign's.
+        ``tuned``: the sections with ``values`` in, when the caller has them already."""
         own_data = {} if data is None else {"data.fingerprint": data.fingerprint}
         return {
-            **flatten(with_trial_values(self.sections, values)),
+            **flatten(tuned or with_trial_values(self.sections, values)),
             "trial.tuned": sorted(values),
             **{f"drawn.{name}": value for name, value in drawn.items()},
             **own_data,
         }
 
-    def trial_data(self, values: dict[str, Any], study: optuna.Study) -> PreparedData | None:
-        """The data of a trial whose ``values`` set dataset options (prepared for them, or
-        shared with the trials that drew the same), checked against its batch size and
-        workers; None for the others, which train on the campaign's data.
+    def trial_data(
+        self, values: dict[str, Any], tuned: TrainingSections, study: optuna.Study
+    ) -> PreparedData | None:
+        """The data of a trial whose ``values`` set dataset options (``tuned``: the sections
+        with them in; prepared for them, or shared with the trials that drew the same),
+        checked against its batch size and workers; None for the others, which train on the
+        campaign's data.
 
         Raises:
             ConfigurationError: the training split is too small for the trial's values.
         """
         if not tunes_data(values):
             return None
-        tuned = with_trial_values(self.sections, values)
         data = self.datasets.for_recipe(tuned.data, study, self.logger)
         check_fits_training_split(
             tuned, data.rows["train"], workers=self.params.sweep.trial_workers
@@ -130,13 +138,16 @@ class TrialPlanner:
         checkpoint_url: str,
         number: int,
         data: PreparedData | None = None,
+        *,
+        tuned: TrainingSections | None = None,
     ) -> TrainLoop:
-        """What a trial's workers receive: the campaign's sections with the trial's ``values``,
-        and its ``data`` (the campaign's unless it drew dataset options).
+        """What a trial's workers receive: the campaign's sections with the trial's ``values``
+        (``tuned``: those sections, when the caller has them already), and its ``data`` (the
+        campaign's unless it drew dataset options).
 
         Trials train every epoch and report each one: the campaign's pruner is what stops a
         trial early, and the study compares trials at the same epochs."""
-        tuned = with_trial_values(self.sections, values)
+        tuned = tuned or with_trial_values(self.sections, values)
         every_epoch = tuned.training.model_copy(update={"early_stopping_patience": None})
         return train_loop(
             tuned.model_copy(update={"training": every_epoch}),
@@ -158,11 +169,11 @@ class TrialPlanner:
         """
         try:
             values = self.draw(trial)
-            data = self.trial_data(values, trial.study)
-            loop = self.trial_loop(
-                values, self.identity.trial_url(studies.root_trial(trial)), trial.number, data
-            )
-            mlflow_params = self.mlflow_params(values, trial.params, data)
+            tuned = with_trial_values(self.sections, values)  # validated once per trial
+            data = self.trial_data(values, tuned, trial.study)
+            checkpoint_url = self.identity.trial_url(studies.root_trial(trial))
+            loop = self.trial_loop(values, checkpoint_url, trial.number, data, tuned=tuned)
+            mlflow_params = self.mlflow_params(values, trial.params, data, tuned=tuned)
         except Exception as exc:  # the user's space and values: this trial fails, not the run
             reason = f"its search space: {type(exc).__name__}: {exc}"
             raise TrialRefused(reason, {f"drawn.{k}": v for k, v in trial.params.items()}) from exc
