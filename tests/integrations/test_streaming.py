@@ -9,7 +9,6 @@ import multiprocessing
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -421,10 +420,10 @@ def _config(data: PreparedData, checkpoint_url: str, epochs: int) -> TrainLoop:
     )
 
 
-def _train(config: dict[str, Any], die_in_epoch: int, log: str) -> None:
+def _train(config: TrainLoop, die_in_epoch: int, log: str) -> None:
     """A worker process: train from the last checkpoint, logging each batch's first row id;
     with ``die_in_epoch``, killed (no clean-up at all) after 3 batches of that epoch."""
-    trainer = EpochTrainer(TrainLoop.from_options(**config))
+    trainer = EpochTrainer(config)
     assert isinstance(trainer.train, shards.StreamedShard)
     trainer.train.window_rows = 400
     committer = EpochCommitter(trainer.store)
@@ -451,10 +450,9 @@ def _train(config: dict[str, Any], die_in_epoch: int, log: str) -> None:
 
 
 def _run(config: TrainLoop, die_in_epoch: int, log: Path) -> int:
-    from dataclasses import asdict
-
+    # the loop configuration pickled as it is, as Ray ships it to a training worker
     process = multiprocessing.get_context("spawn").Process(
-        target=_train, args=(asdict(config), die_in_epoch, str(log))
+        target=_train, args=(config, die_in_epoch, str(log))
     )
     process.start()
     process.join(timeout=300)
