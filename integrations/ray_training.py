@@ -26,6 +26,8 @@ from prefect_ml.integrations.settings import get_settings
 from prefect_ml.integrations.training import EpochTrainer, train_epochs
 
 if TYPE_CHECKING:
+    from ray.train import RunConfig, ScalingConfig
+
     from prefect_ml.integrations.resources import ResourceRequest
 
 # Epoch at which the latest worker group started: > 1 after a restart from a checkpoint.
@@ -159,49 +161,20 @@ def fit(
             (:mod:`integrations.train_failures`); other failures past ``max_failures`` raise
             Ray Train's own error.
     """
-    from ray.train import ControllerError, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import ControllerError
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from prefect_ml.integrations import devices
-    from prefect_ml.integrations.train_failures import FailFast
 
-    use_gpu = request.gpus > 0
-    # Ray Train adds the accelerator resource itself from ``accelerator_type``.
-    resources = {
-        k: v
-        for k, v in request.ray_resources().items()
-        if v and not k.startswith("accelerator_type:")
-    }
-    storage_path, storage_filesystem = storage.ray_storage(ray_storage_url)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config(loop),
         torch_config=TorchConfig(
-            backend=devices.collective_backend(use_gpu),
+            backend=devices.collective_backend(request.gpus > 0),
             timeout_s=loop.training.collective_timeout_s,
         ),
-        scaling_config=ScalingConfig(  # type: ignore[call-arg]  # the stub is Ray Train v1's
-            num_workers=workers,  # type: ignore[arg-type]  # Ray's stub omits the elastic tuple
-            use_gpu=use_gpu,
-            resources_per_worker=resources,
-            accelerator_type=request.accelerator_type,
-            elastic_resize_monitor_interval_s=loop.training.elastic_resize_s,
-        ),
-        run_config=RunConfig(
-            name=name,
-            storage_path=storage_path,
-            storage_filesystem=storage_filesystem,
-            failure_config=FailureConfig(max_failures=max_failures),
-            # The stub types callbacks as Ray Train v1's (Ray Tune's) Callback.
-            callbacks=[
-                FailFast(  # type: ignore[list-item]
-                    code=f"the model {loop.model.model}",
-                    request=request.describe(),
-                    start_failure_limit=get_settings().controller_failure_limit,
-                    max_failures=max_failures,
-                )
-            ],
-        ),
+        scaling_config=scaling_config(loop, workers, request),
+        run_config=run_config(loop, request, max_failures, ray_storage_url, name),
     )
     try:
         with placement_watch(request, logger or logging.getLogger(__name__)):
@@ -210,3 +183,57 @@ def fit(
         if isinstance(exc.controller_failure, TrainingCodeError):
             raise exc.controller_failure from exc
         raise
+
+
+def scaling_config(
+    loop: TrainLoop, workers: int | tuple[int, int], request: ResourceRequest
+) -> ScalingConfig:
+    """The worker group of :func:`fit`: ``workers`` workers (or an elastic ``(min, max)``)
+    that each hold ``request``."""
+    from ray.train import ScalingConfig
+
+    # Ray Train adds the accelerator resource itself from ``accelerator_type``.
+    resources = {
+        k: v
+        for k, v in request.ray_resources().items()
+        if v and not k.startswith("accelerator_type:")
+    }
+    return ScalingConfig(  # type: ignore[call-arg]  # the stub is Ray Train v1's
+        num_workers=workers,  # type: ignore[arg-type]  # Ray's stub omits the elastic tuple
+        use_gpu=request.gpus > 0,
+        resources_per_worker=resources,
+        accelerator_type=request.accelerator_type,
+        elastic_resize_monitor_interval_s=loop.training.elastic_resize_s,
+    )
+
+
+def run_config(
+    loop: TrainLoop,
+    request: ResourceRequest,
+    max_failures: int,
+    ray_storage_url: str,
+    name: str,
+) -> RunConfig:
+    """The run of :func:`fit`: named ``name``, its state under ``ray_storage_url``, restarted
+    up to ``max_failures`` times, failed fast by :class:`~integrations.train_failures.FailFast`
+    on an error of the model's code."""
+    from ray.train import FailureConfig, RunConfig
+
+    from prefect_ml.integrations.train_failures import FailFast
+
+    storage_path, storage_filesystem = storage.ray_storage(ray_storage_url)
+    return RunConfig(
+        name=name,
+        storage_path=storage_path,
+        storage_filesystem=storage_filesystem,
+        failure_config=FailureConfig(max_failures=max_failures),
+        # The stub types callbacks as Ray Train v1's (Ray Tune's) Callback.
+        callbacks=[
+            FailFast(  # type: ignore[list-item]
+                code=f"the model {loop.model.model}",
+                request=request.describe(),
+                start_failure_limit=get_settings().controller_failure_limit,
+                max_failures=max_failures,
+            )
+        ],
+    )
