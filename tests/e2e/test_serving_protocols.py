@@ -25,7 +25,7 @@ from mlflow.pyfunc.scoring_server.client import ScoringServerClient
 from ray import serve
 from tritonclient.utils import InferenceServerException
 
-from examples import serving_clients
+from examples import serve_several_versions, serving_clients, version_clients
 from prefect_ml.flows.serve import serve_model
 from prefect_ml.integrations import tracking
 from tests.e2e import test_serving
@@ -395,8 +395,13 @@ def test_several_versions_answer_side_by_side_loaded_on_demand_with_lru_and_a_br
     )
     broken = _broken_version(served, _pickle_format, seed=6)
     tracking.set_alias(client, MODEL, "challenger", "2")
-    params = served.params(app_name="versions", route_prefix="/versions", max_models_per_replica=2)
-    assert serve_model(params).version == "1"
+    # served as docs/how-to/several-versions.md serves it: at most 2 more versions a replica,
+    # of digits-classifier or of another registered model, "wine"
+    register_classifier(settings, "wine", FEATURES, DIGITS.target, seed=7, alias=None)
+    deployed = serve_several_versions.serve_several_versions(
+        port=served.port, replica_cpus=0.25, app_name="versions", route_prefix="/versions"
+    )
+    assert deployed.version == "1"
     url = f"{served.url}/versions"
     rows = ROWS[:8]
 
@@ -489,6 +494,21 @@ def test_several_versions_answer_side_by_side_loaded_on_demand_with_lru_and_a_br
     assert invocations.json() == {"predictions": by_mlflow}
     oip = httpx.post(f"{url}/v2/models/{MODEL}/versions/2/infer", json=infer).json()
     assert oip["outputs"][0]["name"] == "label" and oip["outputs"][0]["data"] == by_mlflow
+
+    # The page's clients (examples/version_clients.py) as a user runs them, and a version of
+    # the other model selected the same way.
+    server = f"127.0.0.1:{served.port}/versions"
+    pinned = version_clients.predict_by_header(server, rows, "2")
+    assert pinned["model"]["version"] == "2"
+    expected = _local_probabilities(settings, "2", rows)
+    np.testing.assert_allclose(pinned["probabilities"], expected, atol=1e-5)
+    assert version_clients.invoke_by_url(server, rows, "2") == by_mlflow
+    assert version_clients.infer_with_triton(server, rows, "challenger") == by_mlflow
+    with pytest.raises(RuntimeError, match=f"version {broken} cannot be served now"):
+        version_clients.infer_with_triton(server, rows, broken)
+    wine = version_clients.predict_by_header(server, rows, "1", model="wine")
+    assert (wine["model"]["name"], wine["model"]["version"]) == ("wine", "1")
+    assert wine["probabilities"] != pinned["probabilities"]  # another model answered
 
     log = _replica_log("versions")
     for line in (
