@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -45,11 +46,20 @@ def wait_while_running(
 ) -> None:
     """:func:`wait_for` ``condition`` while ``process`` runs; a process that exits first, or a
     timeout, fails at once with the end of the process's ``log`` (what it was doing)."""
+    held = False
+
+    def held_or_exited() -> bool:
+        # What held is remembered, not asked again: a moment the test waits for (a trial
+        # mid-way) may have passed by the time a second look comes.
+        nonlocal held
+        held = condition()
+        return held or process.poll() is not None
+
     try:
-        wait_for(lambda: condition() or process.poll() is not None, timeout, what)
+        wait_for(held_or_exited, timeout, what)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; the command's log ends:\n{_tail(log)}") from None
-    if not condition():
+    if not held:
         raise AssertionError(
             f"the command exited ({process.returncode}) before {what}; its log ends:\n{_tail(log)}"
         )
@@ -162,10 +172,23 @@ def linked_venv(folder: Path, packages: Path) -> Path:
     return python
 
 
+# Ports a test hands to a server it starts later: below the kernel's ephemeral range (32768-60999
+# here), so that no process asking the kernel for any port (Ray's agents and metrics, an outgoing
+# connection) is given it between the pick and the server's bind; above Ray's worker ports
+# (10002-19999).
+_LISTEN_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A loopback port free now that only a deliberate bind can take before the test uses it."""
+    for port in random.sample(_LISTEN_PORTS, 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {_LISTEN_PORTS}")
 
 
 def register_classifier(

@@ -171,19 +171,27 @@ def test_prefect_ml_deploy_with_wrong_credentials_says_what_to_set(
 
 
 @pytest.mark.entry_point("deployment on a worker")
+@pytest.fixture(scope="module")
+def registered(prefect_ui: PrefectUI) -> str:
+    """prefect.yaml's deployments on the UI's server, as the nightly tutorial registers them:
+    the work pool, then `prefect deploy --all`; the command's output. A fixture, so that a test
+    of the deployments passes alone or in any order, not only after the test that deploys."""
+    prefect = str(BIN / "prefect")
+    _run_cli([prefect, "work-pool", "create", "ml-process", "--type", "process"], prefect_ui.env)
+    return _run_cli(
+        [prefect, "--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--all"],
+        prefect_ui.env,
+    )
+
+
 def test_prefect_deploy_registers_prefect_yaml_and_a_process_worker_runs_its_deployments(
-    prefect_ui: PrefectUI, tmp_path: Path
+    prefect_ui: PrefectUI, registered: str, tmp_path: Path
 ) -> None:
     """`prefect deploy` registers prefect.yaml's deployments (the nightly schedule too), and
     `prefect worker start --pool ml-process`, as the nightly tutorial says,
     runs a training of one."""
     prefect = str(BIN / "prefect")
-    _run_cli([prefect, "work-pool", "create", "ml-process", "--type", "process"], prefect_ui.env)
-    output = _run_cli(
-        [prefect, "--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--all"],
-        prefect_ui.env,
-    )
-    assert "nightly" in output
+    assert "nightly" in registered
     with prefect_ui.api() as client:
         for full_name, entrypoint in EXPECTED_ENTRYPOINTS.items():
             deployment = _deployment(client, *full_name.split("/"))
@@ -239,6 +247,7 @@ def test_prefect_deploy_registers_prefect_yaml_and_a_process_worker_runs_its_dep
     assert mlflow.get_run(version.run_id).data.tags[tracking.FLOW_RUN_TAG] == run_id
 
 
+@pytest.mark.usefixtures("registered")
 def test_the_train_form_on_the_server_has_titles_enums_defaults_and_refuses_bad_values(
     prefect_ui: PrefectUI,
 ) -> None:
