@@ -1,20 +1,27 @@
-"""Campaigns over a user's own model and define-by-run search space, end to end (full tier):
-``prefect-ml sweep`` with the space's import path, ``hpo_campaign`` given the parameters a UI
-form posts, and a killed campaign resumed. The user's code lives outside the package
-(``tests.fixtures.search_spaces``, allowed by ``PREFECT_ML_ALLOWED_MODULES``)."""
+"""Campaigns over a user's own model, dataset loader and define-by-run search space, end to end
+(full tier): ``prefect-ml sweep`` with the space's import path (over the model's options, and
+over the loader's), ``hpo_campaign`` given the parameters a UI form posts, the ``hpo_campaign``
+deployment of prefect.yaml run by a real ``prefect worker``, and a killed campaign resumed.
+The user's code lives outside the package (``tests.fixtures.search_spaces``, allowed by
+``PREFECT_ML_ALLOWED_MODULES``)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
 from collections import Counter
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 import optuna
 import pytest
 from optuna.trial import TrialState
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
 
 from prefect_ml.flows.sweep import hpo_campaign
 from prefect_ml.integrations import studies, tracking
@@ -29,10 +36,13 @@ from tests.e2e.test_campaign_resume import (
     _trials,
     kill_mid_way_and_resume,
 )
-from tests.helpers import cli_env
+from tests.e2e.test_resume_after_kill import _kill_tree
+from tests.helpers import cli_env, start_job
 
 MODEL = "tests.fixtures.search_spaces:blocks_model"
 SPACE = "tests.fixtures.search_spaces:branch_and_loop"
+LOADER = "tests.fixtures.search_spaces:feature_subset"
+BIN = Path(sys.executable).parent
 
 
 def branch_params(trial: optuna.trial.FrozenTrial) -> set[str]:
@@ -53,24 +63,32 @@ def assert_carries_its_branch(trial: optuna.trial.FrozenTrial) -> None:
     assert tuned.get("model_options.skip_scale") == trial.params.get("skip_scale")
 
 
+def sweep(
+    home: PrefectMLSettings, campaign: str, *flags: str, **settings: str
+) -> subprocess.CompletedProcess[str]:
+    """``prefect-ml sweep`` of 6 trials of 2 epochs, 2 at a time, with ``flags``; it succeeds."""
+    command = [sys.executable, "-m", "prefect_ml.flows.cli", "sweep", "--campaign", campaign]
+    command += ["--n-trials", "6", "--concurrency", "2", "--epochs", "2", *flags]
+    run = subprocess.run(
+        command,
+        cwd=REPO_ROOT,
+        env=cli_env(home.home_dir, **settings),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
 @pytest.mark.usefixtures("ray_cluster")
 def test_prefect_ml_sweep_tunes_a_user_model_with_a_define_by_run_space(
     home: PrefectMLSettings, tmp_path: Path
 ) -> None:
     received = tmp_path / "received"
-    command = [
-        sys.executable,
-        "-m",
-        "prefect_ml.flows.cli",
-        "sweep",
-        "--campaign",
+    run = sweep(
+        home,
         "by-run",
-        "--n-trials",
-        "6",
-        "--concurrency",
-        "2",
-        "--epochs",
-        "2",
         "--batch-size",
         "64",
         "--model",
@@ -79,16 +97,8 @@ def test_prefect_ml_sweep_tunes_a_user_model_with_a_define_by_run_space(
         json.dumps({"record": str(received)}),
         "--search-space",
         SPACE,
-    ]
-    run = subprocess.run(
-        command,
-        cwd=REPO_ROOT,
-        env=cli_env(home.home_dir, COLUMNS="300"),  # the leaderboard's params unwrapped
-        capture_output=True,
-        text=True,
-        timeout=600,
+        COLUMNS="300",  # the leaderboard's params unwrapped
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     # A plain Optuna study in the configured storage: optuna-dashboard reads the same.
     study = optuna.load_study(study_name="by-run", storage=home.resolved_optuna_storage)
@@ -198,3 +208,124 @@ def test_a_killed_campaign_with_a_define_by_run_space_resumes_to_exactly_n_trial
         first_values = interrupted.user_attrs.get(studies.TUNED_ATTR)
         if first_values is not None:  # it had drawn them all before the kill
             assert retry.user_attrs[studies.TUNED_ATTR] == first_values
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_prefect_ml_sweep_tunes_a_user_loader_s_option_preparing_each_value_once(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    received = tmp_path / "received"
+    sweep(
+        home,
+        "by-data",
+        "--batch-size",
+        "32",
+        "--dataset",
+        LOADER,
+        "--dataset-options",
+        json.dumps({"record": str(received)}),
+        "--model",
+        MODEL,
+        "--search-space",
+        "tests.fixtures.search_spaces:features_and_widths",
+    )
+
+    study = optuna.load_study(study_name="by-data", storage=home.resolved_optuna_storage)
+    counted = [t for t in study.trials if studies.counts_toward_budget(t)]
+    assert len(counted) == 6 and all(t.state != TrialState.FAIL for t in counted)
+    drawn = Counter(t.params["features"] for t in counted)
+    assert len(drawn) > 1, drawn
+
+    # The loader received each drawn value, once however many trials drew it (the campaign's
+    # own data, without the option, was loaded by the flow before the trials).
+    loads = Counter(json.loads(p.read_text())["features"] for p in received.iterdir())
+    every = {t.params["features"] for t in study.trials if "features" in t.params}
+    assert {k: n for k, n in loads.items() if k is not None} == dict.fromkeys(every, 1), loads
+
+    # Each trial's MLflow run: the dataset options it trained with, and its data's fingerprint,
+    # one per distinct value.
+    _, runs = _trial_runs(home, "by-data")
+    fingerprints: dict[int, set[str]] = {}
+    for trial in counted:
+        params = runs[trial.number].data.params
+        options = ast.literal_eval(params["data.dataset_options"])
+        assert options == {"record": str(received), "features": trial.params["features"]}
+        assert params["drawn.features"] == str(trial.params["features"])
+        fingerprints.setdefault(trial.params["features"], set()).add(params["data.fingerprint"])
+    assert all(len(found) == 1 for found in fingerprints.values()), fingerprints
+    assert len(set().union(*fingerprints.values())) == len(drawn)
+    workers = {run.data.tags[WORKER_TAG] for run in runs.values() if WORKER_TAG in run.data.tags}
+    assert 1 <= len(workers) <= 2, "warm workers: two processes trained every trial"
+
+
+def _prefect(*arguments: str, env: dict[str, str]) -> None:
+    finished = subprocess.run(
+        [str(BIN / "prefect"), *arguments],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_the_hpo_campaign_deployment_runs_a_define_by_run_space_given_as_its_parameters(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    """prefect.yaml's ``hpo-campaign/campaign`` deployment, registered by ``prefect deploy`` on
+    the session's Prefect server and run by a real ``prefect worker`` with the parameters the
+    UI form posts: the space by its import path."""
+    pool = "campaign-spaces"
+    env = cli_env(home.home_dir)
+    posted: dict[str, Any] = {
+        "training": {"epochs": 2, "batch_size": 64},
+        "model": {"model": MODEL, "model_options": {"record": str(tmp_path / "received")}},
+        "sweep": {"campaign": "by-deployment", "search_space": SPACE, "n_trials": 4},
+    }
+    _prefect("work-pool", "create", pool, "--type", "process", env=env)
+    worker = None
+    try:
+        _prefect(
+            "--no-prompt",
+            "deploy",
+            "--prefect-file",
+            "deployments/prefect.yaml",
+            "--name",
+            "hpo-campaign/campaign",
+            "--pool",
+            pool,
+            env=env,
+        )
+        worker_log = tmp_path / "worker.log"
+        worker_command = [str(BIN / "prefect"), "worker", "start", "--pool", pool]
+        worker = start_job(worker_command, env, worker_log)
+        flow_run = run_deployment(
+            "hpo-campaign/campaign", parameters={"params": posted}, timeout=900
+        )
+        assert flow_run.state is not None and flow_run.state.is_completed(), (
+            flow_run.state,
+            worker_log.read_text()[-3000:],
+        )
+        assert flow_run.work_pool_name == pool
+    finally:
+        if worker is not None:
+            _kill_tree(worker)
+        with get_client(sync_client=True) as client, suppress(ObjectNotFound):
+            deployment = client.read_deployment_by_name("hpo-campaign/campaign")
+            client.delete_deployment(deployment.id)
+        with get_client(sync_client=True) as client:
+            client.delete_work_pool(pool)
+
+    study = optuna.load_study(study_name="by-deployment", storage=home.resolved_optuna_storage)
+    counted = [t for t in study.trials if studies.counts_toward_budget(t)]
+    assert len(counted) == 4
+    for trial in counted:
+        assert_carries_its_branch(trial)
+    got = [json.loads(p.read_text()) for p in (tmp_path / "received").iterdir()]
+    for trial in counted:
+        widths = trial.user_attrs[studies.TUNED_ATTR]["model_options.widths"]
+        assert any(g["widths"] == widths for g in got), (trial.number, widths)
+    parents, _ = _trial_runs(home, "by-deployment")
+    assert parents[0].data.tags[tracking.FLOW_RUN_TAG] == str(flow_run.id)
