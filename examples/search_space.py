@@ -43,6 +43,7 @@ class Blocks(nn.Module):
         return self.head(x)
 
 
+# --8<-- [start:build]
 def build(
     input_shape: Sequence[int],
     num_classes: int,
@@ -62,6 +63,9 @@ def build(
         activation,
         residual_scale if residual else 0.0,
     )
+
+
+# --8<-- [end:build]
 
 
 # --8<-- [start:space]

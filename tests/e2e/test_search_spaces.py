@@ -23,6 +23,7 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 
+from examples import best_trial
 from prefect_ml.flows.sweep import hpo_campaign
 from prefect_ml.integrations import studies, tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
@@ -83,7 +84,7 @@ def sweep(
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_prefect_ml_sweep_tunes_a_user_model_with_a_define_by_run_space(
-    home: PrefectMLSettings, tmp_path: Path
+    home: PrefectMLSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     received = tmp_path / "received"
     run = sweep(
@@ -108,6 +109,11 @@ def test_prefect_ml_sweep_tunes_a_user_model_with_a_define_by_run_space(
         assert_carries_its_branch(trial)
     assert {t.params["block"] for t in finished} == {"plain", "residual"}, "both branches ran"
     assert len({t.params["blocks"] for t in finished}) > 1, "the loop ran different lengths"
+    # read as docs/how-to/search-spaces.md reads it (examples/best_trial.py)
+    best = best_trial.best_trial("by-run", storage=home.resolved_optuna_storage)
+    assert best.number == study.best_trial.number and best.state == TrialState.COMPLETE
+    assert_carries_its_branch(best)
+    assert repr(best.user_attrs[studies.TUNED_ATTR]) in capsys.readouterr().out
 
     # The user's model received exactly what each trial set (its options, not the others').
     got = [json.loads(p.read_text()) for p in received.iterdir()]
