@@ -31,8 +31,8 @@ from rich.table import Table
 from prefect_ml.integrations import alerts, prefect_server, processes, storage, timeline
 from prefect_ml.integrations.errors import ConfigurationError, PrefectMLError
 from prefect_ml.integrations.redaction import masked
+from prefect_ml.integrations.serve_ingress import check_haproxy_ports
 from prefect_ml.integrations.settings import (
-    check_haproxy_ports,
     get_settings,
     prepare_process_environment,
     running_local_server,

@@ -27,7 +27,6 @@ from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckE
 from prefect_ml.integrations.redaction import masked
 from prefect_ml.integrations.settings import (
     PrefectMLSettings,
-    check_port_free,
     local_server_auth_string,
 )
 
@@ -207,7 +206,7 @@ def local_server(
     under the project home) with basic auth on its API and yield its API URL once it answers;
     stop it on the way out. Other prefect-ml commands on this home use it (with the auth
     string :func:`server_auth_string` recorded)."""
-    check_port_free(host, port, "--port")
+    processes.check_port_free(host, port, "--port")
     api_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/api"
     environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     environment[SERVER_AUTH_VARIABLE] = auth_string

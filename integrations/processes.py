@@ -13,10 +13,13 @@ import contextlib
 import json
 import os
 import signal
+import socket
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import psutil
+
+from prefect_ml.integrations.errors import ConfigurationError
 
 # A Ray worker's process title ("ray::HAProxyManager", "ray::IDLE"): HAProxy runs under one.
 _RAY_WORKER_TITLE = "ray::"
@@ -127,3 +130,20 @@ def port_holder(port: int) -> str:
                 command = "?"
             return f"pid {connection.pid} ({command[:200]})"
     return "no process found (the port may be reserved or closing)"
+
+
+def check_port_free(
+    host: str, port: int, field: str, change: str = "choose another --port"
+) -> None:
+    """Fail before starting a server whose port is taken, naming the parameter to change and
+    the process that holds the port."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigurationError(
+                field,
+                f"{host}:{port} is not available ({exc.strerror}; held by "
+                f"{port_holder(port)}); stop that process or {change}",
+            ) from None

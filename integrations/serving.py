@@ -39,7 +39,9 @@ from prefect_ml.integrations.adaptive_batching import AdaptiveBatcher
 from prefect_ml.integrations.config import ServingParams
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
 from prefect_ml.integrations.inference import Predictor
+from prefect_ml.integrations.processes import check_port_free
 from prefect_ml.integrations.resources import placeable
+from prefect_ml.integrations.serve_ingress import haproxy_on_loopback
 from prefect_ml.integrations.served_models import (
     ModelIdentity,
     ServedModel,
@@ -77,7 +79,6 @@ from prefect_ml.integrations.serving_versions import (
     VersionCatalog,
     chosen,
 )
-from prefect_ml.integrations.settings import check_port_free, haproxy_on_loopback
 
 DEPLOYMENT_NAME = "ModelServer"
 

@@ -24,7 +24,8 @@ from prefect.settings import PREFECT_API_URL
 from sklearn.datasets import load_digits
 
 from prefect_ml.integrations import tls, tracking
-from prefect_ml.integrations.settings import SERVE_INGRESS_ENVIRONMENT, PrefectMLSettings
+from prefect_ml.integrations.serve_ingress import SERVE_INGRESS_ENVIRONMENT
+from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
 from tests.e2e.test_resume_after_kill import _kill_tree
 from tests.helpers import free_port, wait_for

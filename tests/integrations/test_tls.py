@@ -12,8 +12,8 @@ import pytest
 
 from prefect_ml.integrations import tls
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.serve_ingress import SERVE_INGRESS_ENVIRONMENT
 from prefect_ml.integrations.settings import (
-    SERVE_INGRESS_ENVIRONMENT,
     PrefectMLSettings,
     prepare_process_environment,
 )
