@@ -87,6 +87,7 @@ def test_an_unknown_name_is_shown_with_its_close_matches_and_every_tunable_name(
 
     assert "did you mean 'weight_decay'" in problem
     assert "'model_options.<key>'" in problem and "'weight_decay'" in problem
+    assert "'dataset_options.<key>'" in problem
 
 
 def test_a_refused_value_names_the_field_s_own_rule() -> None:
