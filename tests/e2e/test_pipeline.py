@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from ray import serve
 from sklearn.datasets import load_digits
 
+from examples import pipeline_from_python
 from prefect_ml.flows.cli import app
 from prefect_ml.flows.pipeline import ml_pipeline
 from prefect_ml.integrations import storage, tracking
@@ -147,10 +148,10 @@ def test_pipeline_registers_promotes_and_then_keeps_the_better_champion(
     assert (served_by_cli.argmax(axis=1) == digits.target[:50]).mean() > 0.9
 
     # A worse model (one epoch) is registered but does not take the alias. The splits were
-    # wiped meanwhile: the cached preprocess result must not point at missing files.
+    # wiped meanwhile: the cached preprocess result must not point at missing files. This one
+    # is called as docs/how-to/own-flows.md calls the flow from Python.
     shutil.rmtree(home.home_dir / "storage" / "datasets")
-    worse = PipelineParams.model_validate({"training": {"epochs": 1}})
-    second = ml_pipeline(params=worse)
+    second = pipeline_from_python.train_and_register(workers=2, epochs=1)
     assert second.data.fingerprint == outcome.data.fingerprint
     assert (second.registration.version, second.registration.promoted) == ("2", False)
     assert "does not beat champion v1" in second.registration.reason
