@@ -7,6 +7,7 @@ tests/tiers.py's entry points)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from typing import Any
@@ -38,16 +39,24 @@ STOPPING = {
 }
 
 
-def _check_run(home: PrefectMLSettings, run_id: str) -> None:
+def _check_run(home: PrefectMLSettings, run_id: str, epochs: int = 6) -> int:
+    """The run's per-epoch record of the module's own logging; how many epochs it trained."""
     client = tracking.client_for(home.resolved_tracking_uri)
     run = client.get_run(run_id)
     assert run.data.tags["prefect_ml.worker_group_size"] == "2"
+    trained = len(client.get_metric_history(run_id, "val_acc"))
     for name in ("val_acc", "val_loss", "train_loss_epoch", "train_loss_step"):  # self.log'ged
         history = client.get_metric_history(run_id, name)
-        assert [m.step for m in history] == [1, 2], (name, history)
-    assert [m.value for m in client.get_metric_history(run_id, "lr")] == [0.1, 0.05]  # StepLR
+        assert [m.step for m in history] == list(range(1, trained + 1)), (name, history)
+    lrs = [m.value for m in client.get_metric_history(run_id, "lr")]
+    assert lrs == pytest.approx([0.1 * 0.5**epoch for epoch in range(trained)])  # StepLR
     assert run.data.metrics["val_acc"] > 0.85  # digits: a mean over both workers' rows
-    assert "epoch 2 of 6; best epoch 1 (val_acc" in run.data.tags[tracking.EARLY_STOPPED_TAG]
+    if trained < epochs:
+        assert (
+            f"epoch {trained} of {epochs}; best epoch" in run.data.tags[tracking.EARLY_STOPPED_TAG]
+        )
+        assert "(val_acc" in run.data.tags[tracking.EARLY_STOPPED_TAG]
+    return trained
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -70,7 +79,7 @@ def test_the_lightning_example_trains_on_two_workers_through_the_cli_and_serves(
 
     client = tracking.client_for(home.resolved_tracking_uri)
     version = client.get_model_version("lit-digits", "1")
-    _check_run(home, version.run_id)
+    assert _check_run(home, version.run_id) == 2
     metrics = client.get_run(version.run_id).data.metrics
     assert metrics["test_acc"] == pytest.approx(metrics["test_accuracy"])  # its test_step
 
@@ -98,14 +107,17 @@ def test_the_lightning_example_trains_on_two_workers_through_the_cli_and_serves(
 def test_the_lightning_example_trains_through_the_train_task_in_a_user_s_flow(
     home: PrefectMLSettings,
 ) -> None:
-    @flow
-    def my_flow() -> str:
-        data = preprocess(dataset="digits")
-        # the example's module, through a factory under the session Ray's allowed prefix
-        model = "tests.fixtures.lightning_code:lit_classifier"
-        return train(data, model=model, workers=2, epochs=6, **STOPPING).run_id
-
-    _check_run(home, my_flow())
+    """The page's flow (examples/lightning_flow.py), run as its docstring says."""
+    env = cli_env(home.home_dir)
+    env["PREFECT_ML_ALLOWED_MODULES"] = "examples,tests.fixtures"
+    command = [sys.executable, "-m", "examples.lightning_flow"]
+    run = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    *_, run_id = re.findall(r"^[0-9a-f]{32}$", run.stdout, re.MULTILINE)  # what it prints
+    # early stopping (patience 2) on val_acc: 3 epochs at least
+    assert _check_run(home, run_id) >= 3
 
 
 @pytest.mark.usefixtures("ray_cluster")
