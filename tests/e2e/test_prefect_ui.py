@@ -170,7 +170,6 @@ def test_prefect_ml_deploy_with_wrong_credentials_says_what_to_set(
     assert "refused the credentials in PREFECT_API_AUTH_STRING" in output, output
 
 
-@pytest.mark.entry_point("deployment on a worker")
 @pytest.fixture(scope="module")
 def registered(prefect_ui: PrefectUI) -> str:
     """prefect.yaml's deployments on the UI's server, as the nightly tutorial registers them:
@@ -184,6 +183,7 @@ def registered(prefect_ui: PrefectUI) -> str:
     )
 
 
+@pytest.mark.entry_point("deployment on a worker")
 def test_prefect_deploy_registers_prefect_yaml_and_a_process_worker_runs_its_deployments(
     prefect_ui: PrefectUI, registered: str, tmp_path: Path
 ) -> None:
