@@ -94,7 +94,10 @@ def test_the_admins_script_lets_a_person_read_the_pipelines_experiment_and_model
     AuthServiceClient(auth_server).create_user(*PIPELINE)
     AuthServiceClient(auth_server).create_user("bob", "another-long-password")
     _as(monkeypatch, PIPELINE)  # the pipeline owns (MANAGE) what it creates
-    pipeline = MlflowClient(auth_server)
+    # The registry named as well: a serving or registering test earlier in this process set
+    # MLflow's process-wide registry URI (served_models, tracking), which a client without one
+    # would use instead of this server.
+    pipeline = MlflowClient(auth_server, registry_uri=auth_server)
     experiment_id = pipeline.create_experiment("prefect-ml")
     run = pipeline.create_run(experiment_id)
     pipeline.log_metric(run.info.run_id, "test_accuracy", 0.97)
@@ -105,7 +108,7 @@ def test_the_admins_script_lets_a_person_read_the_pipelines_experiment_and_model
     mlflow_users.give_read_access(auth_server, "alice", "a-long-password")
 
     _as(monkeypatch, ("alice", "a-long-password"))
-    alice = MlflowClient(auth_server)
+    alice = MlflowClient(auth_server, registry_uri=auth_server)
     experiment = alice.get_experiment_by_name("prefect-ml")
     assert experiment is not None and experiment.experiment_id == experiment_id
     assert alice.get_run(run.info.run_id).data.metrics == {"test_accuracy": 0.97}
@@ -116,4 +119,5 @@ def test_the_admins_script_lets_a_person_read_the_pipelines_experiment_and_model
     assert _refused(alice.delete_registered_model, "digits-classifier") == "PERMISSION_DENIED"
 
     _as(monkeypatch, ("bob", "another-long-password"))  # created, never granted
-    assert _refused(MlflowClient(auth_server).get_experiment, experiment_id) == "PERMISSION_DENIED"
+    bob = MlflowClient(auth_server, registry_uri=auth_server)
+    assert _refused(bob.get_experiment, experiment_id) == "PERMISSION_DENIED"
