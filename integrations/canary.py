@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, Field
+
+from prefect_ml.integrations.config.serving import CanaryPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +71,6 @@ class VersionStats:
         if task == "regression":
             return math.sqrt(self.squared_error / self.labelled)
         return self.correct / self.labelled
-
-
-class CanaryPolicy(BaseModel):
-    """When a canary is promoted: enough requests, and no worse than the serving version."""
-
-    share: float = Field(gt=0, lt=1)
-    window_s: float = Field(gt=0)
-    min_requests: int = Field(ge=1)
-    max_error_increase: float = Field(ge=0, le=1)
-    max_latency_ratio: float = Field(ge=1)
-    max_metric_drop: float = Field(ge=0)
 
 
 @dataclass(frozen=True)

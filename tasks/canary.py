@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from prefect_ml.integrations import alerts, canary, served_models, tracking
+from prefect_ml.integrations.config.serving import CanaryPolicy
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
 
 __all__ = ["CanaryReport", "publish_canary", "record_verdict", "run_canary"]
@@ -60,7 +61,7 @@ def _check_comparable(
 def run_canary(
     stable: served_models.ServedModel,
     candidate: served_models.ServedModel,
-    policy: canary.CanaryPolicy,
+    policy: CanaryPolicy,
     app_name: str,
 ) -> CanaryReport:
     """Give ``candidate`` the policy's share of ``app_name``'s requests for its window and judge
@@ -103,7 +104,7 @@ def run_canary(
 
 
 def _measure(
-    rollout: canary.Rollout, policy: canary.CanaryPolicy, task: str
+    rollout: canary.Rollout, policy: CanaryPolicy, task: str
 ) -> tuple[canary.Verdict, canary.VersionStats, canary.VersionStats]:
     progress = Progress(
         TextColumn("[bold]canary"),

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, field_validator, model_validator
 
 from prefect_ml.integrations import storage
-from prefect_ml.integrations.canary import CanaryPolicy
 from prefect_ml.integrations.config._base import Section
 from prefect_ml.integrations.config.resources import (
     CustomResources,
@@ -35,6 +34,17 @@ def _names(value: Any) -> Any:
 
 
 ModelNames = Annotated[list[str], BeforeValidator(_names)]
+
+
+class CanaryPolicy(BaseModel):
+    """When a canary is promoted: enough requests, and no worse than the serving version."""
+
+    share: float = Field(gt=0, lt=1)
+    window_s: float = Field(gt=0)
+    min_requests: int = Field(ge=1)
+    max_error_increase: float = Field(ge=0, le=1)
+    max_latency_ratio: float = Field(ge=1)
+    max_metric_drop: float = Field(ge=0)
 
 
 class ServingParams(Section):

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from prefect_ml.integrations.canary import (
-    CanaryPolicy,
     CanaryRoute,
     Rollout,
     VersionStats,
     judge,
     label_outcome,
 )
+from prefect_ml.integrations.config.serving import CanaryPolicy
 
 POLICY = CanaryPolicy(
     share=0.1,
