@@ -141,7 +141,7 @@ def cli_page() -> str:
     lines = [
         "# CLI",
         "",
-        "Generated from the `prefect-ml` command itself (`flows/cli.py`), as `--help` prints it.",
+        "Generated from the `prefect-ml` command itself (`flows/cli/`), as `--help` prints it.",
         "Flags that set a flow parameter mirror its name in kebab-case "
         "(`training.batch_size` → `--batch-size`); their types, defaults and checks are on the "
         "[parameters page](parameters.md). Mapping-valued options take inline JSON or YAML, or "

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
 
-from prefect_ml.flows.cli import _nested_parameters, app
+from prefect_ml.flows.cli import app, nested_parameters
 from prefect_ml.integrations import search_spaces, storage, studies
 from prefect_ml.integrations.config.sweep import default_search_space
 from prefect_ml.integrations.errors import ConfigurationError
@@ -294,8 +294,8 @@ def test_sweep_help_shows_the_default_search_space_as_json_a_user_can_type() -> 
 
 
 def test_the_search_space_flag_takes_an_import_path_or_a_mapping() -> None:
-    by_path = _nested_parameters(CampaignParams, {"search_space": f"{SPACES}:branch_and_loop"})
-    inline = _nested_parameters(
+    by_path = nested_parameters(CampaignParams, {"search_space": f"{SPACES}:branch_and_loop"})
+    inline = nested_parameters(
         CampaignParams, {"search_space": '{"lr": {"type": "float", "low": 0.001, "high": 0.1}}'}
     )
 
