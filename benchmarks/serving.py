@@ -28,7 +28,13 @@ arm runs one server process or replica and answers one digit per request; the lo
   in the same turns: what serving several versions on one endpoint costs.
 
 ``--protocols`` runs only the arms the protocols are compared with (``mlflow-serve``,
-``ours+batching``, the two protocol arms and the two versions).
+``ours+batching``, the two protocol arms and the two versions), all of them in the same rotating
+turns, ``mlflow-serve`` included (its server stays up beside our replica).
+
+Every server runs at the OS's default priority: Ray starts its worker processes (our replica) at
+nice 15 unless ``RAY_worker_niceness`` says otherwise, where ``mlflow models serve`` and the bare
+app run at 0, so on a machine where anything else runs our replica would get a fraction of a core
+that its peers do not share; the benchmark sets ``RAY_worker_niceness=0``.
 
 Throughput (requests/s), p50 and p99 latency (wrk's own percentiles), and errors (non-2xx and
 socket errors) per arm and concurrency 1, 8, 32. Needs ``wrk`` (``apt-get install -y wrk``).
@@ -46,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -227,12 +233,13 @@ def interleaved_curves(
     requests: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]],
     seconds: float,
     batch_counts: Callable[[], dict[str, int]],
+    peers: Container[str] = (),
     rounds: int = 3,
 ) -> dict[str, dict[int, dict[str, float]]]:
-    """The arms of one server side by side: at each concurrency they take turns, ``rounds``
-    times ``seconds // rounds`` each, each round starting with the next arm, so that a change of
-    the machine's load meets all of them; a point is the mean of an arm's turns (errors: their
-    sum)."""
+    """The arms side by side: at each concurrency they take turns, ``rounds`` times
+    ``seconds // rounds`` each, each round starting with the next arm, so that a change of the
+    machine's load meets all of them; a point is the mean of an arm's turns (errors: their
+    sum). ``batch_counts`` counts our replica's model calls, not those of the ``peers``."""
     for url, body, _ in requests.values():
         _wait_ready(url, body, lambda: None)
     curves: dict[str, dict[int, dict[str, float]]] = {arm: {} for arm in requests}
@@ -242,7 +249,8 @@ def interleaved_curves(
         order = list(requests.items())
         for turn in range(rounds):  # each round starts with another arm
             for arm, (url, body, ids) in order[turn % len(order) :] + order[: turn % len(order)]:
-                turns[arm].append(_point(url, body, connections, turn_s, batch_counts, ids))
+                counts = None if arm in peers else batch_counts
+                turns[arm].append(_point(url, body, connections, turn_s, counts, ids))
         for arm, points in turns.items():
             mean = {key: float(np.mean([p[key] for p in points])) for key in points[0]}
             curves[arm][connections] = {**mean, "errors": sum(p["errors"] for p in points)}
@@ -297,11 +305,9 @@ def _replica_port(timeout: float = 60) -> int:
 
 
 def measure(seconds: float, protocols_only: bool = False) -> dict[str, Any]:
-    from prefect_ml.flows.serve import serve_model
     from prefect_ml.flows.train import train_model
-    from prefect_ml.integrations.ray_cluster import ray_session
     from prefect_ml.integrations.settings import get_settings
-    from prefect_ml.tasks.params import ServeModelParams, TrainModelParams
+    from prefect_ml.tasks.params import TrainModelParams
 
     outcome = train_model(TrainModelParams(training={"epochs": 3, "workers": 1}))
     version = outcome.registration.version
@@ -333,11 +339,36 @@ def measure(seconds: float, protocols_only: bool = False) -> dict[str, Any]:
     mlflow_body = {"inputs": np.asarray(row).reshape(1, *shape).tolist()}
     mlflow_command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri]
     local_only = ["--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)]
+    mlflow_url = f"http://127.0.0.1:{port}/invocations"
+    # MLflow's server stays up while ours run: with --protocols it takes its turns beside them.
     with running([*mlflow_command, *local_only], env) as alive:
-        arms["mlflow-serve"] = load_curve(
-            f"http://127.0.0.1:{port}/invocations", mlflow_body, seconds, alive
-        )
+        if protocols_only:
+            _wait_ready(mlflow_url, mlflow_body, alive)
+        else:
+            arms["mlflow-serve"] = load_curve(mlflow_url, mlflow_body, seconds, alive)
+        peers: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {}
+        if protocols_only:
+            peers["mlflow-serve"] = (mlflow_url, mlflow_body, ())
+        arms.update(ours_curves(version, shape, row, seconds, protocols_only, peers))
+    return {"model_uri": model_uri, "arms": arms}
 
+
+def ours_curves(
+    version: str,
+    shape: list[int],
+    row: list[float],
+    seconds: float,
+    protocols_only: bool,
+    peers: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]],
+) -> dict[str, dict[int, dict[str, float]]]:
+    """Our arms on one local Ray; the defaults' replica is deployed last, and ``/predict``, the
+    other protocols, the two versions and ``peers`` (servers already up) take turns on it."""
+    from prefect_ml.flows.serve import serve_model
+    from prefect_ml.integrations.ray_cluster import ray_session
+    from prefect_ml.integrations.settings import get_settings
+    from prefect_ml.tasks.params import ServeModelParams
+
+    settings = get_settings()
     port = _free_port()
 
     def batch_counts() -> dict[str, int]:
@@ -347,6 +378,8 @@ def measure(seconds: float, protocols_only: bool = False) -> dict[str, Any]:
         return {key: sum(v[key] for v in versions) for key in ("batches", "requests")}
 
     base = f"http://127.0.0.1:{port}"
+    flat_body = {"inputs": [row]}
+    mlflow_body = {"inputs": np.asarray(row).reshape(1, *shape).tolist()}
     oip_body = {
         "inputs": [{"name": "input", "shape": [1, len(row)], "datatype": "FP32", "data": row}]
     }
@@ -355,6 +388,7 @@ def measure(seconds: float, protocols_only: bool = False) -> dict[str, Any]:
         "ours OIP infer": (f"{base}/v2/models/{MODEL_NAME}/infer", oip_body, ()),
         VERSIONS_ARM: (f"{base}/predict", flat_body, _two_versions(settings, version)),
     }
+    arms: dict[str, dict[int, dict[str, float]]] = {}
     ours = {"ours+batching": OUR_ARMS["ours+batching"]} if protocols_only else OUR_ARMS
     with ray_session(settings):
         for arm, options in ours.items():
@@ -366,13 +400,13 @@ def measure(seconds: float, protocols_only: bool = False) -> dict[str, Any]:
                 arms[arm] = load_curve(f"{base}/predict", flat_body, seconds, batch_counts=counts)
         # The defaults, deployed last: /predict and the protocols take turns on that replica.
         side_by_side = {"ours+batching": (f"{base}/predict", flat_body, ()), **protocol_requests}
-        arms.update(interleaved_curves(side_by_side, seconds, batch_counts))
+        arms.update(interleaved_curves({**side_by_side, **peers}, seconds, batch_counts, peers))
         if not protocols_only:
             arm = "ours+batching, replica port"
             print(arm, flush=True)
             replica = f"http://127.0.0.1:{_replica_port()}/predict"
             arms[arm] = load_curve(replica, flat_body, seconds, batch_counts=batch_counts)
-    return {"model_uri": model_uri, "arms": arms}
+    return arms
 
 
 def _two_versions(settings: Any, version: str) -> tuple[str, ...]:
@@ -463,6 +497,7 @@ def main() -> None:
     if args.bare_server:
         bare_server(int(args.bare_server[0]), args.bare_server[1])
         return
+    os.environ.setdefault("RAY_worker_niceness", "0")  # our replica at its peers' priority
     with embedded_home():
         report = measure(3 if args.quick else 10, args.protocols)
     report["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}"
