@@ -312,9 +312,6 @@ def score(
     """Score ``files`` (those at ``input_url``, one format) with ``served`` on Ray Data into
     Parquet under ``output_url`` (cleared first), then write the manifest; returns it. The
     predict section says how the actors run: rows per batch, how many, what each reserves."""
-    import ray.data
-    from ray.data.datasource import FilenameProvider
-
     key = fingerprint(files, served)
     fmt = tabular_files.file_format(files[0].url) or "csv"
     clear_output(output_url)
@@ -324,32 +321,7 @@ def score(
     )
     started = time.perf_counter()
     scorer_options = scorer_arguments(served, columns, options)
-    path, filesystem = storage.ray_storage(output_url)
-    # Every actor gets work: a few blocks each at least, however few and small the files are.
-    rows = sum(f.rows for f in files)
-    blocks = max(
-        len(files), min(BLOCKS_PER_ACTOR * options.concurrency, -(-rows // options.batch_size))
-    )
-    io_tasks = -(-options.concurrency // ACTORS_PER_IO_TASK)
-    with streaming.user_errors():
-        read = streaming.read_files(
-            files, fmt, read_cpus=IO_CPUS, blocks=blocks, read_tasks=io_tasks
-        )
-        read.map_batches(
-            BatchScorer,
-            fn_constructor_kwargs=scorer_options,
-            batch_format="pyarrow",
-            batch_size=options.batch_size,
-            compute=ray.data.ActorPoolStrategy(size=options.concurrency),
-            num_cpus=options.cpus_per_actor,
-            num_gpus=scorer_options["gpus"] or None,
-        ).write_parquet(
-            path,
-            filesystem=filesystem,
-            ray_remote_args={"num_cpus": IO_CPUS},
-            concurrency=io_tasks,
-            filename_provider=FilenameProvider(pending.write_id, "parquet"),
-        )
+    _write_scored(files, fmt, scorer_options, output_url, options, pending.write_id)
     seconds = time.perf_counter() - started
     written = _written(output_url)
     manifest = PredictionManifest(
@@ -374,6 +346,47 @@ def score(
     )
     storage.remove(storage.predictions_pending_url(output_url))
     return manifest
+
+
+def _write_scored(
+    files: list[tabular_files.SourceFile],
+    fmt: str,
+    scorer_options: dict[str, Any],
+    output_url: str,
+    options: PredictParams,
+    write_id: str,
+) -> None:
+    """Read ``files`` with Ray Data, score them on a pool of :class:`BatchScorer` actors and
+    write Parquet files named ``<write_id>_*`` under ``output_url``."""
+    import ray.data
+    from ray.data.datasource import FilenameProvider
+
+    path, filesystem = storage.ray_storage(output_url)
+    # Every actor gets work: a few blocks each at least, however few and small the files are.
+    rows = sum(f.rows for f in files)
+    blocks = max(
+        len(files), min(BLOCKS_PER_ACTOR * options.concurrency, -(-rows // options.batch_size))
+    )
+    io_tasks = -(-options.concurrency // ACTORS_PER_IO_TASK)
+    with streaming.user_errors():
+        read = streaming.read_files(
+            files, fmt, read_cpus=IO_CPUS, blocks=blocks, read_tasks=io_tasks
+        )
+        read.map_batches(
+            BatchScorer,
+            fn_constructor_kwargs=scorer_options,
+            batch_format="pyarrow",
+            batch_size=options.batch_size,
+            compute=ray.data.ActorPoolStrategy(size=options.concurrency),
+            num_cpus=options.cpus_per_actor,
+            num_gpus=scorer_options["gpus"] or None,
+        ).write_parquet(
+            path,
+            filesystem=filesystem,
+            ray_remote_args={"num_cpus": IO_CPUS},
+            concurrency=io_tasks,
+            filename_provider=FilenameProvider(write_id, "parquet"),
+        )
 
 
 def _written(output_url: str) -> list[tabular_files.SourceFile]:

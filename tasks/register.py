@@ -7,6 +7,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
@@ -21,6 +22,9 @@ from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.evaluate import Evaluation
 from prefect_ml.tasks.train import TrainResult, trained_model
 from prefect_ml.tasks.training import current_flow_run_id
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["Registration", "register"]
 
@@ -139,24 +143,8 @@ def register_model(
     """
     logger = get_run_logger()
     settings = get_settings()
-    data = trained.data
     client = tracking.client_for(settings.resolved_tracking_uri)
-    model = trained_model(trained)
-    mean = storage.read_array(storage.statistic_url(data.splits_url, "mean"))
-    std = storage.read_array(storage.statistic_url(data.splits_url, "std"))
-    test_rows, _ = data.shard("test").head(INPUT_EXAMPLE_ROWS)
-    raw_example = (test_rows * std + mean).astype("float32")
-    # A model's own predict_step (Lightning's) is what serving and batch scoring run.
-    served = with_standardizer(hooks.served_module(model), mean, std, data.sample_shape)
-    if data.task == "regression":
-        served = with_target_scale(served, data.target_mean, data.target_std)
-    input_dtype = "float32"
-    if data.feature_names:  # tabular: rows read from a CSV are float64
-        served, raw_example, input_dtype = (
-            taking_float64(served),
-            raw_example.astype("float64"),
-            "float64",
-        )
+    served, raw_example, input_dtype = _served_model(trained)
 
     current = tracking.champion(client, model_name, alias)
     champion_metrics = tracking.run_metrics(client, current[1]) if current is not None else {}
@@ -168,31 +156,9 @@ def register_model(
         served,
         raw_example,
         model_name=model_name,
-        tags={
-            tracking.FINGERPRINT_TAG: data.fingerprint,
-            tracking.TASK_TAG: data.task,
-            tracking.INPUT_DTYPE_TAG: input_dtype,
-            tracking.SAMPLE_SHAPE_TAG: json.dumps(data.sample_shape),
-            tracking.CLASS_NAMES_TAG: json.dumps(data.class_names),
-            **(
-                {tracking.FEATURE_NAMES_TAG: json.dumps(data.feature_names)}
-                if data.feature_names
-                else {}
-            ),
-            tracking.SOURCE_RUN_TAG: trained.run_id,
-            tracking.FLOW_RUN_TAG: current_flow_run_id(),
-            **{f"test_{r.metric}": f"{evaluation.metrics[r.metric]:.6f}" for r in rules},
-        },
+        tags=_version_tags(trained, evaluation, rules, input_dtype),
     )
-    if decision.promoted:
-        tracking.set_alias(client, model_name, alias, version)
-    verdict = "promoted" if decision.promoted else "not promoted"
-    decision_tags = {"promotion.decision": verdict, "promotion.reason": decision.reason}
-    tracking.tag_version(client, model_name, version, decision_tags)
-    registered_tag = {tracking.REGISTERED_VERSION_TAG: version}
-    tracking.set_tags(client, trained.run_id, {**decision_tags, **registered_tag})
-    tracking.record_flow_run(client, trained.run_id, current_flow_run_id(), "register")
-    tracking.finish_run(client, trained.run_id)
+    verdict = _record_decision(client, trained.run_id, model_name, alias, version, decision)
     registered_name = tracking.in_namespace(model_name)  # what the registry calls it
     logger.info("%s v%s %s to @%s: %s", registered_name, version, verdict, alias, decision.reason)
     if decision.promoted:  # the champion changed: the alert automation listens for this
@@ -213,6 +179,70 @@ def register_model(
         reason=decision.reason,
         previous_champion=decision.previous_version,
     )
+
+
+def _served_model(trained: TrainResult) -> tuple[Any, np.ndarray, str]:
+    """The model as it is logged, taking the source data's raw features (the training split's
+    standardisation inside, a regression's predictions in the target's units), an input example
+    of those features, and their dtype."""
+    data = trained.data
+    model = trained_model(trained)
+    mean = storage.read_array(storage.statistic_url(data.splits_url, "mean"))
+    std = storage.read_array(storage.statistic_url(data.splits_url, "std"))
+    test_rows, _ = data.shard("test").head(INPUT_EXAMPLE_ROWS)
+    raw_example = (test_rows * std + mean).astype("float32")
+    # A model's own predict_step (Lightning's) is what serving and batch scoring run.
+    served = with_standardizer(hooks.served_module(model), mean, std, data.sample_shape)
+    if data.task == "regression":
+        served = with_target_scale(served, data.target_mean, data.target_std)
+    if data.feature_names:  # tabular: rows read from a CSV are float64
+        return taking_float64(served), raw_example.astype("float64"), "float64"
+    return served, raw_example, "float32"
+
+
+def _version_tags(
+    trained: TrainResult, evaluation: Evaluation, rules: list[PromotionRule], input_dtype: str
+) -> dict[str, str]:
+    """What a version carries so serving and lineage need no other record: its data (fingerprint,
+    task, input dtype and shape, class and feature names), its runs, its tested metrics."""
+    data = trained.data
+    return {
+        tracking.FINGERPRINT_TAG: data.fingerprint,
+        tracking.TASK_TAG: data.task,
+        tracking.INPUT_DTYPE_TAG: input_dtype,
+        tracking.SAMPLE_SHAPE_TAG: json.dumps(data.sample_shape),
+        tracking.CLASS_NAMES_TAG: json.dumps(data.class_names),
+        **(
+            {tracking.FEATURE_NAMES_TAG: json.dumps(data.feature_names)}
+            if data.feature_names
+            else {}
+        ),
+        tracking.SOURCE_RUN_TAG: trained.run_id,
+        tracking.FLOW_RUN_TAG: current_flow_run_id(),
+        **{f"test_{r.metric}": f"{evaluation.metrics[r.metric]:.6f}" for r in rules},
+    }
+
+
+def _record_decision(
+    client: Any,
+    run_id: str,
+    model_name: str,
+    alias: str,
+    version: str,
+    decision: tracking.PromotionDecision,
+) -> str:
+    """Move the alias if promoted, tag the version and the training run with the decision, and
+    finish the run; the verdict ("promoted" or "not promoted")."""
+    if decision.promoted:
+        tracking.set_alias(client, model_name, alias, version)
+    verdict = "promoted" if decision.promoted else "not promoted"
+    decision_tags = {"promotion.decision": verdict, "promotion.reason": decision.reason}
+    tracking.tag_version(client, model_name, version, decision_tags)
+    registered_tag = {tracking.REGISTERED_VERSION_TAG: version}
+    tracking.set_tags(client, run_id, {**decision_tags, **registered_tag})
+    tracking.record_flow_run(client, run_id, current_flow_run_id(), "register")
+    tracking.finish_run(client, run_id)
+    return verdict
 
 
 def summary_markdown(
