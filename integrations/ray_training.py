@@ -28,7 +28,7 @@ from prefect_ml.integrations.training import EpochTrainer, train_epochs
 if TYPE_CHECKING:
     from ray.train import RunConfig, ScalingConfig
 
-    from prefect_ml.integrations.resources import ResourceRequest
+    from prefect_ml.integrations.config.resources import Resources
 
 # Epoch at which the latest worker group started: > 1 after a restart from a checkpoint.
 STARTED_AT_TAG = "prefect_ml.worker_group_started_at_epoch"
@@ -84,7 +84,7 @@ def train_loop_per_worker(config: dict[str, TrainLoop]) -> None:
 
 @contextlib.contextmanager
 def placement_watch(
-    request: ResourceRequest,
+    request: Resources,
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
 ) -> Iterator[None]:
     """While a fit runs: a worker group that Ray has not placed ``PLACEMENT_NOTICE_S`` after
@@ -138,7 +138,7 @@ def fit(
     loop: TrainLoop,
     *,
     workers: int | tuple[int, int],
-    request: ResourceRequest,
+    request: Resources,
     max_failures: int,
     ray_storage_url: str,
     name: str,
@@ -186,30 +186,22 @@ def fit(
 
 
 def scaling_config(
-    loop: TrainLoop, workers: int | tuple[int, int], request: ResourceRequest
+    loop: TrainLoop, workers: int | tuple[int, int], request: Resources
 ) -> ScalingConfig:
     """The worker group of :func:`fit`: ``workers`` workers (or an elastic ``(min, max)``)
     that each hold ``request``."""
     from ray.train import ScalingConfig
 
-    # Ray Train adds the accelerator resource itself from ``accelerator_type``.
-    resources = {
-        k: v
-        for k, v in request.ray_resources().items()
-        if v and not k.startswith("accelerator_type:")
-    }
     return ScalingConfig(  # type: ignore[call-arg]  # the stub is Ray Train v1's
         num_workers=workers,  # type: ignore[arg-type]  # Ray's stub omits the elastic tuple
-        use_gpu=request.gpus > 0,
-        resources_per_worker=resources,
-        accelerator_type=request.accelerator_type,
+        **request.scaling_options(),
         elastic_resize_monitor_interval_s=loop.training.elastic_resize_s,
     )
 
 
 def run_config(
     loop: TrainLoop,
-    request: ResourceRequest,
+    request: Resources,
     max_failures: int,
     ray_storage_url: str,
     name: str,

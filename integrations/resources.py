@@ -9,20 +9,23 @@ to change instead. Ray places each copy on one node, so the check packs per node
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
+from prefect_ml.integrations.config.resources import (
+    ACCELERATOR_PREFIX,
+    GB,
+    RESERVED_RESOURCES,
+    RequestFields,
+    Resources,
+)
 from prefect_ml.integrations.errors import ConfigurationError
 
-# Ray's own names: a node with GPUs of type T carries the resource "accelerator_type:T" (value 1),
-# and Ray (``ray._common.utils.resources_from_ray_options``, ``ScalingConfig.accelerator_type``)
-# turns ``accelerator_type=T`` into a request of 0.001 of it, which pins a copy to such a node.
-ACCELERATOR_PREFIX = "accelerator_type:"
-ACCELERATOR_SHARE = 0.001
 # Ray counts resources in fixed point with four decimals; comparing in those units makes
 # 0.7 GPU hold 7 copies of 0.1, as Ray does, not 6 (float division says 6.999...).
 _UNITS = 10_000
-GB = 10**9  # memory parameters (``*_memory_gb``, ``memory_per_worker_gb``) are decimal GB
+
+# The name the trial pool and trial workers still import, until their move to
+# integrations/campaign/ lands: the request is :class:`Resources`.
+ResourceRequest = Resources
 
 
 def _units(amount: float) -> int:
@@ -35,91 +38,6 @@ def _amount(value: float) -> str:
 
 def _gb(memory_bytes: float) -> str:
     return f"{memory_bytes / GB:.3g} GB"
-
-
-@dataclass(frozen=True)
-class ResourceRequest:
-    """What one copy of a Ray-backed step reserves: CPUs, GPUs (fractions share a GPU), the GPU
-    type and memory."""
-
-    cpus: float = 1.0
-    gpus: float = 0.0
-    accelerator_type: str | None = None  # e.g. "H100", "A10G": Ray's accelerator_type:<T>
-    memory_bytes: int | None = None
-    # Custom resources the nodes declare (``ray start --resources '{"fast_disk": 1}'``).
-    custom: tuple[tuple[str, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        amounts = [self.cpus, self.gpus, self.memory_bytes or 0, *(a for _, a in self.custom)]
-        if any(amount < 0 for amount in amounts):
-            raise ValueError(f"a resource request cannot be negative: {self}")
-
-    def ray_resources(self) -> dict[str, float]:
-        """The request as Ray's resource dict, the form node totals and placement groups use."""
-        resources: dict[str, float] = {}
-        if self.cpus:
-            resources["CPU"] = self.cpus
-        if self.gpus:
-            resources["GPU"] = self.gpus
-        if self.memory_bytes:
-            resources["memory"] = float(self.memory_bytes)
-        if self.accelerator_type:
-            resources[ACCELERATOR_PREFIX + self.accelerator_type] = ACCELERATOR_SHARE
-        resources.update(self.custom)
-        return resources
-
-    def actor_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``ray.remote(...).options`` and Serve's ``ray_actor_options``."""
-        options: dict[str, Any] = {"num_cpus": self.cpus, "num_gpus": self.gpus}
-        if self.memory_bytes:
-            options["memory"] = self.memory_bytes
-        if self.accelerator_type:
-            options["accelerator_type"] = self.accelerator_type
-        if self.custom:
-            options["resources"] = dict(self.custom)
-        return options
-
-    def describe(self) -> str:
-        """For messages: ``1 CPU, 1 GPU (H100), 4 GB``."""
-        parts = [f"{_amount(self.cpus)} CPU"]
-        if self.gpus or self.accelerator_type:
-            kind = f" ({self.accelerator_type})" if self.accelerator_type else ""
-            parts.append(f"{_amount(self.gpus)} GPU{kind}")
-        if self.memory_bytes:
-            parts.append(_gb(self.memory_bytes))
-        parts.extend(f"{_amount(amount)} {name}" for name, amount in self.custom)
-        return ", ".join(parts)
-
-
-# Resources with fields of their own, which a custom-resource mapping may not name.
-RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-
-
-def custom_resources(resources: dict[str, float]) -> tuple[tuple[str, float], ...]:
-    """A validated custom-resource mapping as :attr:`ResourceRequest.custom` (sorted pairs);
-    a ValueError names what is wrong."""
-    for name, amount in resources.items():
-        if name in RESERVED_RESOURCES or name.startswith((ACCELERATOR_PREFIX, "node:")):
-            raise ValueError(
-                f"{name!r} is not a custom resource; CPUs, GPUs, memory and the accelerator "
-                "type have their own parameters"
-            )
-        if not amount > 0:
-            raise ValueError(f"{name!r} must be a positive amount, got {amount}")
-    return tuple(sorted((name, float(amount)) for name, amount in resources.items()))
-
-
-@dataclass(frozen=True)
-class RequestFields:
-    """The parameters (dotted names) that set each part of a request, so that an error names
-    the one to change; CLI flags mirror the last part."""
-
-    count: str
-    cpus: str
-    gpus: str
-    accelerator_type: str
-    memory: str
-    custom: str  # the custom-resource mapping
 
 
 def cluster_nodes() -> list[dict[str, float]]:
@@ -187,7 +105,7 @@ def _per_node(resources: dict[str, float], node: dict[str, float]) -> int | None
     return min(fits) if fits else None
 
 
-def placeable(request: ResourceRequest, nodes: Sequence[dict[str, float]]) -> int:
+def placeable(request: Resources, nodes: Sequence[dict[str, float]]) -> int:
     """How many copies of ``request`` the nodes hold at once, each copy on one node.
 
     A request that asks for nothing fits without bound (:data:`UNBOUNDED`).
@@ -293,9 +211,7 @@ def check_fits(
     )
 
 
-def mixed_gpu_types(
-    request: ResourceRequest, count: int, nodes: Sequence[dict[str, float]]
-) -> list[str]:
+def mixed_gpu_types(request: Resources, count: int, nodes: Sequence[dict[str, float]]) -> list[str]:
     """The GPU types a group of ``count`` copies of ``request`` could be spread over, when that
     is more than one; else ``[]``.
 

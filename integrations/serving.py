@@ -739,7 +739,7 @@ def deployment_options(serving: ServingParams, allow_surge: bool) -> dict[str, A
         # Past the queue, a request is answered 503 with Retry-After, not left to time out.
         "max_queued_requests": serving.max_queued_requests,
         "backpressure_config": {"status_code": 503, "retry_after_s": serving.retry_after_s},
-        "ray_actor_options": serving.replica_request().actor_options(),
+        "ray_actor_options": serving.resources().actor_options(),
         "max_surge_percent": 100 if allow_surge else 0,
         "logging_config": {"enable_access_log": serving.access_log},
         # A model that does not load will not load on the 20th try (Ray's default) either;
@@ -848,7 +848,7 @@ def deploy(
     existed = placement.app_name in serve.status().applications
     # Free resources summed over the cluster: a surge replica that still finds no single node
     # with room waits a moment for an old replica to drain, as without surge.
-    allow_surge = placeable(placement.replica_request(), [ray.available_resources()]) >= 1
+    allow_surge = placeable(placement.resources(), [ray.available_resources()]) >= 1
     server = cast(Deployment, ModelServer)  # the decorator made the class a Deployment
     deployment = server.options(**deployment_options(placement, allow_surge))
     target = serve.RunTarget(

@@ -38,12 +38,8 @@ from prefect_ml.integrations.config.sweep import (
     space_text,
 )
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.resources import RequestFields
 
 __all__ = [
-    "REPLICA_FIELDS",
-    "TRIAL_FIELDS",
-    "WORKER_FIELDS",
     "CampaignParams",
     "DataParams",
     "ModelParams",
@@ -231,32 +227,6 @@ class ServeModelParams(Section):
         title="Serving",
         description="Address, batching, replicas and their resources, request limits.",
     )
-
-
-WORKER_FIELDS = RequestFields(
-    count="training.workers",
-    cpus="training.cpus_per_worker",
-    gpus="training.use_gpu",
-    accelerator_type="training.accelerator_type",
-    memory="training.memory_per_worker_gb",
-    custom="training.worker_resources",
-)
-TRIAL_FIELDS = RequestFields(
-    count="sweep.trial_workers",
-    cpus="sweep.trial_cpus",
-    gpus="sweep.trial_gpus",
-    accelerator_type="sweep.trial_accelerator_type",
-    memory="sweep.trial_memory_gb",
-    custom="sweep.trial_resources",
-)
-REPLICA_FIELDS = RequestFields(
-    count="serving.min_replicas",
-    cpus="serving.replica_cpus",
-    gpus="serving.replica_gpus",
-    accelerator_type="serving.replica_accelerator_type",
-    memory="serving.replica_memory_gb",
-    custom="serving.replica_resources",
-)
 
 
 class PipelineParams(TrainModelParams):

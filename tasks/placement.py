@@ -6,41 +6,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from prefect_ml.integrations.config.resources import RequestFields, Reserving
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.prefect_server import run_logger
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import (
-    RequestFields,
-    ResourceRequest,
     check_fits,
     cluster_nodes,
     flag_of,
     mixed_gpu_types,
 )
 from prefect_ml.integrations.settings import get_settings
-from prefect_ml.tasks.params import (
-    REPLICA_FIELDS,
-    TRIAL_FIELDS,
-    WORKER_FIELDS,
-    CampaignParams,
-    TrainingSections,
-)
+from prefect_ml.tasks.params import CampaignParams, TrainingSections
 from prefect_ml.tasks.quotas import check_caps
 
 
 def require_fits(
-    request: ResourceRequest,
-    count: int,
-    nodes: Sequence[dict[str, float]],
-    *,
-    what: str,
-    fields: RequestFields,
+    name: str, section: Reserving, count: int, nodes: Sequence[dict[str, float]], *, what: str
 ) -> int:
-    """:func:`check_fits` as the settings want it: an error, or with
-    ``PREFECT_ML_CHECK_RESOURCES=false`` (an autoscaling cluster) a warning. Returns how many
-    copies fit now."""
+    """:func:`check_fits` of ``count`` copies of ``section``'s request, as the settings want
+    it: an error, or with ``PREFECT_ML_CHECK_RESOURCES=false`` (an autoscaling cluster) a
+    warning. ``name`` is the section's in the flow parameters (``serving``), so an error names
+    ``serving.replica_cpus``. Returns how many copies fit now."""
+    fields = RequestFields.of(name, type(section))
     try:
-        return check_fits(request, count, nodes, what=what, fields=fields)
+        return check_fits(section.resources(), count, nodes, what=what, fields=fields)
     except ConfigurationError as exc:
         if get_settings().check_resources:
             raise
@@ -49,16 +39,16 @@ def require_fits(
 
 
 def require_one_gpu_type(
-    request: ResourceRequest,
+    name: str,
+    section: Reserving,
     count: int,
     nodes: Sequence[dict[str, float]],
     *,
     what: str,
-    fields: RequestFields,
     allowed: bool,
 ) -> None:
     """Refuse a GPU group that Ray could spread over GPU types, unless ``allowed`` (a warning)."""
-    types = mixed_gpu_types(request, count, nodes)
+    types = mixed_gpu_types(section.resources(), count, nodes)
     if not types:
         return
     problem = (
@@ -68,10 +58,10 @@ def require_one_gpu_type(
     if allowed:
         run_logger().warning("%s (allowed: --allow-mixed-gpu-types)", problem)
         return
+    field = RequestFields.of(name, type(section)).accelerator_type
     raise ConfigurationError(
-        fields.accelerator_type,
-        f"{problem}; set {flag_of(fields.accelerator_type)} to one of them, or "
-        "--allow-mixed-gpu-types to accept it",
+        field,
+        f"{problem}; set {flag_of(field)} to one of them, or --allow-mixed-gpu-types to accept it",
     )
 
 
@@ -85,35 +75,23 @@ def check_placement(params: TrainingSections) -> None:
     check_caps(params)
     sweep = getattr(params, "sweep", None)
     serving = getattr(params, "serving", None)
-    requests: list[tuple[ResourceRequest, int, str, RequestFields]] = []
-    groups: list[tuple[ResourceRequest, int, str, RequestFields]] = []  # data-parallel groups
+    # (the section's name, the section, copies at once, what the copies are)
+    requests: list[tuple[str, Reserving, int, str]] = []
+    groups: list[tuple[str, Reserving, int, str]] = []  # data-parallel groups
     training = params.training
     if not isinstance(params, CampaignParams):
-        requests.append(
-            (training.worker_request(), training.worker_range[0], "worker(s)", WORKER_FIELDS)
-        )
-        groups.append(
-            (training.worker_request(), training.worker_range[1], "worker(s)", WORKER_FIELDS)
-        )
+        requests.append(("training", training, training.worker_range[0], "worker(s)"))
+        groups.append(("training", training, training.worker_range[1], "worker(s)"))
     if sweep is not None:
         what = "trial worker(s)" if sweep.trial_workers > 1 else "trial(s)"
-        trials = (sweep.trial_request(), sweep.trial_workers, what, TRIAL_FIELDS)
-        requests.append(trials)
-        groups.append(trials)
+        requests.append(("sweep", sweep, sweep.trial_workers, what))
+        groups.append(("sweep", sweep, sweep.trial_workers, what))
     if serving is not None:
-        requests.append(
-            (serving.replica_request(), serving.min_replicas, "replica(s)", REPLICA_FIELDS)
-        )
+        requests.append(("serving", serving, serving.min_replicas, "replica(s)"))
     with ray_session(get_settings()):
         nodes = cluster_nodes()
-        for request, count, what, fields in requests:
-            require_fits(request, count, nodes, what=what, fields=fields)
-        for request, count, what, fields in groups:
-            require_one_gpu_type(
-                request,
-                count,
-                nodes,
-                what=what,
-                fields=fields,
-                allowed=training.allow_mixed_gpu_types,
-            )
+        for name, section, count, what in requests:
+            require_fits(name, section, count, nodes, what=what)
+        for name, section, count, what in groups:
+            allowed = training.allow_mixed_gpu_types
+            require_one_gpu_type(name, section, count, nodes, what=what, allowed=allowed)

@@ -27,7 +27,7 @@ def check_caps(params: Any, settings: PrefectMLSettings | None = None) -> None:
         workers = training.worker_range[1]  # trains no final model
         asks += [
             ("training.workers", workers, "workers"),
-            ("training.use_gpu", workers * training.worker_request().gpus, "gpus"),
+            ("training.use_gpu", workers * training.resources().gpus, "gpus"),
         ]
     if sweep is not None:
         trial_gpus = sweep.concurrency * sweep.trial_workers * sweep.trial_gpus

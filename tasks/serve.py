@@ -22,7 +22,6 @@ from prefect_ml.integrations.resources import cluster_nodes
 from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
 from prefect_ml.tasks.canary import CanaryReport, publish_canary, record_verdict, run_canary
 from prefect_ml.tasks.params import (
-    REPLICA_FIELDS,
     ServeModelParams,
     ServingParams,
     params_from_options,
@@ -163,13 +162,7 @@ def replica_options(params: ServingParams, token: str | None) -> serving.Replica
 
 def check_fits(params: ServingParams) -> None:
     """Refuse replicas the cluster can never place, instead of waiting for them forever."""
-    require_fits(
-        params.replica_request(),
-        params.min_replicas,
-        cluster_nodes(),
-        what="replica(s)",
-        fields=REPLICA_FIELDS,
-    )
+    require_fits("serving", params, params.min_replicas, cluster_nodes(), what="replica(s)")
 
 
 def serving_url(params: ServingParams, tls_pair: tuple[Path, Path] | None) -> str:

@@ -8,16 +8,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, Field, field_validator, model_validator
 
 from prefect_ml.integrations import storage
-from prefect_ml.integrations.config._base import Section
 from prefect_ml.integrations.config.resources import (
     CustomResources,
+    Reserve,
+    Reserving,
     accelerator_field,
     memory_field,
     resources_field,
-    to_bytes,
 )
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.resources import ResourceRequest, custom_resources
 
 # Serving options that chose the bearer token; refused with what to set instead.
 REMOVED_TOKEN_FIELDS = frozenset({"auth_token_env", "auth_token_secret"})
@@ -47,7 +46,7 @@ class CanaryPolicy(BaseModel):
     max_metric_drop: float = Field(ge=0)
 
 
-class ServingParams(Section):
+class ServingParams(Reserving):
     """How the model is served: address, batching, replicas and their resources, request limits."""
 
     host: str = Field(
@@ -94,7 +93,9 @@ class ServingParams(Section):
         "costs more than a sub-millisecond call); slower models run in the thread, so requests "
         "keep being received meanwhile. 0: always in the thread.",
     )
-    min_replicas: int = Field(1, ge=1, title="Min replicas", description="Replicas always up.")
+    min_replicas: Annotated[int, Reserve.COUNT] = Field(
+        1, ge=1, title="Min replicas", description="Replicas always up."
+    )
     max_replicas: int = Field(
         1, ge=1, title="Max replicas", description="Upper bound for autoscaling (> min enables it)."
     )
@@ -138,11 +139,13 @@ class ServingParams(Section):
         description="Every replica must have loaded the model by then, or the deployment fails "
         "with the replica's error (a new application is removed; a roll keeps the old version).",
     )
-    replica_cpus: float = Field(1.0, gt=0, title="CPUs per replica", description="CPUs reserved.")
-    replica_gpus: float = Field(
+    replica_cpus: Annotated[float, Reserve.CPUS] = Field(
+        1.0, gt=0, title="CPUs per replica", description="CPUs reserved."
+    )
+    replica_gpus: Annotated[float, Reserve.GPUS] = Field(
         0.0, ge=0, title="GPUs per replica", description="GPUs reserved; fractions share a GPU."
     )
-    replica_accelerator_type: str | None = accelerator_field(
+    replica_accelerator_type: Annotated[str | None, Reserve.ACCELERATOR_TYPE] = accelerator_field(
         "GPU type per replica", "replicas", "replica_gpus"
     )
     inference_precision: Literal["fp32", "bf16", "fp16"] = Field(
@@ -151,8 +154,12 @@ class ServingParams(Section):
         description="Autocast dtype of the forward pass on a GPU replica (bf16/fp16 need "
         "--replica-gpus); probabilities are returned as float32 either way.",
     )
-    replica_memory_gb: float | None = memory_field("Memory per replica (GB)", "each replica")
-    replica_resources: CustomResources = resources_field("Custom resources per replica", "replicas")
+    replica_memory_gb: Annotated[float | None, Reserve.MEMORY] = memory_field(
+        "Memory per replica (GB)", "each replica"
+    )
+    replica_resources: Annotated[CustomResources, Reserve.CUSTOM] = resources_field(
+        "Custom resources per replica", "replicas"
+    )
     max_rows: int = Field(
         1024, ge=1, title="Max rows per request", description="Larger batches get a 413."
     )
@@ -305,16 +312,6 @@ class ServingParams(Section):
             max_error_increase=self.canary_max_error_increase,
             max_latency_ratio=self.canary_max_latency_ratio,
             max_metric_drop=self.canary_max_metric_drop,
-        )
-
-    def replica_request(self) -> ResourceRequest:
-        """What one serving replica reserves."""
-        return ResourceRequest(
-            cpus=self.replica_cpus,
-            gpus=self.replica_gpus,
-            accelerator_type=self.replica_accelerator_type,
-            memory_bytes=to_bytes(self.replica_memory_gb),
-            custom=custom_resources(self.replica_resources),
         )
 
     @property

@@ -33,13 +33,13 @@ from prefect_ml.integrations.config._base import Section, searchable
 from prefect_ml.integrations.config.model import ModelParams
 from prefect_ml.integrations.config.resources import (
     CustomResources,
+    Reserve,
+    Reserving,
     accelerator_field,
     memory_field,
     resources_field,
-    to_bytes,
 )
 from prefect_ml.integrations.config.training import METRIC_NAME, TrainingParams
-from prefect_ml.integrations.resources import ResourceRequest, custom_resources
 
 EPOCH_METRICS = tuple(problems.EPOCH_METRICS)  # of every task type; each flow checks its own
 
@@ -160,7 +160,7 @@ def default_search_space() -> dict[str, SearchDimension]:
     }
 
 
-class SweepParams(Section):
+class SweepParams(Reserving):
     """The campaign: what to search, how to choose, how much to spend and how wide to run."""
 
     campaign: str = Field(
@@ -206,18 +206,22 @@ class SweepParams(Section):
         None, gt=0, title="Timeout (s)", description="Stop starting new trials after this long."
     )
     concurrency: int = Field(2, ge=1, title="Concurrency", description="Trials run in parallel.")
-    trial_cpus: float = Field(1.0, gt=0, title="CPUs per trial", description="CPUs per trial.")
-    trial_gpus: float = Field(
+    trial_cpus: Annotated[float, Reserve.CPUS] = Field(
+        1.0, gt=0, title="CPUs per trial", description="CPUs per trial."
+    )
+    trial_gpus: Annotated[float, Reserve.GPUS] = Field(
         0.0, ge=0, title="GPUs per trial", description="GPUs per trial (per worker with >1)."
     )
-    trial_accelerator_type: str | None = accelerator_field(
+    trial_accelerator_type: Annotated[str | None, Reserve.ACCELERATOR_TYPE] = accelerator_field(
         "GPU type per trial", "trials", "trial_gpus"
     )
-    trial_memory_gb: float | None = memory_field(
+    trial_memory_gb: Annotated[float | None, Reserve.MEMORY] = memory_field(
         "Memory per trial (GB)", "each trial (each worker with >1)"
     )
-    trial_resources: CustomResources = resources_field("Custom resources per trial", "trials")
-    trial_workers: int = Field(
+    trial_resources: Annotated[CustomResources, Reserve.CUSTOM] = resources_field(
+        "Custom resources per trial", "trials"
+    )
+    trial_workers: Annotated[int, Reserve.COUNT] = Field(
         1,
         ge=1,
         title="Workers per trial",
@@ -284,16 +288,6 @@ class SweepParams(Section):
     @property
     def effective_pruner(self) -> str:
         return self.pruner if len(self.objectives) == 1 else "none"
-
-    def trial_request(self) -> ResourceRequest:
-        """What one trial process (or, with several workers, each of its workers) reserves."""
-        return ResourceRequest(
-            cpus=self.trial_cpus,
-            gpus=self.trial_gpus,
-            accelerator_type=self.trial_accelerator_type,
-            memory_bytes=to_bytes(self.trial_memory_gb),
-            custom=custom_resources(self.trial_resources),
-        )
 
 
 # The sections a campaign searches, by name: its fields that carry no role are tunable.

@@ -11,25 +11,25 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from prefect_ml.integrations.config._base import Role, Section, fields_with
+from prefect_ml.integrations.config._base import Role, fields_with
 from prefect_ml.integrations.config.resources import (
     CustomResources,
+    Reserve,
+    Reserving,
     accelerator_field,
     memory_field,
     resources_field,
-    to_bytes,
 )
 from prefect_ml.integrations.early_stopping import EarlyStopping
-from prefect_ml.integrations.resources import ResourceRequest, custom_resources
 
 # An epoch metric's name: the task's (val_loss) or one a model logs (val_acc, val/f1).
 METRIC_NAME = r"^[A-Za-z][A-Za-z0-9_./-]*$"
 
 
-class TrainingParams(Section):
+class TrainingParams(Reserving):
     """How to train: workers, epochs, optimiser, fault tolerance."""
 
-    workers: Annotated[int | tuple[int, int], Role.OPERATIONAL] = Field(
+    workers: Annotated[int | tuple[int, int], Role.OPERATIONAL, Reserve.COUNT] = Field(
         2,
         title="Workers",
         description="Ray Train workers (data-parallel): a number, or a range 'min-max' for "
@@ -58,14 +58,14 @@ class TrainingParams(Section):
         title="Max failures",
         description="Worker failures tolerated; each restarts from the last checkpoint.",
     )
-    use_gpu: Annotated[bool, Role.OPERATIONAL] = Field(
+    use_gpu: Annotated[bool, Role.OPERATIONAL, Reserve.GPUS] = Field(
         False, title="Use GPU", description="One GPU per worker, NCCL instead of gloo."
     )
-    cpus_per_worker: Annotated[float, Role.OPERATIONAL] = Field(
+    cpus_per_worker: Annotated[float, Role.OPERATIONAL, Reserve.CPUS] = Field(
         1.0, gt=0, title="CPUs per worker", description="CPUs Ray reserves for each worker."
     )
-    accelerator_type: Annotated[str | None, Role.OPERATIONAL] = accelerator_field(
-        "GPU type", "workers", "use_gpu"
+    accelerator_type: Annotated[str | None, Role.OPERATIONAL, Reserve.ACCELERATOR_TYPE] = (
+        accelerator_field("GPU type", "workers", "use_gpu")
     )
     allow_mixed_gpu_types: Annotated[bool, Role.OPERATIONAL] = Field(
         False,
@@ -73,11 +73,11 @@ class TrainingParams(Section):
         description="Let one worker group span GPUs of different types (it then runs at the "
         "slowest GPU's pace); otherwise such a cluster needs --accelerator-type.",
     )
-    memory_per_worker_gb: Annotated[float | None, Role.OPERATIONAL] = memory_field(
+    memory_per_worker_gb: Annotated[float | None, Role.OPERATIONAL, Reserve.MEMORY] = memory_field(
         "Memory per worker (GB)", "each worker"
     )
-    worker_resources: Annotated[CustomResources, Role.OPERATIONAL] = resources_field(
-        "Custom resources per worker", "workers"
+    worker_resources: Annotated[CustomResources, Role.OPERATIONAL, Reserve.CUSTOM] = (
+        resources_field("Custom resources per worker", "workers")
     )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
@@ -349,13 +349,3 @@ class TrainingParams(Section):
         if isinstance(self.workers, int):
             return self.workers, self.workers
         return self.workers
-
-    def worker_request(self) -> ResourceRequest:
-        """What Ray reserves for each training worker."""
-        return ResourceRequest(
-            cpus=self.cpus_per_worker,
-            gpus=1.0 if self.use_gpu else 0.0,
-            accelerator_type=self.accelerator_type,
-            memory_bytes=to_bytes(self.memory_per_worker_gb),
-            custom=custom_resources(self.worker_resources),
-        )

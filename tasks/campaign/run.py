@@ -43,7 +43,6 @@ from prefect_ml.tasks.campaign.results import (
 from prefect_ml.tasks.campaign.view import CampaignView, short
 from prefect_ml.tasks.data import Logger, PreparedData, check_fits_training_split
 from prefect_ml.tasks.params import (
-    TRIAL_FIELDS,
     CampaignParams,
     SweepParams,
     TrainingSections,
@@ -182,7 +181,7 @@ class TrialPlanner:
             number=trial.number,
             loop=loop,
             workers=sweep.trial_workers,
-            request=sweep.trial_request(),
+            request=sweep.resources(),
             ray_storage_url=self.settings.ray_storage_url,
         )
         return spec, mlflow_params
@@ -223,9 +222,7 @@ def slots(sweep: SweepParams, remaining: int | None, logger: Any) -> int:
     """Parallel trials: what was asked, capped by how many trials the cluster's nodes hold
     at once (a trial with several workers holds that many copies of the request)."""
     what = "trial worker(s)" if sweep.trial_workers > 1 else "trial(s)"
-    copies = require_fits(
-        sweep.trial_request(), sweep.trial_workers, cluster_nodes(), what=what, fields=TRIAL_FIELDS
-    )
+    copies = require_fits("sweep", sweep, sweep.trial_workers, cluster_nodes(), what=what)
     # Unenforced (PREFECT_ML_CHECK_RESOURCES=false), nothing may fit yet: run as asked.
     fits = copies // sweep.trial_workers or sweep.concurrency
     count = min([sweep.concurrency, fits, remaining or sweep.concurrency])
@@ -308,7 +305,7 @@ class CampaignRun:
                     count = slots(self.sweep, remaining, self.logger)
                     with RayTrialPool(
                         count,
-                        request=self.sweep.trial_request(),
+                        request=self.sweep.resources(),
                         driver_only=self.sweep.trial_workers > 1,
                         start_timeout_s=self.settings.worker_group_start_timeout_s,
                         logger=self.logger,

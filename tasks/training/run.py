@@ -230,7 +230,7 @@ class TrainingRun:
                 ray_training.fit(
                     loop,
                     workers=training.workers,
-                    request=training.worker_request(),
+                    request=training.resources(),
                     max_failures=training.max_failures,
                     ray_storage_url=self.settings.ray_storage_url,
                     name=f"{self.run_id}-{int(time.time())}",

@@ -2,7 +2,8 @@
 flow's parameters, through the tasks (and a campaign's trials), to the object a Ray Train
 worker or a Serve replica receives (through the pickling Ray does), and arrives with its value:
 a field added to a section, dropped on the way or copied by hand into a second schema fails
-here."""
+here. The fields that set what Ray reserves (training workers, campaign trials, serving
+replicas) walk on to what Ray places each copy with."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from typing import Any
 
 import click
 import cloudpickle
+import optuna
 import pytest
 
 from prefect_ml.flows.cli import Parameters, app, parse_parameters
 from prefect_ml.integrations import ray_training
-from prefect_ml.integrations.config import ModelParams, TrainingParams
+from prefect_ml.integrations.config import ModelParams, SweepParams, TrainingParams
 from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.config.resources import GB, Reserve, reserving_fields
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.campaign.identity import CampaignIdentity
 from prefect_ml.tasks.campaign.run import TrialPlanner
@@ -157,6 +160,11 @@ def test_every_model_and_training_field_reaches_the_training_worker_with_its_val
     _assert_arrives(received, values)
     assert received.model == params.model and received.training == params.training
     assert received.data.model_dump() == data.model_dump(include=set(received.data.model_fields))
+    # What Ray Train places each worker with (the train task hands fit the section's resources).
+    scaling = ray_training.scaling_config(received, 4, given.training.resources())
+    per_worker = {"CPU": 2.0, "GPU": 1.0, "memory": 2.5 * GB, "fast_disk": 1.0}
+    assert scaling.resources_per_worker == per_worker
+    assert (scaling.use_gpu, scaling.accelerator_type) == (True, "H100")
 
 
 def test_a_campaign_trial_receives_the_same_sections_with_its_tuned_values(
@@ -179,6 +187,41 @@ def test_a_campaign_trial_receives_the_same_sections_with_its_tuned_values(
     loop = planner.trial_loop({"lr": 0.05}, "file:///campaign/trial-00003", 3)
     received = _on_a_worker(loop)
     _assert_arrives(received, {**values, "lr": 0.05, "early_stopping_patience": None})
+
+
+TRIAL_RESOURCES = {
+    "trial_workers": 2,
+    "trial_cpus": 2.0,
+    "trial_gpus": 0.5,
+    "trial_accelerator_type": "A10G",
+    "trial_memory_gb": 1.5,
+    "trial_resources": {"fast_disk": 1.0},
+}
+
+
+def test_every_trial_resource_field_reaches_what_ray_places_a_trial_with(
+    home: PrefectMLSettings,
+) -> None:
+    """From ``prefect-ml sweep``'s flags to the spec a trial actor receives (pickled by Ray):
+    with one worker the pool places each trial's actor with the request, with several each of
+    the trial's Ray Train workers holds it."""
+    params = _from_the_command_line(TRIAL_RESOURCES, "sweep", CampaignParams)
+    assert CampaignParams.model_validate(json.loads(params.model_dump_json())) == params
+    identity = CampaignIdentity(name="c", key="c@0", checkpoint_root="file:///campaign")
+    planner = TrialPlanner.of(params, _prepared(), identity, home)
+    spec, _ = planner(optuna.create_study().ask())
+    received = cloudpickle.loads(cloudpickle.dumps(spec))
+    assert received.workers == 2
+    assert received.request.actor_options() == {
+        "num_cpus": 2.0,
+        "num_gpus": 0.5,
+        "memory": int(1.5 * GB),
+        "accelerator_type": "A10G",
+        "resources": {"fast_disk": 1.0},
+    }
+    scaling = ray_training.scaling_config(received.loop, received.workers, received.request)
+    per_worker = {"CPU": 2.0, "GPU": 0.5, "memory": 1.5 * GB, "fast_disk": 1.0}
+    assert (scaling.resources_per_worker, scaling.accelerator_type) == (per_worker, "A10G")
 
 
 def test_the_walks_cover_every_field_of_the_model_and_training_sections() -> None:
@@ -255,7 +298,29 @@ def test_every_serving_field_reaches_the_serve_replica_with_its_value() -> None:
     deployment = serving.deployment_options(received.serving, allow_surge=True)
     assert deployment["autoscaling_config"]["max_replicas"] == 3
     assert deployment["max_queued_requests"] == 100
-    assert deployment["ray_actor_options"]["resources"] == {"fast_disk": 1.0}
+    assert deployment["ray_actor_options"] == {
+        "num_cpus": 2.0,
+        "num_gpus": 0.5,
+        "memory": int(1.5 * GB),
+        "accelerator_type": "A10G",
+        "resources": {"fast_disk": 1.0},
+    }
+
+
+def test_the_walks_cover_every_field_that_sets_what_ray_reserves() -> None:
+    """Each of the three sections sets every part of a request with one marked field, and the
+    walks above carry each of those fields with a value other than its default."""
+    walked = {
+        TrainingParams: {**TRAINING, **MESHES[0]},
+        SweepParams: TRIAL_RESOURCES,
+        ServingParams: SERVING,
+    }
+    for section, values in walked.items():
+        marked = reserving_fields(section)
+        assert set(marked) == set(Reserve), f"{section.__name__} leaves parts unset"
+        defaults = section().model_dump()
+        for name in marked.values():
+            assert name in values and values[name] != defaults[name], f"{name} is not walked"
 
 
 PREDICT = {

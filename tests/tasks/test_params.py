@@ -195,7 +195,7 @@ def test_workers_is_a_count_or_an_elastic_range(given: Any, expected: tuple[int,
     assert training.worker_range == expected
 
 
-def test_worker_request_carries_gpu_type_and_memory() -> None:
+def test_a_workers_resources_carry_gpu_type_and_memory() -> None:
     training = TrainModelParams.model_validate(
         {
             "training": {
@@ -206,7 +206,7 @@ def test_worker_request_carries_gpu_type_and_memory() -> None:
             }
         }
     ).training
-    request = training.worker_request()
+    request = training.resources()
     assert (request.cpus, request.gpus, request.accelerator_type) == (4, 1, "H100")
     assert request.memory_bytes == 8 * 10**9
 

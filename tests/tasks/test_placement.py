@@ -8,13 +8,12 @@ import pytest
 
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.prefect_server import run_logger
-from prefect_ml.integrations.resources import ResourceRequest
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import (
-    REPLICA_FIELDS,
-    WORKER_FIELDS,
     CampaignParams,
     PipelineParams,
+    ServingParams,
+    TrainingParams,
     TrainModelParams,
 )
 from prefect_ml.tasks.placement import check_placement, require_fits, require_one_gpu_type
@@ -49,9 +48,9 @@ def test_with_the_check_off_an_impossible_request_only_warns(
 ) -> None:
     """An autoscaling cluster adds nodes when asked: the check must not refuse what it lacks."""
     nodes = [{"CPU": 2.0}]
-    request = ResourceRequest(cpus=1, gpus=1, accelerator_type="H100")
+    serving = ServingParams(replica_gpus=1, replica_accelerator_type="H100")
     with pytest.raises(ConfigurationError, match="PREFECT_ML_CHECK_RESOURCES=false"):
-        require_fits(request, 1, nodes, what="replica(s)", fields=REPLICA_FIELDS)
+        require_fits("serving", serving, 1, nodes, what="replica(s)")
     monkeypatch.setenv("PREFECT_ML_CHECK_RESOURCES", "false")
     # Outside a run the warning goes to Prefect's "prefect.prefect_ml" logger, which does not
     # propagate to the root logger caplog listens on, so listen on that logger itself. Asking
@@ -61,7 +60,7 @@ def test_with_the_check_off_an_impossible_request_only_warns(
     assert isinstance(logger, logging.Logger)
     logger.addHandler(caplog.handler)
     try:
-        fits = require_fits(request, 1, nodes, what="replica(s)", fields=REPLICA_FIELDS)
+        fits = require_fits("serving", serving, 1, nodes, what="replica(s)")
     finally:
         logger.removeHandler(caplog.handler)
     assert fits == 0
@@ -80,32 +79,26 @@ MIXED_GPU_NODES = [
 def test_a_gpu_group_that_could_span_gpu_types_is_refused_unless_pinned_or_allowed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    group = ResourceRequest(cpus=1, gpus=1)
+    group = TrainingParams(use_gpu=True)
     with pytest.raises(ConfigurationError) as caught:
-        require_one_gpu_type(
-            group, 4, MIXED_GPU_NODES, what="worker(s)", fields=WORKER_FIELDS, allowed=False
-        )
+        require_one_gpu_type("training", group, 4, MIXED_GPU_NODES, what="worker(s)", allowed=False)
     assert caught.value.field == "training.accelerator_type"
     assert "different GPU types (H100, T4)" in str(caught.value)
     assert "--accelerator-type" in str(caught.value) and "--allow-mixed-gpu-types" in str(
         caught.value
     )
     # Pinned to one type, one worker, CPU workers, or one GPU type in the cluster: nothing mixes.
-    for request, count, nodes in [
-        (ResourceRequest(cpus=1, gpus=1, accelerator_type="H100"), 4, MIXED_GPU_NODES),
+    for training, count, nodes in [
+        (TrainingParams(use_gpu=True, accelerator_type="H100"), 4, MIXED_GPU_NODES),
         (group, 1, MIXED_GPU_NODES),
-        (ResourceRequest(cpus=1), 4, MIXED_GPU_NODES),
+        (TrainingParams(), 4, MIXED_GPU_NODES),
         (group, 4, MIXED_GPU_NODES[:1] + MIXED_GPU_NODES[2:]),
     ]:
-        require_one_gpu_type(
-            request, count, nodes, what="worker(s)", fields=WORKER_FIELDS, allowed=False
-        )
+        require_one_gpu_type("training", training, count, nodes, what="worker(s)", allowed=False)
     logger = logging.getLogger("prefect_ml.tasks.placement")
     logger.addHandler(caplog.handler)
     try:
-        require_one_gpu_type(
-            group, 4, MIXED_GPU_NODES, what="worker(s)", fields=WORKER_FIELDS, allowed=True
-        )
+        require_one_gpu_type("training", group, 4, MIXED_GPU_NODES, what="worker(s)", allowed=True)
     finally:
         logger.removeHandler(caplog.handler)
     assert "slowest GPU" in caplog.text and "allowed: --allow-mixed-gpu-types" in caplog.text
