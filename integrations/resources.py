@@ -145,7 +145,7 @@ def _show(name: str, value: float) -> str:
 
 
 def check_fits(
-    request: ResourceRequest,
+    request: Resources,
     count: int,
     nodes: Sequence[dict[str, float]],
     *,
@@ -166,10 +166,6 @@ def check_fits(
     if fits >= count:
         return fits
     asked = f"{count} {what} x ({request.describe()}) asked"
-    elsewhere = (
-        "or use a cluster that has them (PREFECT_ML_RAY_ADDRESS; for an autoscaling cluster "
-        "set PREFECT_ML_CHECK_RESOURCES=false)"
-    )
     kind = request.accelerator_type
     eligible = [n for n in nodes if not kind or n.get(ACCELERATOR_PREFIX + kind, 0.0) > 0]
     if kind and not eligible:
@@ -178,10 +174,34 @@ def check_fits(
             fields.accelerator_type,
             f"{asked}, the cluster has 0 {kind} GPUs (node GPU types: {types}); set "
             f"{flag_of(fields.accelerator_type)} to a type the cluster has or unset it, "
-            f"{elsewhere}",
+            f"{_ELSEWHERE}",
         )
+    field, problem = _shortage(request, count, eligible, fields, fits)
     # Each node's totals, so the user sees what one worker can have at most.
     listed = "; ".join(_node_summary(n) for n in nodes[:8]) + ("; ..." if nodes[8:] else "")
+    raise ConfigurationError(
+        field,
+        f"{asked}, {problem}; ask for less ({flag_of(field)}, {flag_of(fields.count)}) "
+        f"{_ELSEWHERE}. Each node's total: {listed or 'no node'}",
+    )
+
+
+# Where copies that do not fit could run instead, for :func:`check_fits`'s messages.
+_ELSEWHERE = (
+    "or use a cluster that has them (PREFECT_ML_RAY_ADDRESS; for an autoscaling cluster "
+    "set PREFECT_ML_CHECK_RESOURCES=false)"
+)
+
+
+def _shortage(
+    request: Resources,
+    count: int,
+    eligible: Sequence[dict[str, float]],
+    fields: RequestFields,
+    fits: int,
+) -> tuple[str, str]:
+    """The parameter to change and what the ``eligible`` nodes lack, when ``count`` copies of
+    ``request`` do not fit on them (``fits`` do)."""
     # The first resource that alone cannot hold ``count`` copies is the one to name.
     short = [
         (name, field)
@@ -194,20 +214,13 @@ def check_fits(
         if _units(need) > 0
         and sum(_units(n.get(name, 0.0)) // _units(need) for n in eligible) < count
     ]
-    if short:
-        name, field = short[0]
-        on_kind = f" on {kind} nodes" if kind else ""
-        problem = (
-            f"the cluster has {_show(name, _total(eligible, name))} in total{on_kind}, "
-            f"the largest node {_show(name, _largest(eligible, name))}"
-        )
-    else:  # each resource alone would do, but no node has them all together
-        field = fields.cpus
-        problem = f"only {fits} fit at once, each on one node with all of it"
-    raise ConfigurationError(
-        field,
-        f"{asked}, {problem}; ask for less ({flag_of(field)}, {flag_of(fields.count)}) "
-        f"{elsewhere}. Each node's total: {listed or 'no node'}",
+    if not short:  # each resource alone would do, but no node has them all together
+        return fields.cpus, f"only {fits} fit at once, each on one node with all of it"
+    name, field = short[0]
+    on_kind = f" on {request.accelerator_type} nodes" if request.accelerator_type else ""
+    return field, (
+        f"the cluster has {_show(name, _total(eligible, name))} in total{on_kind}, "
+        f"the largest node {_show(name, _largest(eligible, name))}"
     )
 
 
