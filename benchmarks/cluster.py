@@ -118,23 +118,28 @@ def coordinator_costs(url: str, trials: int, epochs: int) -> dict[str, Any]:
     trials so far."""
     import random
 
-    from prefect_ml.integrations import studies
+    from prefect_ml.integrations.campaign import (
+        distributions,
+        make_pruner,
+        make_sampler,
+        open_study,
+    )
     from prefect_ml.tasks.params import default_search_space
 
     space = {n: d.model_dump(exclude_none=True) for n, d in default_search_space().items()}
-    distributions = studies.distributions(space)
-    study = studies.open_study(
+    dimensions = distributions(space)
+    study = open_study(
         url,
         f"coordinator-{time.time_ns()}",
         {"val_accuracy": "maximize"},
-        studies.make_sampler("tpe", 0),
-        studies.make_pruner("median", epochs),
+        make_sampler("tpe", 0),
+        make_pruner("median", epochs),
     )
     values = random.Random(0)
     rows: list[tuple[float, float, float]] = []
     for _ in range(trials):
         began = time.perf_counter()
-        trial = study.ask(distributions)
+        trial = study.ask(dimensions)
         asked = time.perf_counter()
         for epoch in range(1, epochs):
             trial.report(values.random(), epoch)

@@ -2,7 +2,7 @@
 
 Each writer is a process of its own (SQLite locks the whole file, so threads of one process
 would understate its contention), forked once the study exists and connected through the
-product's :func:`integrations.studies.storage_for` (SQLite waits up to 60 s for its lock). All
+product's :func:`integrations.campaign.storage_for` (SQLite waits up to 60 s for its lock). All
 writers wait at a barrier, then each runs ``trials_per_worker`` rounds of ``study.ask`` with a
 fixed two-parameter space (random sampler, so the storage is what is measured, not a sampler's
 model) and ``study.tell``. Reported: the latency of one ask+tell (p50, p95), trials per second
@@ -54,12 +54,12 @@ def _writer(url: str, study_name: str, rounds: int, start: Any, results: Any) ->
     """One writer process: connect, wait for the others, then time ``rounds`` ask+tell."""
     import optuna
 
-    from prefect_ml.integrations import studies
+    from prefect_ml.integrations.campaign import storage_for
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = optuna.load_study(
         study_name=study_name,
-        storage=studies.storage_for(url),
+        storage=storage_for(url),
         sampler=optuna.samplers.RandomSampler(seed=os.getpid()),
     )
     space = _space()
@@ -82,11 +82,11 @@ def ask_tell_latency(url: str, workers: int, trials_per_worker: int) -> dict[str
     telling ``trials_per_worker`` trials of one new study: p50/p95 (ms), trials/s, failures."""
     import optuna
 
-    from prefect_ml.integrations import studies
+    from prefect_ml.integrations.campaign import storage_for
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study_name = f"bench-{uuid.uuid4().hex[:8]}"
-    optuna.create_study(storage=studies.storage_for(url), study_name=study_name)
+    optuna.create_study(storage=storage_for(url), study_name=study_name)
     context = multiprocessing.get_context("fork")  # optuna imported once, in this process
     start, results = context.Barrier(workers + 1), context.Queue()
     processes = [

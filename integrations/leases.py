@@ -13,8 +13,9 @@ generation counts; it is free when it is released, or when its holder is dead:
   as the storage's clock now minus the time the storage wrote the record. Another host's clock
   is never compared with ours.
 
-A campaign whose study is in a database also claims it there (:mod:`integrations.study_claims`),
-with the same records, liveness rules and :class:`Heartbeat`.
+A campaign whose study is in a database also claims it there
+(:class:`~integrations.campaign.StudyClaim`), with the same records, liveness rules and
+:class:`Heartbeat`.
 """
 
 from __future__ import annotations

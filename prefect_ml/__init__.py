@@ -34,7 +34,7 @@ _EXPORTS = {
     "hpo_campaign": "prefect_ml.flows.sweep",
     "serve_model": "prefect_ml.flows.serve",
     "TrainingModule": "prefect_ml.integrations.hooks",
-    "SearchSpace": "prefect_ml.integrations.search_spaces",
+    "SearchSpace": "prefect_ml.integrations.campaign",
     "PrefectMLSettings": "prefect_ml.integrations.settings",
     "get_settings": "prefect_ml.integrations.settings",
     "PrefectMLError": "prefect_ml.integrations.errors",
@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.flows.serve import serve_model as serve_model
     from prefect_ml.flows.sweep import hpo_campaign as hpo_campaign
     from prefect_ml.flows.train import train_model as train_model
+    from prefect_ml.integrations.campaign import SearchSpace as SearchSpace
     from prefect_ml.integrations.errors import (
         ConfigurationError as ConfigurationError,
     )
@@ -60,7 +61,6 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
         PrefectMLError as PrefectMLError,
     )
     from prefect_ml.integrations.hooks import TrainingModule as TrainingModule
-    from prefect_ml.integrations.search_spaces import SearchSpace as SearchSpace
     from prefect_ml.integrations.settings import (
         PrefectMLSettings as PrefectMLSettings,
     )

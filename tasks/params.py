@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from prefect_ml.integrations import problems, search_spaces, tracking
+from prefect_ml.integrations import problems, tracking
+from prefect_ml.integrations.campaign import first_draw, with_values
 from prefect_ml.integrations.catalog import BUILTIN_MODELS, resolve_model
 from prefect_ml.integrations.config import (
     DataParams,
@@ -152,7 +153,7 @@ class TrainingSections(Section):
                     "sweep.search_space", f"{source} sets {what}, refused: {message}"
                 ) from None
 
-        search_spaces.first_draw(space, check)
+        first_draw(space, check)
         return self
 
     def _check_declared_options(self, space: dict[str, SearchDimension]) -> None:
@@ -261,7 +262,7 @@ Tunable = TypeVar("Tunable", bound=TrainingSections)
 def with_trial_values(params: Tunable, values: dict[str, Any]) -> Tunable:
     """``params`` with a trial's tuned values put into their sections (validated): fields
     (``lr``) and the user model's options (``model_options.blocks``)."""
-    merged = search_spaces.with_values(params.model_dump(), values)
+    merged = with_values(params.model_dump(), values)
     return type(params).model_validate(merged)
 
 

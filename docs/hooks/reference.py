@@ -30,7 +30,7 @@ CONTRACTS = {
     "prefect_ml.integrations.hooks": "Your own training step",
     "prefect_ml.integrations.hooks.TrainingModule": "The training step's protocol",
     "prefect_ml.integrations.model_parallel.ModelParallelHooks": "Tensor and pipeline parallel",
-    "prefect_ml.integrations.search_spaces.SearchSpace": "A campaign's search space",
+    "prefect_ml.integrations.campaign.SearchSpace": "A campaign's search space",
 }
 
 DEFAULT_IN_HELP = re.compile(r"\s*\[default: ([^\]]*)\]")

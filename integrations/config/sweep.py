@@ -2,7 +2,7 @@
 
 The search space is declared (a dict of dimensions, each optionally active only when another
 drew given values) or defined by run: a function ``space(trial) -> dict`` named by its import
-path or plug-in name (:mod:`integrations.search_spaces`). Either sets model and training fields
+path or plug-in name (:mod:`integrations.campaign`). Either sets model and training fields
 that carry no :class:`~prefect_ml.integrations.config.Role` (operational, early stopping, not
 searchable), and the options of the user's own model and dataset loader as
 ``model_options.<key>`` and ``dataset_options.<key>`` (a trial that sets the latter trains on
@@ -423,7 +423,7 @@ def space_text(space: dict[str, SearchDimension] | str | SearchSpaceFunction) ->
 
 def _check_function(space: str | SearchSpaceFunction) -> None:
     """A define-by-run space's name is a plug-in or an allowed import path (nothing imported
-    here: :mod:`integrations.search_spaces` imports it and asks it for a trial)."""
+    here: :mod:`integrations.campaign` imports it and asks it for a trial)."""
     if callable(space) or space in plugins.registered(plugins.SEARCH_SPACE_GROUP):
         return
     if ":" not in space:

@@ -1,7 +1,7 @@
 """The campaign's decisions: ask, dispatch, report, prune, tell, retry, and when to stop.
 
 The coordinator is the study's only writer, so the storage has one writer however many workers
-run trials. It sees a :class:`~integrations.trial_pool.TrialPool` (slots and outcomes, not Ray)
+run trials. It sees a :class:`~integrations.campaign.TrialPool` (slots and outcomes, not Ray)
 and an MLflow :class:`~integrations.tracking.TrackingWriter`, so it runs as well on a fake pool
 and an in-memory study. Asking for the next trial and telling a finished one take tens of
 milliseconds; one background thread (the *study writer*) does them in order, and asks for one
@@ -21,13 +21,24 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prefect_ml.integrations import studies
+from prefect_ml.integrations.campaign import (
+    ERROR_ATTR,
+    NOT_STARTED_ATTR,
+    EpochReport,
+    Epochs,
+    Outcome,
+    TrialError,
+    TrialPool,
+    TrialSpec,
+    WorkerLost,
+    counts_toward_budget,
+    recover_interrupted,
+    requeue,
+)
 from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.errors import PrefectMLError
 from prefect_ml.integrations.leases import LeaseLostError
 from prefect_ml.integrations.tracking import NODE_TAG, RESUMED_TAG, WORKER_TAG
-from prefect_ml.integrations.trial_pool import Epochs, Outcome, TrialError, TrialPool, WorkerLost
-from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec
 from prefect_ml.tasks.campaign.results import trial_values
 
 if TYPE_CHECKING:
@@ -152,17 +163,17 @@ class Coordinator:
     # --- before the loop ------------------------------------------------------------------
     def recover(self) -> list[int]:
         """Requeue the trials a dead coordinator left RUNNING, then count the finished ones."""
-        interrupted = studies.recover_interrupted(self.study)
+        interrupted = recover_interrupted(self.study)
         for trial in interrupted:
             self.logger.warning(
                 "Trial %d was left running by a dead process; it runs again", trial.number
             )
         self.tally = Tally()
         for trial in self.study.get_trials(deepcopy=False):
-            if studies.counts_toward_budget(trial):
+            if counts_toward_budget(trial):
                 values, error = (
                     trial_values(trial, self.names),
-                    trial.user_attrs.get(studies.ERROR_ATTR),
+                    trial.user_attrs.get(ERROR_ATTR),
                 )
                 self._count(trial.number, trial.state.name, values, error)
         # A streak counts within one run: the code may be fixed.
@@ -278,7 +289,7 @@ class Coordinator:
 
         while self.spares:
             trial = self.spares.popleft().result().trial
-            trial.set_user_attr(studies.NOT_STARTED_ATTR, True)
+            trial.set_user_attr(NOT_STARTED_ATTR, True)
             self.study.tell(trial, state=TrialState.FAIL)
 
     def _on_outcome(
@@ -314,7 +325,7 @@ class Coordinator:
         early = verdict in ("complete", "prune") and self._can_start(deadline, pending=1)
         if early:
             self._dispatch(pool, slot, writer)
-        if verdict == "retry" and studies.requeue(self.study, running.trial):
+        if verdict == "retry" and requeue(self.study, running.trial):
             self.logger.warning("Trial %d: %s; it runs again", running.trial.number, error)
             writer.trial_ended(running.trial.number, "FAIL", {}, f"interrupted: {error}")
         else:
@@ -413,7 +424,7 @@ class Coordinator:
 
         self._report(end.trial, end.reports)
         if end.error:
-            end.trial.set_user_attr(studies.ERROR_ATTR, end.error[:2000])
+            end.trial.set_user_attr(ERROR_ATTR, end.error[:2000])
         told = list(end.values) if end.values is not None else None
         self.study.tell(end.trial, told, state=TrialState[end.state])
         return end

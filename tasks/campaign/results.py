@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from prefect_ml.integrations import studies
+from prefect_ml.integrations.campaign import ERROR_ATTR, TUNED_ATTR, counts_toward_budget
 
 if TYPE_CHECKING:
     import optuna
@@ -76,9 +76,9 @@ def trial_summary(
         state=trial.state.name,
         values=trial_values(trial, objectives),
         params=trial.params,
-        tuned=trial.user_attrs.get(studies.TUNED_ATTR, trial.params),
+        tuned=trial.user_attrs.get(TUNED_ATTR, trial.params),
         run_id=run_ids.get(trial.number),
-        error=trial.user_attrs.get(studies.ERROR_ATTR),
+        error=trial.user_attrs.get(ERROR_ATTR),
     )
 
 
@@ -87,7 +87,7 @@ def leaderboard(
 ) -> list[TrialSummary]:
     """Finished trials, best first by the first objective; failed ones last."""
     names, direction = list(objectives), next(iter(objectives.values()))
-    finished = [t for t in study.get_trials(deepcopy=False) if studies.counts_toward_budget(t)]
+    finished = [t for t in study.get_trials(deepcopy=False) if counts_toward_budget(t)]
     summaries = [trial_summary(t, names, run_ids) for t in finished]
     sign = -1.0 if direction == "maximize" else 1.0
 

@@ -1,7 +1,7 @@
 """A campaign from start to end: open its study, attach MLflow, run the pool, conclude.
 
 This wires the parts — :class:`CampaignIdentity`, the :class:`Coordinator`'s decisions, a
-:class:`~integrations.trial_pool.RayTrialPool`, the MLflow
+:class:`~integrations.campaign.RayTrialPool`, the MLflow
 :class:`~integrations.tracking.TrackingWriter` and the :class:`CampaignView` — and owns nothing
 else. The study, not MLflow, is the source of truth: on start the MLflow runs are reconciled
 with it, so a process killed between the two leaves nothing wrong.
@@ -18,19 +18,38 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger
 
-from prefect_ml.integrations import search_spaces, storage, studies, study_claims, tracking
+from prefect_ml.integrations import storage, tracking
+from prefect_ml.integrations.campaign import (
+    INTERRUPTED_ATTR,
+    NOT_STARTED_ATTR,
+    PARENT_RUN_ATTR,
+    TUNED_ATTR,
+    RayTrialPool,
+    SearchSpace,
+    StudyClaim,
+    TrialSpec,
+    best_trials,
+    check_search_space,
+    claims_supported,
+    distributions,
+    draw_once,
+    grid_size,
+    make_pruner,
+    make_sampler,
+    open_study,
+    plots,
+    resolve_space,
+    root_trial,
+    tuned_values,
+)
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.config.sweep import space_text
 from prefect_ml.integrations.errors import CampaignFailedError, PrefectMLError
 from prefect_ml.integrations.leases import Lease
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import cluster_nodes
-from prefect_ml.integrations.search_spaces import SearchSpace
 from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
-from prefect_ml.integrations.study_claims import StudyClaim
 from prefect_ml.integrations.tracking import TrackingWriter
-from prefect_ml.integrations.trial_pool import RayTrialPool
-from prefect_ml.integrations.trial_worker import TrialSpec
 from prefect_ml.tasks.campaign.coordinator import CampaignRules, Coordinator, TrialRefused
 from prefect_ml.tasks.campaign.datasets import TrialDatasets, tunes_data
 from prefect_ml.tasks.campaign.identity import CampaignIdentity
@@ -78,7 +97,7 @@ class TrialPlanner:
         settings: PrefectMLSettings,
         logger: Logger | None = None,
     ) -> TrialPlanner:
-        space = search_spaces.resolve(params.sweep.search_space)
+        space = resolve_space(params.sweep.search_space)
         sections = params.training_sections()
         datasets = TrialDatasets(data, sections.data, storage.root_url(settings))
         logger = logger or logging.getLogger(__name__)
@@ -88,8 +107,8 @@ class TrialPlanner:
         """What ``trial`` sets, drawn by the space and kept on the trial (the leaderboard, the
         MLflow record and the final training read it there)."""
         source = space_text(self.params.sweep.search_space)
-        values = search_spaces.tuned_values(self.space(trial), source=source)
-        trial.set_user_attr(studies.TUNED_ATTR, values)
+        values = tuned_values(self.space(trial), source=source)
+        trial.set_user_attr(TUNED_ATTR, values)
         return values
 
     def mlflow_params(
@@ -170,7 +189,7 @@ class TrialPlanner:
             values = self.draw(trial)
             tuned = with_trial_values(self.sections, values)  # validated once per trial
             data = self.trial_data(values, tuned, trial.study)
-            checkpoint_url = self.identity.trial_url(studies.root_trial(trial))
+            checkpoint_url = self.identity.trial_url(root_trial(trial))
             loop = self.trial_loop(values, checkpoint_url, trial.number, data, tuned=tuned)
             mlflow_params = self.mlflow_params(values, trial.params, data, tuned=tuned)
         except Exception as exc:  # the user's space and values: this trial fails, not the run
@@ -198,23 +217,21 @@ def open_campaign_study(
         if sweep.sampler == "grid" and isinstance(space, dict)
         else None
     )
-    study = studies.open_study(
+    study = open_study(
         settings.resolved_optuna_storage,
         study_name,
         dict(sweep.objectives),
-        studies.make_sampler(
-            sweep.sampler, sweep.sampler_seed, grid, conditional=sweep.conditional
-        ),
-        studies.make_pruner(sweep.effective_pruner, epochs),
+        make_sampler(sweep.sampler, sweep.sampler_seed, grid, conditional=sweep.conditional),
+        make_pruner(sweep.effective_pruner, epochs),
     )
     if isinstance(space, dict):  # every dimension; a define-by-run space: those of one draw
-        known = studies.distributions({name: d.model_dump() for name, d in space.items()})
+        known = distributions({name: d.model_dump() for name, d in space.items()})
     else:
-        known = studies.draw_once(search_spaces.resolve(space))[1]
-    studies.check_search_space(study, known)
+        known = draw_once(resolve_space(space))[1]
+    check_search_space(study, known)
     budget = sweep.n_trials
     if grid is not None:
-        budget = min(budget or studies.grid_size(grid), studies.grid_size(grid))
+        budget = min(budget or grid_size(grid), grid_size(grid))
     return study, budget
 
 
@@ -265,7 +282,7 @@ class CampaignRun:
         what, field = f"campaign '{self.sweep.campaign}'", "sweep.campaign"
         optuna_storage = self.settings.resolved_optuna_storage
         holds: list[Lease | StudyClaim] = [Lease(self.identity.lease_url, what=what, field=field)]
-        if study_claims.supported(optuna_storage):
+        if claims_supported(optuna_storage):
             holds.append(StudyClaim(optuna_storage, self.identity.name, what=what, field=field))
 
         def check() -> None:
@@ -355,7 +372,7 @@ class CampaignRun:
             client,
             self.experiment_id,
             self.identity.key,
-            self.study.user_attrs.get(studies.PARENT_RUN_ATTR),
+            self.study.user_attrs.get(PARENT_RUN_ATTR),
             run_name=f"campaign-{sweep.campaign}",
             params={
                 **flatten(self.params.model_copy(update={"sweep": None})),
@@ -372,7 +389,7 @@ class CampaignRun:
                 "prefect_ml.optuna_study": self.identity.name,
             },
         )
-        self.study.set_user_attr(studies.PARENT_RUN_ATTR, parent_run_id)
+        self.study.set_user_attr(PARENT_RUN_ATTR, parent_run_id)
         if reattached:
             self.logger.info(
                 "Continuing campaign %s (MLflow run %s)", self.identity.key, parent_run_id
@@ -388,17 +405,17 @@ class CampaignRun:
             run = runs.get(trial.number)
             if run is not None:
                 writer.known_run(trial.number, run.info.run_id)
-            if trial.user_attrs.get(studies.NOT_STARTED_ATTR):
+            if trial.user_attrs.get(NOT_STARTED_ATTR):
                 continue  # never ran: nothing to record
             if not trial.state.is_finished() or (run and run.info.status != "RUNNING"):
                 continue
             if run is None:
-                tuned = trial.user_attrs.get(studies.TUNED_ATTR, trial.params)
+                tuned = trial.user_attrs.get(TUNED_ATTR, trial.params)
                 writer.trial_started(trial.number, self.planner.mlflow_params(tuned, trial.params))
             summary = trial_summary(trial, self.names, {})
             error = summary.error or (
                 "interrupted: its coordinator process died; the trial runs again"
-                if trial.user_attrs.get(studies.INTERRUPTED_ATTR)
+                if trial.user_attrs.get(INTERRUPTED_ATTR)
                 else None
             )
             writer.trial_ended(trial.number, trial.state.name, summary.values, error)
@@ -414,7 +431,7 @@ class CampaignRun:
         """Best trial(s) and plots on the parent run; a clear error if nothing completed."""
         concluding = time.monotonic()
         client, parent, run_ids = writer.client, writer.parent_run_id, writer.run_ids()
-        best = [trial_summary(t, self.names, run_ids) for t in studies.best_trials(self.study)]
+        best = [trial_summary(t, self.names, run_ids) for t in best_trials(self.study)]
         tally = self.coordinator.tally
         if best:
             tags = {"prefect_ml.best_trials": ",".join(str(b.number) for b in best)}
@@ -423,7 +440,7 @@ class CampaignRun:
             tracking.log_metrics(
                 client, parent, {f"best.{k}": v for k, v in best[0].values.items()}
             )
-        for name, figure in studies.plots(self.study, self.names).items():
+        for name, figure in plots(self.study, self.names).items():
             tracking.log_figure(client, parent, figure, f"plots/{name}.png")
         rows = leaderboard(self.study, self.objectives, run_ids)
         tracking.log_dict(

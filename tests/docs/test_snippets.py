@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from examples import gradient_checkpointing, wine
-from prefect_ml.integrations import catalog, search_spaces
+from prefect_ml.integrations import catalog
+from prefect_ml.integrations.campaign import tuned_values
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.tasks.params import TrainModelParams
 
@@ -197,7 +198,7 @@ def test_the_names_a_search_space_may_return_are_the_same_written_three_ways() -
     ]
     values = literals(block.code)
     assert values is not None and len(values) == 3
-    flat = [search_spaces.tuned_values(value, source=block.where) for value in values]
+    flat = [tuned_values(value, source=block.where) for value in values]
     assert flat[0] == flat[1] == flat[2] == {"lr": 0.01, "model_options.widths": [64, 32]}
 
 

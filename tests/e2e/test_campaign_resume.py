@@ -16,10 +16,12 @@ from optuna.trial import TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from prefect_ml.flows.cli import app
-from prefect_ml.integrations import studies, tracking
+from prefect_ml.integrations import tracking
+from prefect_ml.integrations.campaign import INTERRUPTED_ATTR, counts_toward_budget, root_trial
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.tracking import RESUMED_TAG
 from prefect_ml.tasks.campaign import coordinator
+from prefect_ml.tasks.campaign import run as campaign_run
 from prefect_ml.tasks.campaign.identity import CampaignIdentity
 from tests.conftest import REPO_ROOT
 from tests.e2e.test_resume_after_kill import _kill_tree
@@ -75,7 +77,7 @@ def _trials(home: PrefectMLSettings, campaign: str) -> list[optuna.trial.FrozenT
 def _killable(home: PrefectMLSettings, campaign: str, mid_way_epochs: int = 2) -> bool:
     """Some trials finished and one is mid-way with committed checkpoints behind it."""
     trials = _trials(home, campaign)
-    finished = [t for t in trials if studies.counts_toward_budget(t)]
+    finished = [t for t in trials if counts_toward_budget(t)]
     mid_way = [
         t
         for t in trials
@@ -135,24 +137,24 @@ def test_killed_campaign_resumes_to_exactly_n_trials(
     left_running = kill_mid_way_and_resume(home, tmp_path, "killed", _command("killed", N_TRIALS))
 
     trials = _trials(home, "killed")
-    counted = [t for t in trials if studies.counts_toward_budget(t)]
+    counted = [t for t in trials if counts_toward_budget(t)]
     assert len(counted) == N_TRIALS
     assert all(t.state.is_finished() for t in trials), "nothing left RUNNING or WAITING"
-    roots = Counter(studies.root_trial(t) for t in counted)
+    roots = Counter(root_trial(t) for t in counted)
     assert max(roots.values()) == 1, "no trial finished twice"
     by_number = {t.number: t for t in trials}
     for number in left_running:
         interrupted = by_number[number]
         assert interrupted.state == TrialState.FAIL
-        assert interrupted.user_attrs[studies.INTERRUPTED_ATTR]
-        retry = next(t for t in counted if studies.root_trial(t) == number)
+        assert interrupted.user_attrs[INTERRUPTED_ATTR]
+        retry = next(t for t in counted if root_trial(t) == number)
         assert _keeps_parameters(retry, interrupted), "re-run with the same parameters"
 
     parents, runs = _trial_runs(home, "killed")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert sorted(runs) == sorted(by_number), "one MLflow run per trial"
     assert all(run.info.status != "RUNNING" for run in runs.values())
-    resumed = [runs[t.number] for t in counted if studies.root_trial(t) in left_running]
+    resumed = [runs[t.number] for t in counted if root_trial(t) in left_running]
     assert any(int(run.data.tags.get(RESUMED_TAG, 0)) >= 1 for run in resumed), (
         "a re-run trial continued from its checkpoints"
     )
@@ -224,7 +226,7 @@ def test_issue_15_reproduction_resumes_with_pruned_trials_told_late(
     assert all(t.state == TrialState.COMPLETE for t in finished_first)
     monkeypatch.setattr(coordinator, "new_study_writer", LateExecutor)
     monkeypatch.setattr(
-        studies,
+        campaign_run,
         "make_pruner",
         lambda name, epochs: optuna.pruners.ThresholdPruner(lower=2.0, n_warmup_steps=1),
     )
@@ -233,13 +235,13 @@ def test_issue_15_reproduction_resumes_with_pruned_trials_told_late(
 
     assert second.exit_code == 0, second.output[-3000:]
     trials = _trials(home, "bar-resume")
-    counted = [t for t in trials if studies.counts_toward_budget(t)]
+    counted = [t for t in trials if counts_toward_budget(t)]
     assert len(counted) == 8
     assert any(t.state == TrialState.PRUNED for t in counted), "the crash's ordering happened"
     assert all(t.state.is_finished() for t in trials), "nothing left RUNNING or WAITING"
-    assert max(Counter(studies.root_trial(t) for t in counted).values()) == 1
+    assert max(Counter(root_trial(t) for t in counted).values()) == 1
     for number in left_running:
-        retry = next(t for t in counted if studies.root_trial(t) == number)
+        retry = next(t for t in counted if root_trial(t) == number)
         assert _keeps_parameters(retry, trials[number])
     parents, runs = _trial_runs(home, "bar-resume")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"

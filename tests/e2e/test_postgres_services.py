@@ -17,8 +17,8 @@ from prefect.settings import PREFECT_API_URL
 
 from prefect_ml.flows.sweep import hpo_campaign
 from prefect_ml.integrations import tracking
+from prefect_ml.integrations.campaign import StudyClaim
 from prefect_ml.integrations.settings import PrefectMLSettings
-from prefect_ml.integrations.study_claims import StudyClaim
 from prefect_ml.tasks.params import CampaignParams
 from tests.conftest import REPO_ROOT
 from tests.e2e.test_prefect_ui import BIN, _stop, _wait_for_output

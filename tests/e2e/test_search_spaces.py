@@ -25,7 +25,8 @@ from prefect.exceptions import ObjectNotFound
 
 from examples import best_trial
 from prefect_ml.flows.sweep import hpo_campaign
-from prefect_ml.integrations import studies, tracking
+from prefect_ml.integrations import tracking
+from prefect_ml.integrations.campaign import TUNED_ATTR, counts_toward_budget, root_trial
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.tracking import WORKER_TAG
 from prefect_ml.tasks.params import CampaignParams
@@ -57,7 +58,7 @@ def branch_params(trial: optuna.trial.FrozenTrial) -> set[str]:
 
 def assert_carries_its_branch(trial: optuna.trial.FrozenTrial) -> None:
     assert set(trial.params) == branch_params(trial), trial.params
-    tuned = trial.user_attrs[studies.TUNED_ATTR]
+    tuned = trial.user_attrs[TUNED_ATTR]
     widths = [trial.params[f"width_{i}"] for i in range(trial.params["blocks"])]
     assert tuned["model_options.widths"] == widths
     assert tuned["lr"] == trial.params["lr"]
@@ -104,7 +105,7 @@ def test_prefect_ml_sweep_tunes_a_user_model_with_a_define_by_run_space(
     # A plain Optuna study in the configured storage: optuna-dashboard reads the same.
     study = optuna.load_study(study_name="by-run", storage=home.resolved_optuna_storage)
     finished = [t for t in study.trials if t.state.is_finished()]
-    assert len([t for t in finished if studies.counts_toward_budget(t)]) == 6
+    assert len([t for t in finished if counts_toward_budget(t)]) == 6
     for trial in finished:
         assert_carries_its_branch(trial)
     assert {t.params["block"] for t in finished} == {"plain", "residual"}, "both branches ran"
@@ -113,12 +114,12 @@ def test_prefect_ml_sweep_tunes_a_user_model_with_a_define_by_run_space(
     best = best_trial.best_trial("by-run", storage=home.resolved_optuna_storage)
     assert best.number == study.best_trial.number and best.state == TrialState.COMPLETE
     assert_carries_its_branch(best)
-    assert repr(best.user_attrs[studies.TUNED_ATTR]) in capsys.readouterr().out
+    assert repr(best.user_attrs[TUNED_ATTR]) in capsys.readouterr().out
 
     # The user's model received exactly what each trial set (its options, not the others').
     got = [json.loads(p.read_text()) for p in received.iterdir()]
     for trial in finished:
-        tuned = trial.user_attrs[studies.TUNED_ATTR]
+        tuned = trial.user_attrs[TUNED_ATTR]
         expected = {
             "widths": tuned["model_options.widths"],
             "skip_scale": tuned.get("model_options.skip_scale", 0.0),
@@ -169,7 +170,7 @@ def test_hpo_campaign_takes_the_space_as_a_flow_parameter_and_failing_trials_fai
     result = hpo_campaign(params=posted)
 
     study = optuna.load_study(study_name="by-run-form", storage=home.resolved_optuna_storage)
-    counted = [t for t in study.trials if studies.counts_toward_budget(t)]
+    counted = [t for t in study.trials if counts_toward_budget(t)]
     assert len(counted) == result.finished == 6
     broken = [t for t in counted if t.params["broken"]]
     whole = [t for t in counted if not t.params["broken"]]
@@ -200,20 +201,20 @@ def test_a_killed_campaign_with_a_define_by_run_space_resumes_to_exactly_n_trial
     left_running = kill_mid_way_and_resume(home, tmp_path, "by-run-killed", command)
 
     trials = _trials(home, "by-run-killed")
-    counted = [t for t in trials if studies.counts_toward_budget(t)]
+    counted = [t for t in trials if counts_toward_budget(t)]
     assert len(counted) == n_trials
     assert all(t.state.is_finished() for t in trials), "nothing left RUNNING or WAITING"
-    assert max(Counter(studies.root_trial(t) for t in counted).values()) == 1
+    assert max(Counter(root_trial(t) for t in counted).values()) == 1
     for trial in counted:
         assert_carries_its_branch(trial)
     by_number = {t.number: t for t in trials}
     for number in left_running:
-        retry = next(t for t in counted if studies.root_trial(t) == number)
+        retry = next(t for t in counted if root_trial(t) == number)
         interrupted = by_number[number]
         assert _keeps_parameters(retry, interrupted), "re-run with the same parameters"
-        first_values = interrupted.user_attrs.get(studies.TUNED_ATTR)
+        first_values = interrupted.user_attrs.get(TUNED_ATTR)
         if first_values is not None:  # it had drawn them all before the kill
-            assert retry.user_attrs[studies.TUNED_ATTR] == first_values
+            assert retry.user_attrs[TUNED_ATTR] == first_values
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -237,7 +238,7 @@ def test_prefect_ml_sweep_tunes_a_user_loader_s_option_preparing_each_value_once
     )
 
     study = optuna.load_study(study_name="by-data", storage=home.resolved_optuna_storage)
-    counted = [t for t in study.trials if studies.counts_toward_budget(t)]
+    counted = [t for t in study.trials if counts_toward_budget(t)]
     assert len(counted) == 6 and all(t.state != TrialState.FAIL for t in counted)
     drawn = Counter(t.params["features"] for t in counted)
     assert len(drawn) > 1, drawn
@@ -325,13 +326,13 @@ def test_the_hpo_campaign_deployment_runs_a_define_by_run_space_given_as_its_par
             client.delete_work_pool(pool)
 
     study = optuna.load_study(study_name="by-deployment", storage=home.resolved_optuna_storage)
-    counted = [t for t in study.trials if studies.counts_toward_budget(t)]
+    counted = [t for t in study.trials if counts_toward_budget(t)]
     assert len(counted) == 4
     for trial in counted:
         assert_carries_its_branch(trial)
     got = [json.loads(p.read_text()) for p in (tmp_path / "received").iterdir()]
     for trial in counted:
-        widths = trial.user_attrs[studies.TUNED_ATTR]["model_options.widths"]
+        widths = trial.user_attrs[TUNED_ATTR]["model_options.widths"]
         assert any(g["widths"] == widths for g in got), (trial.number, widths)
     parents, _ = _trial_runs(home, "by-deployment")
     assert parents[0].data.tags[tracking.FLOW_RUN_TAG] == str(flow_run.id)

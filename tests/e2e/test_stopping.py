@@ -209,7 +209,7 @@ def test_a_sweep_stopped_by_ctrl_c_ends_within_10_s_and_resumes_to_exactly_n_tri
     is not left RUNNING for ever, and the same command completes the budget exactly."""
     from optuna.trial import TrialState
 
-    from prefect_ml.integrations import studies
+    from prefect_ml.integrations.campaign import counts_toward_budget
     from tests.e2e.test_campaign_resume import _command, _env, _killable, _trials
 
     n_trials = 4
@@ -235,5 +235,5 @@ def test_a_sweep_stopped_by_ctrl_c_ends_within_10_s_and_resumes_to_exactly_n_tri
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     trials = _trials(home, "stopped")
-    assert len([t for t in trials if studies.counts_toward_budget(t)]) == n_trials
+    assert len([t for t in trials if counts_toward_budget(t)]) == n_trials
     assert all(t.state != TrialState.RUNNING for t in trials), "nothing left RUNNING"

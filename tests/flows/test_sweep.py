@@ -26,7 +26,14 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from prefect_ml.flows.sweep import hpo_campaign
-from prefect_ml.integrations import studies, tracking
+from prefect_ml.integrations import tracking
+from prefect_ml.integrations.campaign import (
+    ERROR_ATTR,
+    INTERRUPTED_ATTR,
+    PARENT_RUN_ATTR,
+    root_trial,
+    storage_for,
+)
 from prefect_ml.integrations.leases import Lease
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.tracking import RESUMED_TAG, WORKER_TAG
@@ -83,7 +90,7 @@ def test_campaign_records_every_trial_and_continues_by_name(home: PrefectMLSetti
     trials = study.get_trials(states=(TrialState.COMPLETE,))
     assert len(trials) == 4 and all(sorted(t.intermediate_values) == [1, 2, 3] for t in trials)
     assert result.best[0].number == study.best_trial.number
-    assert study.user_attrs[studies.PARENT_RUN_ATTR] == result.parent_run_id
+    assert study.user_attrs[PARENT_RUN_ATTR] == result.parent_run_id
 
     client = tracking.client_for(home.resolved_tracking_uri)
     parent, runs = _runs(home, result)
@@ -127,7 +134,7 @@ def _prefill(home: PrefectMLSettings, campaign: str, good: int) -> None:
     """Finished trials that reached 0.95 accuracy at every epoch: a high bar for the pruner."""
     study = optuna.create_study(
         study_name=campaign,
-        storage=studies.storage_for(home.resolved_optuna_storage),
+        storage=storage_for(home.resolved_optuna_storage),
         direction="maximize",
     )
     for _ in range(good):
@@ -199,7 +206,7 @@ def test_a_campaign_where_every_trial_fails_shows_the_first_failure(
     assert "no trial completed (3 failed" in message
     assert "First failure: trial" in message and "picky_model refuses hidden=" in message
     failed = _study(home, "all-fail").trials[0]
-    assert "picky_model refuses hidden=" in failed.user_attrs[studies.ERROR_ATTR]
+    assert "picky_model refuses hidden=" in failed.user_attrs[ERROR_ATTR]
     client = tracking.client_for(home.resolved_tracking_uri)
     [parent] = client.search_runs(["1"], f"tags.`{tracking.CAMPAIGN_PARENT_TAG}` != ''")
     assert parent.info.status == "FAILED"
@@ -238,7 +245,7 @@ def test_trials_that_cannot_import_the_user_s_model_fail_at_once_and_stop_the_ca
     trials = _study(home, "cannot-import").trials
     failed = [t for t in trials if t.state == TrialState.FAIL]
     assert len(failed) >= 3 and all(t.state != TrialState.COMPLETE for t in trials)
-    assert LACKING in failed[0].user_attrs[studies.ERROR_ATTR]
+    assert LACKING in failed[0].user_attrs[ERROR_ATTR]
     client = tracking.client_for(home.resolved_tracking_uri)
     [parent] = client.search_runs(["1"], f"tags.`{tracking.CAMPAIGN_PARENT_TAG}` != ''")
     run = tracking.trial_runs(client, "1", parent.info.run_id)[failed[0].number]
@@ -313,8 +320,8 @@ def test_a_trial_whose_worker_dies_runs_again_from_its_checkpoint(
     result = outcome[0]
     assert (result.finished, result.complete, result.failed) == (2, 2, 0)
     trials = _study(home, "worker-dies").trials
-    assert trials[0].state == TrialState.FAIL and trials[0].user_attrs[studies.INTERRUPTED_ATTR]
-    retry = next(t for t in trials if studies.root_trial(t) == 0 and t.number != 0)
+    assert trials[0].state == TrialState.FAIL and trials[0].user_attrs[INTERRUPTED_ATTR]
+    retry = next(t for t in trials if root_trial(t) == 0 and t.number != 0)
     assert retry.state == TrialState.COMPLETE and retry.params == trials[0].params
     runs = _runs(home, result)[1]
     assert int(runs[retry.number].data.tags[WORKER_TAG]) != killed

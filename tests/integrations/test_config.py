@@ -16,6 +16,7 @@ import pytest
 from pydantic import BaseModel
 
 from prefect_ml.integrations import batch_scoring, ray_training, serving
+from prefect_ml.integrations.campaign import TrialSpec
 from prefect_ml.integrations.config import (
     DataParams,
     ModelParams,
@@ -25,7 +26,6 @@ from prefect_ml.integrations.config import (
     TrainingParams,
 )
 from prefect_ml.integrations.config.loop import Splits, TrainLoop
-from prefect_ml.integrations.trial_worker import TrialSpec
 from prefect_ml.tasks import serve
 from prefect_ml.tasks.data import PreparedData
 from prefect_ml.tasks.training import train_loop

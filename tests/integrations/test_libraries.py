@@ -12,7 +12,7 @@ from prefect_ml.integrations.libraries import install_hint, lazy_import
 
 def test_a_declared_library_is_the_real_module_from_its_first_use_on() -> None:
     """That the declaration itself imports nothing is tests/flows/test_cli.py's to show: the
-    flows import integrations.studies, which declares Optuna, and load no Optuna."""
+    flows import integrations.campaign, whose _studies declares Optuna, and load no Optuna."""
     declared = lazy_import("json")
     assert repr(declared) == "<module 'json', imported on first use>"
     assert declared.dumps is json.dumps

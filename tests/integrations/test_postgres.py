@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from prefect_ml.integrations import studies, tracking
+from prefect_ml.integrations import tracking
+from prefect_ml.integrations.campaign import (
+    OBJECTIVES_ATTR,
+    distributions,
+    make_pruner,
+    make_sampler,
+    open_study,
+)
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.prefect_server import server_database
 from prefect_ml.integrations.settings import PrefectMLSettings
@@ -23,21 +30,21 @@ SPACE = {"lr": {"type": "float", "low": 1e-4, "high": 1e-1, "log": True, "step":
 
 
 def test_a_study_on_postgresql_is_created_asked_told_and_reopened(postgres_database: str) -> None:
-    def open_study() -> object:
-        return studies.open_study(
+    def reopen() -> object:
+        return open_study(
             postgres_database,
             "pg-study",
             {"val_accuracy": "maximize"},
-            studies.make_sampler("random", 0),
-            studies.make_pruner("none", 3),
+            make_sampler("random", 0),
+            make_pruner("none", 3),
         )
 
-    study = open_study()
-    trial = study.ask(studies.distributions(SPACE))  # type: ignore[attr-defined]
+    study = reopen()
+    trial = study.ask(distributions(SPACE))  # type: ignore[attr-defined]
     study.tell(trial, 0.75)  # type: ignore[attr-defined]
-    again = open_study()
+    again = reopen()
     assert [t.value for t in again.trials] == [0.75]  # type: ignore[attr-defined]
-    assert again.user_attrs[studies.OBJECTIVES_ATTR] == {"val_accuracy": "maximize"}  # type: ignore[attr-defined]
+    assert again.user_attrs[OBJECTIVES_ATTR] == {"val_accuracy": "maximize"}  # type: ignore[attr-defined]
 
 
 def test_mlflow_tracks_in_postgresql_with_artifacts_in_the_storage(

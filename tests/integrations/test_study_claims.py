@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from prefect_ml.integrations import study_claims
+from prefect_ml.integrations.campaign import StudyClaim, claims_supported, claims_table
 from prefect_ml.integrations.errors import ConfigurationError, PrefectMLError
 from prefect_ml.integrations.leases import (
     LeaseHeldError,
@@ -25,7 +25,6 @@ from prefect_ml.integrations.leases import (
     LeaseRecord,
     _process_start,
 )
-from prefect_ml.integrations.study_claims import StudyClaim, claims_table
 from tests.conftest import REPO_ROOT
 from tests.helpers import free_port, wait_for
 
@@ -85,11 +84,11 @@ def _dead_pid() -> int:
 
 
 def test_only_database_storages_are_claimed() -> None:
-    assert study_claims.supported("postgresql://u:p@db:5432/optuna")
-    assert study_claims.supported("postgresql+psycopg://db/optuna")
-    assert study_claims.supported("sqlite:////tmp/optuna.db")
-    assert not study_claims.supported("/var/lib/optuna.journal"), "a journal file: lease only"
-    assert not study_claims.supported("mysql://db/optuna"), "no database clock for it here"
+    assert claims_supported("postgresql://u:p@db:5432/optuna")
+    assert claims_supported("postgresql+psycopg://db/optuna")
+    assert claims_supported("sqlite:////tmp/optuna.db")
+    assert not claims_supported("/var/lib/optuna.journal"), "a journal file: lease only"
+    assert not claims_supported("mysql://db/optuna"), "no database clock for it here"
 
 
 def test_an_unreachable_database_is_a_retried_error_without_its_password() -> None:
@@ -304,7 +303,7 @@ def test_a_claim_taken_over_is_noticed_and_stops_the_holder(database: str) -> No
 _HOLD_A_CLAIM = """
 import sys
 from prefect_ml.integrations.leases import LeaseHeldError
-from prefect_ml.integrations.study_claims import StudyClaim
+from prefect_ml.integrations.campaign import StudyClaim, claims_supported, claims_table
 
 claim = StudyClaim(sys.argv[1], "campaign-a", what="campaign 'campaign-a'", field="sweep.campaign")
 print("ready", flush=True)

@@ -12,11 +12,9 @@ from typing import Any
 
 import pytest
 
-from prefect_ml.integrations import trial_pool
+from prefect_ml.integrations.campaign import RayTrialPool, TrialWorker, _trial_pool
 from prefect_ml.integrations.errors import TrainingCodeError
 from prefect_ml.integrations.resources import ResourceRequest
-from prefect_ml.integrations.trial_pool import RayTrialPool
-from prefect_ml.integrations.trial_worker import TrialWorker
 from tests.helpers import holding_cpus, wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -47,7 +45,7 @@ class FirstReplacementDies(RayTrialPool):
 def test_a_replacement_that_dies_with_its_node_is_started_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(trial_pool, "REPLACEMENT_RETRY_S", 0.1)
+    monkeypatch.setattr(_trial_pool, "REPLACEMENT_RETRY_S", 0.1)
     with FirstReplacementDies(1, request=ONE_CPU, driver_only=False, start_timeout_s=120) as pool:
         assert pool.replace(0), "the second attempt got a worker"
         assert pool.doomed == 0
@@ -62,7 +60,7 @@ def test_a_replacement_the_cluster_has_no_room_for_closes_its_slot(
     closes, and the open slot goes on."""
     import ray
 
-    monkeypatch.setattr(trial_pool, "REPLACEMENT_WAIT_S", 3.0)
+    monkeypatch.setattr(_trial_pool, "REPLACEMENT_WAIT_S", 3.0)
     holder = ray.remote(TrialWorker).options(**ONE_CPU.actor_options(), max_restarts=0)
     with RayTrialPool(2, request=ONE_CPU, driver_only=False, start_timeout_s=120) as pool:
         ray.kill(pool._workers[0])  # the lost worker
@@ -82,7 +80,7 @@ def test_a_busy_cluster_runs_the_workers_placed_within_the_timeout_and_says_why(
     says what the other waits for and, at the timeout, that it runs with one."""
     import ray
 
-    monkeypatch.setattr(trial_pool, "PLACEMENT_NOTICE_S", 1.0)
+    monkeypatch.setattr(_trial_pool, "PLACEMENT_NOTICE_S", 1.0)
     logger = logging.getLogger("test.trial_pool")
     node = ray.util.get_node_ip_address()
     with caplog.at_level(logging.WARNING, logger.name), holding_cpus(1):

@@ -20,14 +20,27 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from prefect_ml.integrations import studies, tracking
+from prefect_ml.integrations import tracking
+from prefect_ml.integrations.campaign import (
+    ATTEMPT_ATTR,
+    ERROR_ATTR,
+    INTERRUPTED_ATTR,
+    MAX_ATTEMPTS,
+    NOT_STARTED_ATTR,
+    EpochReport,
+    Epochs,
+    Outcome,
+    TrialError,
+    TrialSpec,
+    WorkerLost,
+    counts_toward_budget,
+    root_trial,
+)
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.errors import PrefectMLError
 from prefect_ml.integrations.leases import LeaseLostError
 from prefect_ml.integrations.resources import ResourceRequest
 from prefect_ml.integrations.tracking import TrackingWriter
-from prefect_ml.integrations.trial_pool import Epochs, Outcome, TrialError, WorkerLost
-from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec
 from prefect_ml.tasks.campaign.coordinator import CampaignRules, Coordinator, TrialRefused
 
 EPOCHS = 3
@@ -167,7 +180,7 @@ def plan(tmp_path: Path) -> Callable[[optuna.trial.Trial], tuple[TrialSpec, dict
             weight_decay=0.0,
             scheduler="none",
             seed=0,
-            checkpoint_url=(tmp_path / f"trial-{studies.root_trial(trial):05d}").as_uri(),
+            checkpoint_url=(tmp_path / f"trial-{root_trial(trial):05d}").as_uri(),
             tracking_uri="",
             run_id="",
         )
@@ -215,11 +228,11 @@ def study_of(*learning_rates: float, pruner: optuna.pruners.BasePruner | None = 
 
 def started(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """Trials that ran (not one asked ahead and never started)."""
-    return [t for t in study.trials if not t.user_attrs.get(studies.NOT_STARTED_ATTR)]
+    return [t for t in study.trials if not t.user_attrs.get(NOT_STARTED_ATTR)]
 
 
 def counted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    return [t for t in study.trials if studies.counts_toward_budget(t)]
+    return [t for t in study.trials if counts_toward_budget(t)]
 
 
 def test_the_budget_is_exactly_n_trials_and_each_has_a_finished_mlflow_run(
@@ -327,7 +340,7 @@ def test_failures_in_a_row_stop_the_campaign_with_the_first_error(
     assert all(t.state.is_finished() for t in study.trials)
     assert campaign.tally.failed == 3 and campaign.tally.failures_in_a_row == 3
     assert "trial 1: ValueError: the trial's code refuses" in (campaign.tally.first_error or "")
-    assert "refuses this lr" in study.trials[1].user_attrs[studies.ERROR_ATTR]
+    assert "refuses this lr" in study.trials[1].user_attrs[ERROR_ATTR]
 
 
 def test_a_trial_whose_drawn_values_are_refused_fails_alone_and_the_campaign_goes_on(
@@ -353,7 +366,7 @@ def test_a_trial_whose_drawn_values_are_refused_fails_alone_and_the_campaign_goe
     assert states.count(TrialState.COMPLETE) == 3 and states.count(TrialState.FAIL) == 1
     assert pool.attempts[refused_lr] == 0, "a refused trial never reaches a worker"
     failed = next(t for t in study.trials if t.state == TrialState.FAIL)
-    assert "widths must be positive" in failed.user_attrs[studies.ERROR_ATTR]
+    assert "widths must be positive" in failed.user_attrs[ERROR_ATTR]
     writer.close()
     runs = tracking.trial_runs(writer.client, writer.experiment_id, writer.parent_run_id)
     assert runs[failed.number].info.status == "FAILED"
@@ -391,9 +404,9 @@ def test_a_trial_whose_worker_dies_runs_again_with_its_parameters_and_counts_onc
     campaign.run(pool, writer)
 
     first, _good, retry = study.trials
-    assert first.state == TrialState.FAIL and first.user_attrs[studies.INTERRUPTED_ATTR]
+    assert first.state == TrialState.FAIL and first.user_attrs[INTERRUPTED_ATTR]
     assert retry.state == TrialState.COMPLETE and retry.params == first.params
-    assert studies.root_trial(retry) == 0 and retry.user_attrs[studies.ATTEMPT_ATTR] == 2
+    assert root_trial(retry) == 0 and retry.user_attrs[ATTEMPT_ATTR] == 2
     assert pool.replaced == [0], "the dead worker's slot got a new worker"
     assert len(counted(study)) == 2 and campaign.tally.finished == 2
 
@@ -410,14 +423,14 @@ def test_a_trial_whose_worker_always_dies_fails_after_max_attempts(
 
     campaign.run(pool, writer)
 
-    assert len(study.trials) == studies.MAX_ATTEMPTS
-    assert {studies.root_trial(t) for t in study.trials} == {0}
+    assert len(study.trials) == MAX_ATTEMPTS
+    assert {root_trial(t) for t in study.trials} == {0}
     assert all(t.state == TrialState.FAIL for t in study.trials)
     *interrupted, last = study.trials
-    assert all(t.user_attrs[studies.INTERRUPTED_ATTR] for t in interrupted)
-    assert studies.INTERRUPTED_ATTR not in last.user_attrs, "the last attempt counts as failed"
+    assert all(t.user_attrs[INTERRUPTED_ATTR] for t in interrupted)
+    assert INTERRUPTED_ATTR not in last.user_attrs, "the last attempt counts as failed"
     assert counted(study) == [last] and campaign.tally.failed == 1
-    assert len(pool.replaced) == studies.MAX_ATTEMPTS
+    assert len(pool.replaced) == MAX_ATTEMPTS
 
 
 def test_a_slot_whose_lost_worker_cannot_be_replaced_closes_and_the_others_finish(
@@ -432,7 +445,7 @@ def test_a_slot_whose_lost_worker_cannot_be_replaced_closes_and_the_others_finis
     campaign.run(pool, writer)
 
     assert campaign.closed == {0} and pool.replaced == []
-    retry = next(t for t in study.trials if t.user_attrs.get(studies.ATTEMPT_ATTR) == 2)
+    retry = next(t for t in study.trials if t.user_attrs.get(ATTEMPT_ATTR) == 2)
     assert retry.state == TrialState.COMPLETE and retry.params == study.trials[0].params
     assert campaign.tally.finished == 3
 
@@ -496,9 +509,9 @@ def test_a_campaign_resumed_after_its_coordinator_died_finishes_exactly_n_trials
     trials = study.trials
     assert len(counted(study)) == 8 == resumed.tally.finished
     assert all(t.state.is_finished() for t in trials), "nothing left RUNNING or WAITING"
-    assert max(Counter(studies.root_trial(t) for t in counted(study)).values()) == 1
+    assert max(Counter(root_trial(t) for t in counted(study)).values()) == 1
     for number in left_running:
-        assert trials[number].user_attrs[studies.INTERRUPTED_ATTR]
-        retry = next(t for t in counted(study) if studies.root_trial(t) == number)
+        assert trials[number].user_attrs[INTERRUPTED_ATTR]
+        retry = next(t for t in counted(study) if root_trial(t) == number)
         assert retry.params == trials[number].params
     assert resumed.tally.pruned >= 1, "the late tells included a pruned trial"

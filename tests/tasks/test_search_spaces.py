@@ -19,7 +19,8 @@ from click.testing import CliRunner
 from pydantic import ValidationError
 
 from prefect_ml.flows.cli import app, nested_parameters
-from prefect_ml.integrations import search_spaces, storage, studies
+from prefect_ml.integrations import storage
+from prefect_ml.integrations.campaign import TUNED_ATTR, make_sampler, resolve_space, tuned_values
 from prefect_ml.integrations.config.sweep import default_search_space
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import PrefectMLSettings
@@ -126,7 +127,7 @@ def test_dotted_and_nested_names_are_the_same_values() -> None:
     dotted = {"training.lr": 0.01, "model.model_options.widths": [8]}
     short = {"lr": 0.01, "model_options.widths": [8]}
 
-    found = [search_spaces.tuned_values(v, source="s") for v in (nested, dotted, short)]
+    found = [tuned_values(v, source="s") for v in (nested, dotted, short)]
 
     assert found == [short, short, short]
     params = with_trial_values(campaign_params(f"{SPACES}:branch_and_loop"), short)
@@ -183,8 +184,8 @@ def declared_conditional() -> dict[str, Any]:
 def test_a_declared_space_tunes_model_options_and_draws_a_condition_only_when_it_holds() -> None:
     sweep = campaign_params(declared_conditional(), sampler_seed=3).sweep
     assert sweep.conditional
-    space = search_spaces.resolve(sweep.search_space)
-    study = optuna.create_study(sampler=studies.make_sampler("tpe", 3, conditional=True))
+    space = resolve_space(sweep.search_space)
+    study = optuna.create_study(sampler=make_sampler("tpe", 3, conditional=True))
 
     drawn = []
     for _ in range(12):
@@ -255,8 +256,8 @@ def test_grid_search_refuses_conditions() -> None:
 
 
 def test_the_sampler_models_a_conditional_space_jointly() -> None:
-    conditional = studies.make_sampler("tpe", 0, conditional=True)
-    plain = studies.make_sampler("tpe", 0)
+    conditional = make_sampler("tpe", 0, conditional=True)
+    plain = make_sampler("tpe", 0)
 
     assert conditional._multivariate and conditional._group  # type: ignore[attr-defined]
     assert not plain._multivariate  # type: ignore[attr-defined]
@@ -264,11 +265,11 @@ def test_the_sampler_models_a_conditional_space_jointly() -> None:
 
 
 def test_a_trial_s_summary_carries_what_its_space_set_and_what_it_drew() -> None:
-    space = search_spaces.resolve(user_spaces.branch_and_loop)
+    space = resolve_space(user_spaces.branch_and_loop)
     study = optuna.create_study(direction="maximize")
     trial = study.ask()
-    values = search_spaces.tuned_values(space(trial), source="s")
-    trial.set_user_attr(studies.TUNED_ATTR, values)
+    values = tuned_values(space(trial), source="s")
+    trial.set_user_attr(TUNED_ATTR, values)
     study.tell(trial, 0.9)
 
     summary = trial_summary(study.trials[0], ["val_accuracy"], {})
@@ -328,11 +329,11 @@ def test_the_docs_example_and_its_declared_equivalent_tune_the_example_model(
             {"model": {"model": "examples.search_space:build"}, "sweep": {"search_space": space}}
         )
         assert params.sweep.conditional
-        function = search_spaces.resolve(params.sweep.search_space)
+        function = resolve_space(params.sweep.search_space)
         study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
         for _ in range(6):
             trial = study.ask()
-            values = search_spaces.tuned_values(function(trial), source="example")
+            values = tuned_values(function(trial), source="example")
             tuned = with_trial_values(params, values)
             assert ("weight_decay" in values) == (tuned.training.optimizer == "sgd")
             options = tuned.model.factory_options()

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from prefect_ml.integrations.campaign._trial_worker import EpochReport, TrialSpec, TrialWorker
 from prefect_ml.integrations.errors import DETERMINISTIC_ERRORS, TrainingCodeError
 from prefect_ml.integrations.resources import (
     PLACEMENT_NOTICE_S,
@@ -24,7 +25,6 @@ from prefect_ml.integrations.resources import (
     free_per_node,
     placeable,
 )
-from prefect_ml.integrations.trial_worker import EpochReport, TrialSpec, TrialWorker
 
 if TYPE_CHECKING:
     from types import TracebackType

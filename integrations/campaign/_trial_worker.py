@@ -1,5 +1,5 @@
-"""The campaign's trial worker: a warm process (a Ray actor, see :mod:`integrations.trial_pool`)
-that trains trial after trial.
+"""The campaign's trial worker: a warm process (a Ray actor, driven through
+:class:`~integrations.campaign.RayTrialPool`) that trains trial after trial.
 
 An actor imports torch once and keeps each dataset split it has read, so a trial costs its own
 epochs and almost nothing else. The coordinator drives a trial one epoch at a time
@@ -72,7 +72,7 @@ def node_address() -> str:
 
 
 class TrialWorker:
-    """A warm process that trains trials; :class:`~integrations.trial_pool.RayTrialPool` runs
+    """A warm process that trains trials; :class:`~integrations.campaign.RayTrialPool` runs
     it as a Ray actor."""
 
     def __init__(self) -> None:

@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prefect_ml.integrations import plugins, studies
+from prefect_ml.integrations import plugins
+from prefect_ml.integrations.campaign._studies import draw_once
 from prefect_ml.integrations.catalog import import_callable
 from prefect_ml.integrations.config.sweep import (
     SearchDimension,
@@ -100,7 +101,7 @@ def suggest(trial: Any, name: str, dimension: SearchDimension) -> Any:
     )
 
 
-def resolve(space: dict[str, SearchDimension] | str | Callable[..., Any]) -> SearchSpace:
+def resolve_space(space: dict[str, SearchDimension] | str | Callable[..., Any]) -> SearchSpace:
     """The space a sweep section names: declared, a plug-in, an allowed import path, or the
     function itself.
 
@@ -188,9 +189,9 @@ def first_draw(
         ConfigurationError: naming ``sweep.search_space``.
     """
     source = space_text(space)
-    function = resolve(space)
+    function = resolve_space(space)
     try:
-        returned, _ = studies.draw_once(function)
+        returned, _ = draw_once(function)
     except Exception as exc:
         raise ConfigurationError(
             FIELD, f"{source} raised {type(exc).__name__}: {exc}, when asked for a trial"

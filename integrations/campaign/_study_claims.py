@@ -31,7 +31,7 @@ import uuid
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
-from prefect_ml.integrations import studies
+from prefect_ml.integrations.campaign._studies import engine_options, is_database
 from prefect_ml.integrations.errors import PrefectMLError
 from prefect_ml.integrations.leases import Heartbeat, LeaseRecord, held_error
 from prefect_ml.integrations.libraries import lazy_import
@@ -72,11 +72,10 @@ def claims_table() -> sa.Table:
     )
 
 
-def supported(storage_url: str) -> bool:
+def claims_supported(storage_url: str) -> bool:
     """Whether studies in this Optuna storage are claimed in its database."""
     return (
-        studies.is_database(storage_url)
-        and sa.engine.make_url(storage_url).get_backend_name() in _CLOCKS
+        is_database(storage_url) and sa.engine.make_url(storage_url).get_backend_name() in _CLOCKS
     )
 
 
@@ -93,7 +92,7 @@ class StudyClaim:
     Prefect retry in the same process takes it again at once.
 
     Args:
-        storage_url: the Optuna storage, a PostgreSQL or SQLite URL (:func:`supported`).
+        storage_url: the Optuna storage, a PostgreSQL or SQLite URL (:func:`claims_supported`).
         study: the study's name.
         what: what the claim guards, as the refusal message names it.
         field: the parameter a refused user would change (``LeaseHeldError.field``).
@@ -270,7 +269,7 @@ class StudyClaim:
 
     def _connect(self) -> sa.Engine:
         if self._engine is None:
-            engine = sa.create_engine(self.url, **studies.engine_options(self.url))
+            engine = sa.create_engine(self.url, **engine_options(self.url))
             try:
                 self._claims.create(engine, checkfirst=True)
             except sa.exc.DBAPIError:  # another process created it between our check and create

@@ -3,7 +3,8 @@
 The study is the campaign: every trial's parameters, intermediate values and final state live in
 it, so a campaign killed at any moment is resumed by opening the study again. Only one process —
 the campaign's coordinator, holding the campaign's lease (:mod:`integrations.leases`) and, in a
-database, its claim on the study (:mod:`integrations.study_claims`) — writes to a study.
+database, its claim on the study (:class:`~integrations.campaign.StudyClaim`) — writes to a
+study.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def is_database(url: str) -> bool:
 
 def engine_options(url: str) -> dict[str, Any]:
     """SQLAlchemy ``create_engine`` options for the study database ``url`` (created if it is a
-    new SQLite file), shared by Optuna's storage and :mod:`integrations.study_claims`."""
+    new SQLite file), shared by Optuna's storage and the study claims (``_study_claims``)."""
     if not url.startswith("sqlite:///"):
         return {}
     Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
