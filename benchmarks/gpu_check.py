@@ -12,7 +12,7 @@ lent for quick GPU checks often have only the torch stack). In order, within the
    real process group (NCCL on GPUs, gloo on CPU): DDP and FSDP, each precision, with and without
    gradient checkpointing; two epochs, a checkpoint, then a fresh trainer that must resume at
    epoch 3;
-3. **serving**: the replica's forward pass (``integrations.inference.Predictor``) on the device a
+3. **serving**: the replica's forward pass (``integrations.serving.Predictor``) on the device a
    GPU replica gets: one-row latency and 32-row throughput per precision;
 4. **precision**: ``benchmarks/precision.py --budget-s`` with the time left (ours/bare samples/s
    per precision, gradient checkpointing's activation memory cut and slowdown).
@@ -356,7 +356,7 @@ def run_serving() -> dict[str, Any]:
     import torch
 
     from prefect_ml.integrations.catalog import build_model
-    from prefect_ml.integrations.inference import Predictor, serving_device
+    from prefect_ml.integrations.serving import Predictor, serving_device
 
     cuda = torch.cuda.is_available()
     device = serving_device(1.0 if cuda else 0.0, cuda)

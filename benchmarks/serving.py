@@ -10,7 +10,7 @@ arm runs one server process or replica and answers one digit per request; the lo
 * ``mlflow-serve``: ``mlflow models serve -m models:/<name>/<version> --env-manager local`` with
   its defaults (1 worker), ``POST /invocations`` with the same row shaped as the signature wants;
 * ``ours``: ``serve_model`` with one replica (1 CPU), batching off;
-* ``ours+batching``: the same with adaptive batching (``integrations/adaptive_batching.py``, the
+* ``ours+batching``: the same with adaptive batching (``integrations/serving/_batching.py``, the
   defaults: up to 32 requests per model call, no wait);
 * ``ours+batching, threaded``: the same, every model call in the batcher's thread (no inline
   calls: ``batch_inline_below_s=0``), as before the inline calls;

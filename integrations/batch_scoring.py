@@ -27,10 +27,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 from pydantic import BaseModel, Field, ValidationError
 
-from prefect_ml.integrations import served_models, storage, streaming, tabular_files
+from prefect_ml.integrations import serving, storage, streaming, tabular_files
 from prefect_ml.integrations.config import PredictParams
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.inference import InferencePrecision
 
 if TYPE_CHECKING:
     import pyarrow
@@ -82,9 +81,7 @@ class PredictionManifest(BaseModel):
         return self.rows / self.seconds if self.seconds > 0 else 0.0
 
 
-def scoring_columns(
-    file: tabular_files.SourceFile, served: served_models.ServedModel
-) -> ScoringColumns:
+def scoring_columns(file: tabular_files.SourceFile, served: serving.ServedModel) -> ScoringColumns:
     """The feature and passthrough columns of ``file`` for ``served``.
 
     Raises:
@@ -126,7 +123,7 @@ def scoring_columns(
     return ScoringColumns(features, passthrough)
 
 
-def fingerprint(files: list[tabular_files.SourceFile], served: served_models.ServedModel) -> str:
+def fingerprint(files: list[tabular_files.SourceFile], served: serving.ServedModel) -> str:
     """The identity of a scoring: the input files (URL, size, version) and the model version."""
     identity = {
         "files": tabular_files.files_digest(files),
@@ -157,7 +154,7 @@ def scored_table(
     import pyarrow as pa
 
     columns: dict[str, Any] = {name: batch.column(name) for name in passthrough}
-    columns[PREDICTION] = pa.array(served_models.labelled_outputs(outputs, class_names, task))
+    columns[PREDICTION] = pa.array(serving.labelled_outputs(outputs, class_names, task))
     if task != "regression":
         flat = pa.array(outputs.astype(np.float32).reshape(-1))
         fixed = pa.FixedSizeListArray.from_arrays(flat, outputs.shape[1])
@@ -173,19 +170,19 @@ class BatchScorer:
         served: dict[str, Any],
         columns: dict[str, Any],
         gpus: float,
-        precision: InferencePrecision,
+        precision: serving.InferencePrecision,
         threads: int,
     ) -> None:
         import torch
 
         torch.set_num_threads(threads)
-        self.served = served_models.ServedModel.model_validate(served)
+        self.served = serving.ServedModel.model_validate(served)
         self.columns = ScoringColumns(**columns)
-        self.predictor, _ = served_models.load_predictor(self.served, gpus, precision)
+        self.predictor, _ = serving.load_predictor(self.served, gpus, precision)
 
     def __call__(self, batch: pyarrow.Table) -> pyarrow.Table:
         matrix = feature_matrix(batch, self.columns.features)
-        bad = served_models.non_finite_rows(matrix)
+        bad = serving.non_finite_rows(matrix)
         if bad:
             row = {name: batch.column(name)[bad[0]].as_py() for name in self.columns.features}
             raise ConfigurationError(
@@ -194,7 +191,7 @@ class BatchScorer:
                 "fill or drop them",
             )
         outputs = self.predictor.outputs(matrix)
-        if bad := served_models.non_finite_rows(outputs):
+        if bad := serving.non_finite_rows(outputs):
             raise ConfigurationError(
                 "model_version",
                 f"{self.served.name} v{self.served.version} returned non-finite outputs for "
@@ -288,7 +285,7 @@ def clear_output(output_url: str) -> None:
 
 
 def scorer_arguments(
-    served: served_models.ServedModel, columns: ScoringColumns, options: PredictParams
+    served: serving.ServedModel, columns: ScoringColumns, options: PredictParams
 ) -> dict[str, Any]:
     """Each scoring actor's constructor arguments, as Ray Data records and pickles them: the
     version, the columns, and the device, precision and threads the predict section sets."""
@@ -304,7 +301,7 @@ def scorer_arguments(
 def score(
     input_url: str,
     files: list[tabular_files.SourceFile],
-    served: served_models.ServedModel,
+    served: serving.ServedModel,
     columns: ScoringColumns,
     output_url: str,
     options: PredictParams,

@@ -11,7 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from prefect_ml.integrations import alerts, canary, served_models, tracking
+from prefect_ml.integrations import alerts, serving, tracking
 from prefect_ml.integrations.config.serving import CanaryPolicy
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
 
@@ -33,7 +33,7 @@ class CanaryReport(BaseModel):
     comparison: list[dict[str, Any]]  # one row per version: requests, errors, latency, metric
 
 
-def _row(role: str, version: str, stats: canary.VersionStats, task: str) -> dict[str, Any]:
+def _row(role: str, version: str, stats: serving.VersionStats, task: str) -> dict[str, Any]:
     metric = stats.metric(task)
     return {
         "version": f"v{version} ({role})",
@@ -41,14 +41,12 @@ def _row(role: str, version: str, stats: canary.VersionStats, task: str) -> dict
         "errors": stats.errors,
         "error rate": f"{stats.error_rate:.2%}",
         **{f"p{q} ms": f"{stats.latency_ms(q / 100):.1f}" for q in (50, 95, 99)},
-        f"{canary.metric_name(task)} (labelled)": "" if metric is None else f"{metric:.4f}",
+        f"{serving.metric_name(task)} (labelled)": "" if metric is None else f"{metric:.4f}",
         "labelled rows": stats.labelled,
     }
 
 
-def _check_comparable(
-    stable: served_models.ServedModel, candidate: served_models.ServedModel
-) -> None:
+def _check_comparable(stable: serving.ServedModel, candidate: serving.ServedModel) -> None:
     if stable.io_schema() != candidate.io_schema():
         raise ConfigurationError(
             "serving.canary_share",
@@ -59,18 +57,16 @@ def _check_comparable(
 
 
 def run_canary(
-    stable: served_models.ServedModel,
-    candidate: served_models.ServedModel,
+    stable: serving.ServedModel,
+    candidate: serving.ServedModel,
     policy: CanaryPolicy,
     app_name: str,
 ) -> CanaryReport:
     """Give ``candidate`` the policy's share of ``app_name``'s requests for its window and judge
     it against ``stable``; only measures and decides (the caller rolls or not)."""
-    from prefect_ml.integrations import serving  # Ray Serve: only where a run serves
-
     logger = get_run_logger()
     _check_comparable(stable, candidate)
-    rollout = canary.Rollout(app_name, candidate.model_dump(), policy.share)
+    rollout = serving.Rollout(app_name, candidate.model_dump(), policy.share)
     try:
         rollout.wait_loaded(lambda: serving.running_replicas(app_name), LOAD_TIMEOUT_S)
         logger.info(
@@ -83,8 +79,8 @@ def run_canary(
         )
         verdict, stable_stats, canary_stats = _measure(rollout, policy, candidate.task)
     except DeploymentError as exc:
-        verdict = canary.Verdict(False, str(exc))
-        stable_stats = canary_stats = canary.VersionStats()
+        verdict = serving.Verdict(False, str(exc))
+        stable_stats = canary_stats = serving.VersionStats()
     finally:
         rollout.close()
     task = candidate.task
@@ -104,8 +100,8 @@ def run_canary(
 
 
 def _measure(
-    rollout: canary.Rollout, policy: CanaryPolicy, task: str
-) -> tuple[canary.Verdict, canary.VersionStats, canary.VersionStats]:
+    rollout: serving.Rollout, policy: CanaryPolicy, task: str
+) -> tuple[serving.Verdict, serving.VersionStats, serving.VersionStats]:
     progress = Progress(
         TextColumn("[bold]canary"),
         BarColumn(),
@@ -114,7 +110,7 @@ def _measure(
     )
     bar = progress.add_task("window", total=policy.window_s, counts="")
 
-    def show(elapsed: float, stable: canary.VersionStats, candidate: canary.VersionStats) -> None:
+    def show(elapsed: float, stable: serving.VersionStats, candidate: serving.VersionStats) -> None:
         counts = (
             f"canary {candidate.requests} req / {candidate.errors} err, "
             f"serving {stable.requests} req / {stable.errors} err"

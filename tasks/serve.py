@@ -6,7 +6,7 @@ import datetime
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import httpx
 import prefect.runtime
@@ -15,7 +15,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import served_models, tenancy, tls, tracking
+from prefect_ml.integrations import serving, tenancy, tls, tracking
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import cluster_nodes
@@ -32,11 +32,6 @@ from prefect_ml.tasks.quotas import check_caps
 from prefect_ml.tasks.training import current_flow_run_id
 
 __all__ = ["ServingResult", "SmokeResult", "serve"]
-
-if TYPE_CHECKING:
-    # Imported where it is used (Ray Serve, FastAPI: about a second of imports), so a run that
-    # does not serve never loads it.
-    from prefect_ml.integrations import serving
 
 
 class SmokeResult(BaseModel):
@@ -67,12 +62,12 @@ class ServingResult(BaseModel):
 
 def resolve_served_model(
     model_name: str, alias: str, model_version: str | None
-) -> served_models.ServedModel:
+) -> serving.ServedModel:
     """The version to serve and its input schema, or a ConfigurationError before any deploy."""
     tracking_uri = get_settings().resolved_tracking_uri
     client = tracking.client_for(tracking_uri)
     version = tracking.registered_version(client, model_name, alias=alias, version=model_version)
-    return served_models.registered_model(version, tracking_uri)
+    return serving.registered_model(version, tracking_uri)
 
 
 MIN_TOKEN_BYTES = 32
@@ -154,8 +149,6 @@ def check_exposure(params: ServingParams, token: str | None) -> None:
 def replica_options(params: ServingParams, token: str | None) -> serving.ReplicaOptions:
     """What every replica is constructed with: the serving section itself and the token's
     digest."""
-    from prefect_ml.integrations import serving
-
     digest = serving.token_digest(token) if token else None
     return serving.ReplicaOptions(serving=params, token_sha256=digest)
 
@@ -179,15 +172,13 @@ def _endpoint_client(token: str | None, certificate: Path | None) -> httpx.Clien
 
 def serving_now(
     params: ServingParams, url: str, token: str | None, certificate: Path | None
-) -> served_models.ServedModel | None:
+) -> serving.ServedModel | None:
     """The version the application serves now, or None when it is not deployed.
 
     Raises:
         ConfigurationError: the application is deployed but refuses this process's token:
             someone else's, or deployed with another token; it is never replaced then.
     """
-    from prefect_ml.integrations import serving
-
     if not serving.running_replicas(params.app_name):
         return None
     with _endpoint_client(token, certificate) as client:
@@ -248,16 +239,14 @@ def serving_markdown(result: ServingResult) -> str:
 
 
 def deploy_or_roll_back(
-    served: served_models.ServedModel,
-    current: served_models.ServedModel | None,
+    served: serving.ServedModel,
+    current: serving.ServedModel | None,
     options: serving.ReplicaOptions,
     tls_pair: tuple[Path, Path] | None,
 ) -> None:
     """Deploy ``served``; when that fails in a roll, deploy ``current`` again: Serve's target
     is then the version that serves, not the one that failed (which Serve would start again
     for any replica it replaces or adds)."""
-    from prefect_ml.integrations import serving
-
     try:
         serving.deploy(served, options, tls=tls_pair)
     except DeploymentError as exc:
@@ -272,15 +261,13 @@ def serve_registered_model(
 ) -> ServingResult:
     """Resolve, check, deploy (or roll) and smoke-test; on a Ray this process started, the
     application lives until the process's Ray shuts down."""
-    from prefect_ml.integrations import serving
-
     logger = get_run_logger()
     settings = get_settings()
     _require_lasting_ray(settings)
     token = bearer_token(settings)
     check_exposure(params, token)
     served = resolve_served_model(model_name, alias, model_version)
-    served_models.check_registered(
+    serving.check_registered(
         settings.resolved_tracking_uri, params.other_models, "serving.other_models"
     )
     tls_pair = settings.serve_tls
@@ -335,8 +322,8 @@ def serve_registered_model(
 
 
 def record_served(
-    served: served_models.ServedModel,
-    replaced: served_models.ServedModel | None,
+    served: serving.ServedModel,
+    replaced: serving.ServedModel | None,
     app_name: str,
     url: str,
 ) -> None:

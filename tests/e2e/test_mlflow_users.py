@@ -95,7 +95,7 @@ def test_the_admins_script_lets_a_person_read_the_pipelines_experiment_and_model
     AuthServiceClient(auth_server).create_user("bob", "another-long-password")
     _as(monkeypatch, PIPELINE)  # the pipeline owns (MANAGE) what it creates
     # The registry named as well: a serving or registering test earlier in this process set
-    # MLflow's process-wide registry URI (served_models, tracking), which a client without one
+    # MLflow's process-wide registry URI (serving._models, tracking), which a client without one
     # would use instead of this server.
     pipeline = MlflowClient(auth_server, registry_uri=auth_server)
     experiment_id = pipeline.create_experiment("prefect-ml")

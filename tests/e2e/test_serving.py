@@ -382,8 +382,7 @@ def test_a_bearer_token_shorter_than_32_bytes_is_refused_before_deploying(
 
 
 def test_a_model_that_returns_nan_gets_a_500_that_says_so_never_invalid_json() -> None:
-    from prefect_ml.integrations.serving import predictions_body
-    from prefect_ml.integrations.serving_protocols import RequestError
+    from prefect_ml.integrations.serving import RequestError, predictions_body
 
     identity = {"name": "m", "version": "1", "run_id": "r"}
     good = json.loads(predictions_body(np.array([[0.25, 0.75]]), ["a", "b"], identity))

@@ -276,7 +276,7 @@ def test_every_serving_field_reaches_the_serve_replica_with_its_value() -> None:
     """From ``prefect-ml serve``'s flags to what each replica's constructor parses (Serve
     pickles its arguments), and to the deployment's options."""
     from prefect_ml.integrations import serving
-    from prefect_ml.integrations.served_models import ServedModel
+    from prefect_ml.integrations.serving import ServedModel
     from prefect_ml.tasks.serve import replica_options
 
     assert set(SERVING) == set(ServingParams.model_fields)
@@ -342,7 +342,7 @@ def test_every_predict_field_reaches_the_scoring_task_and_the_actors_with_its_va
     """From ``prefect-ml predict``'s flags to the section the scoring step reads, and to each
     scoring actor's constructor arguments (Ray Data pickles them)."""
     from prefect_ml.integrations import batch_scoring
-    from prefect_ml.integrations.served_models import ServedModel
+    from prefect_ml.integrations.serving import ServedModel
     from prefect_ml.tasks.params import PredictParams
 
     assert set(PREDICT) == set(PredictParams.model_fields)

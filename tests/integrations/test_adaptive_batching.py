@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from prefect_ml.integrations.adaptive_batching import AdaptiveBatcher
+from prefect_ml.integrations.serving import AdaptiveBatcher
 
 pytestmark = pytest.mark.timeout(60)  # a batcher that held a request for company would hang
 
@@ -252,7 +252,7 @@ def test_with_no_inline_bound_every_call_runs_in_the_thread() -> None:
 
 
 def test_a_retired_batcher_answers_what_is_queued_then_its_consumer_ends() -> None:
-    """A version unloaded while requests wait for it (serving_versions): they are answered,
+    """A version unloaded while requests wait for it (serving._versions): they are answered,
     and nothing keeps the batcher (and its model) alive afterwards."""
 
     async def scenario() -> None:

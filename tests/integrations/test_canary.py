@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefect_ml.integrations.canary import (
+from prefect_ml.integrations.config.serving import CanaryPolicy
+from prefect_ml.integrations.serving import (
     CanaryRoute,
     Rollout,
     VersionStats,
     judge,
     label_outcome,
 )
-from prefect_ml.integrations.config.serving import CanaryPolicy
 
 POLICY = CanaryPolicy(
     share=0.1,

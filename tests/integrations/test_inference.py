@@ -8,7 +8,7 @@ import torch
 
 from prefect_ml.integrations.catalog import build_model
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.inference import Predictor, serving_device
+from prefect_ml.integrations.serving import Predictor, serving_device
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -14,11 +14,11 @@ from mlflow.utils.proto_json_utils import dump_input_data
 from tritonclient.http import InferInput, InferRequestedOutput
 from tritonclient.http._utils import _get_inference_request
 
-from prefect_ml.integrations.served_models import ServedModel
-from prefect_ml.integrations.serving_protocols import (
+from prefect_ml.integrations.serving import (
     MlflowScoring,
     OpenInference,
     RequestError,
+    ServedModel,
     model_metadata,
 )
 

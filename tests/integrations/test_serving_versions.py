@@ -13,16 +13,19 @@ import pytest
 from pydantic import ValidationError
 from sklearn.datasets import load_digits
 
-from prefect_ml.integrations import serving_versions, tracking
+from prefect_ml.integrations import tracking
 from prefect_ml.integrations.config import ServingParams
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.served_models import ServedModel, check_registered, registered_model
-from prefect_ml.integrations.serving_protocols import RequestError
-from prefect_ml.integrations.serving_versions import (
+from prefect_ml.integrations.serving import (
+    RequestError,
     Selection,
+    ServedModel,
     VersionCatalog,
+    _versions,
+    check_registered,
     chosen,
     parse_model_id,
+    registered_model,
 )
 from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.helpers import register_classifier
@@ -129,7 +132,7 @@ def test_the_catalog_reads_versions_and_aliases_from_the_registry_and_refuses_th
     tracking.set_alias(client, MODEL, "challenger", "1")
     # within ALIAS_TTL_S the replica answers from what it read; after it, it reads again
     assert catalog.cached(Selection(MODEL, "challenger")) is second
-    monkeypatch.setattr(serving_versions, "ALIAS_TTL_S", 0.0)
+    monkeypatch.setattr(_versions, "ALIAS_TTL_S", 0.0)
     assert catalog.cached(Selection(MODEL, "challenger")) is None
     assert catalog.resolve(Selection(MODEL, "challenger")).version == "1"
 
@@ -162,7 +165,7 @@ def test_a_version_that_failed_to_load_is_refused_503_until_its_retry(
     with pytest.raises(RequestError, match="cannot be served now"):
         catalog.failure(second)
     catalog.failure(served)  # the others are not refused
-    monkeypatch.setattr(serving_versions, "FAILURE_TTL_S", 0.0)
+    monkeypatch.setattr(_versions, "FAILURE_TTL_S", 0.0)
     catalog.failure(second)  # tried again after FAILURE_TTL_S
 
 

@@ -164,7 +164,7 @@ def test_the_served_model_that_ray_s_actors_receive_holds_no_database_password(
     import cloudpickle
     from sqlalchemy.engine import make_url
 
-    from prefect_ml.integrations.served_models import load_predictor
+    from prefect_ml.integrations.serving import load_predictor
     from prefect_ml.tasks.serve import resolve_served_model
     from tests.helpers import blobs, register_classifier
 

@@ -8,10 +8,11 @@ before the old ones drain, so requests never meet an empty deployment.
 Every request is validated before it reaches the model: content type, body size, JSON, shape,
 dtype, finiteness and batch size each get a 4xx with a message, never a 5xx. Besides its own
 ``/predict``, the app speaks MLflow's scoring protocol (``/invocations``) and the Open Inference
-Protocol v2 (``/v2/...``): :mod:`serving_protocols` translates their bodies and answers, and
-every protocol's requests go through the same authentication, limits, batches, canary and log.
+Protocol v2 (``/v2/...``): :mod:`_mlflow_scoring` and :mod:`_open_inference` translate their
+bodies and answers, and every protocol's requests go through the same authentication, limits,
+batches, canary and log.
 A request may select another registered version, which the replica loads on demand
-(:mod:`serving_versions`); each version it holds has its own batcher.
+(:mod:`_versions`); each version it holds has its own batcher.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the route signatures at runtime, and
@@ -34,45 +35,49 @@ from pydantic import BaseModel, Field, ValidationError
 from ray import serve
 from ray.serve import Deployment
 
-from prefect_ml.integrations import canary
-from prefect_ml.integrations.adaptive_batching import AdaptiveBatcher
 from prefect_ml.integrations.config import ServingParams
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
-from prefect_ml.integrations.inference import Predictor
 from prefect_ml.integrations.processes import check_port_free
 from prefect_ml.integrations.resources import placeable
 from prefect_ml.integrations.serve_ingress import haproxy_on_loopback
-from prefect_ml.integrations.served_models import (
+from prefect_ml.integrations.serving._batching import AdaptiveBatcher
+from prefect_ml.integrations.serving._canary import CanaryRoute, VersionStats, label_outcome
+from prefect_ml.integrations.serving._inference import Predictor
+from prefect_ml.integrations.serving._mlflow_scoring import (
+    MlflowScoring,
+    ScoringError,
+    ScoringRequest,
+    ScoringResponse,
+    mlflow_version,
+)
+from prefect_ml.integrations.serving._models import (
     ModelIdentity,
     ServedModel,
     labelled_outputs,
     load_predictor,
 )
-from prefect_ml.integrations.serving_protocols import (
-    FiniteNumber,
+from prefect_ml.integrations.serving._open_inference import (
     InferError,
     InferRequest,
     InferResponse,
-    MlflowScoring,
     ModelMetadata,
     OpenInference,
+    ServerMetadata,
+    model_metadata,
+    server_metadata,
+)
+from prefect_ml.integrations.serving._protocol import (
+    FiniteNumber,
     RequestError,
     Row,
     Scoring,
-    ScoringError,
-    ScoringRequest,
-    ScoringResponse,
-    ServerMetadata,
     WireProtocol,
     finite_outputs,
     inlined_schema,
     invalid_body,
-    mlflow_version,
-    model_metadata,
     rows_matrix,
-    server_metadata,
 )
-from prefect_ml.integrations.serving_versions import (
+from prefect_ml.integrations.serving._versions import (
     MODEL_ID_HEADER,
     PinnedVersions,
     Selection,
@@ -217,7 +222,7 @@ def _batched(version: LoadedVersion | None, matrices: list[np.ndarray]) -> list[
 
 
 class PredictProtocol:
-    """:class:`~serving_protocols.WireProtocol` of ``/predict``: ``{"inputs": [...]}`` (and
+    """:class:`WireProtocol` of ``/predict``: ``{"inputs": [...]}`` (and
     optional ``labels``) in, classes and probabilities or values out; FastAPI's error shape,
     ``{"detail": {"message": ..., "errors": [...]}}``."""
 
@@ -357,9 +362,7 @@ class ModelServer:
             "canary": self._batcher("canary", lambda: self.canary.predictor),
         }
         context = serve.get_replica_context()
-        self.canary = canary.CanaryRoute(
-            context.app_name, context.replica_id.unique_id, self._load_canary
-        )
+        self.canary = CanaryRoute(context.app_name, context.replica_id.unique_id, self._load_canary)
         self.catalog = VersionCatalog(self.served, self.limits.other_models)
         most = self.limits.max_models_per_replica
         self.pinned = PinnedVersions(most, self._load_pinned, _retire) if most else None
@@ -676,7 +679,7 @@ class ModelServer:
                     batcher = self.batchers["canary"]
                     return await self._answer("canary", candidate, batcher, scoring, protocol)
                 except Exception:  # answered by the serving version below, counted as the canary's
-                    self.canary.record("canary", canary.VersionStats(requests=1, errors=1))
+                    self.canary.record("canary", VersionStats(requests=1, errors=1))
             batcher = self.batchers["stable"]
             return await self._answer("stable", self.stable, batcher, scoring, protocol)
         except RequestError as problem:
@@ -702,16 +705,16 @@ class ModelServer:
             body = protocol.render(outputs, served, version.identity, scoring)
         except Exception:
             if role == "stable":
-                self.canary.record(role, canary.VersionStats(requests=1, errors=1))
+                self.canary.record(role, VersionStats(requests=1, errors=1))
             raise
         if self.canary.active and role != PINNED:
             labels = scoring.labels
             outcome = (
-                canary.label_outcome(
+                label_outcome(
                     labelled_outputs(outputs, served.class_names, served.task), labels, served.task
                 )
                 if labels
-                else canary.VersionStats()
+                else VersionStats()
             )
             outcome.requests = 1
             outcome.latencies_ms = [(time.perf_counter() - started) * 1000]

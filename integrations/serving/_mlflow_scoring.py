@@ -23,8 +23,8 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
 
-from prefect_ml.integrations.served_models import ServedModel, labelled_outputs
-from prefect_ml.integrations.serving_protocols._base import (
+from prefect_ml.integrations.serving._models import ServedModel, labelled_outputs
+from prefect_ml.integrations.serving._protocol import (
     FLOAT32_MAX,
     FiniteNumber,
     RequestError,
@@ -121,7 +121,7 @@ def mlflow_version() -> str:
 
 
 class MlflowScoring:
-    """:class:`~prefect_ml.integrations.serving_protocols.WireProtocol` of ``/invocations``."""
+    """:class:`~prefect_ml.integrations.serving.WireProtocol` of ``/invocations``."""
 
     def parse(self, body: bytes, content_type: str, served: ServedModel) -> Scoring:
         if _media_type(content_type) == "text/csv":

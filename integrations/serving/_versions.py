@@ -24,12 +24,12 @@ from collections.abc import Callable
 from typing import Generic, NamedTuple, TypeVar
 
 from prefect_ml.integrations import tracking
-from prefect_ml.integrations.served_models import (
+from prefect_ml.integrations.serving._models import (
     NotRegistered,
     ServedModel,
     version_by_reference,
 )
-from prefect_ml.integrations.serving_protocols import RequestError
+from prefect_ml.integrations.serving._protocol import RequestError
 
 MODEL_ID_HEADER = "serve_multiplexed_model_id"
 MAX_VERSION = 2**31 - 1  # the registry's version column; a larger number is its internal error

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field, ValidationError
 
-from prefect_ml.integrations.served_models import ServedModel, labelled_outputs
-from prefect_ml.integrations.serving_protocols._base import (
+from prefect_ml.integrations.serving._models import ServedModel, labelled_outputs
+from prefect_ml.integrations.serving._protocol import (
     FLOAT32_MAX,
     FiniteNumber,
     RequestError,
@@ -145,7 +145,7 @@ def _outputs(served: ServedModel) -> list[TensorMetadata]:
 
 
 class OpenInference:
-    """:class:`~prefect_ml.integrations.serving_protocols.WireProtocol` of ``…/infer``.
+    """:class:`~prefect_ml.integrations.serving.WireProtocol` of ``…/infer``.
 
     ``binary_header``: the request's ``Inference-Header-Content-Length`` (Triton's binary
     extension), or None for a JSON body."""

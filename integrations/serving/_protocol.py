@@ -9,7 +9,7 @@ from typing import Annotated, Any, NamedTuple, Protocol
 import numpy as np
 from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
 
-from prefect_ml.integrations.served_models import ServedModel, non_finite_rows
+from prefect_ml.integrations.serving._models import ServedModel, non_finite_rows
 
 # Rows become float32: a number finite in JSON's float64 but beyond float32 would become inf.
 FLOAT32_MAX = float(np.finfo(np.float32).max)

@@ -1,7 +1,7 @@
 """A registered model version as the processes that run it load it: its identity, the input
-and output schema, and its model on a device, ready for :class:`~inference.Predictor`.
+and output schema, and its model on a device, ready for :class:`~_inference.Predictor`.
 
-Both the serving replicas (:mod:`serving`) and the batch scorers (:mod:`batch_scoring`) use it.
+Both the serving replicas (:mod:`_app`) and the batch scorers (:mod:`batch_scoring`) use it.
 It imports neither FastAPI nor Ray Serve (a batch scoring actor would pay about a second to
 import them), and torch and MLflow only when a model is loaded.
 """
@@ -16,8 +16,8 @@ from pydantic import BaseModel, Field
 
 from prefect_ml.integrations import tracking
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.inference import InferencePrecision, Predictor, serving_device
 from prefect_ml.integrations.redaction import masked
+from prefect_ml.integrations.serving._inference import InferencePrecision, Predictor, serving_device
 
 if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
