@@ -13,10 +13,12 @@ batching, canary routing and the access log are the app's, the same for every pr
 Behind this face: ``_models`` (a registered version: identity, schema, the loader),
 ``_inference`` (the forward pass on the replica's device; only torch and numpy),
 ``_batching`` (:class:`AdaptiveBatcher`), ``_protocol`` (what every wire protocol shares),
-``_mlflow_scoring`` and ``_open_inference`` (the two protocols), ``_canary`` (the rollout's
-control actor, each replica's route, the verdict), ``_versions`` (other versions selected per
-request), ``_app`` (the FastAPI app and the :class:`ModelServer` deployment) and the driver's
-side of Ray Serve (starting the proxy, deploying, what runs).
+``_predict``, ``_mlflow_scoring`` and ``_open_inference`` (the three protocols), ``_canary``
+(the rollout's control actor, each replica's route, the verdict), ``_versions`` (other versions
+selected per request), ``_replica`` (what a replica is constructed with and the versions it
+holds), ``_openapi`` (what /openapi.json says of the routes), ``_app`` (the FastAPI app and the
+:class:`ModelServer` deployment) and ``_deploy`` (the driver's side: the proxy, deploying or
+rolling, what runs).
 
 Names load on first use (as ``prefect_ml``'s own do): the app's module builds the FastAPI app
 and Serve's deployment when it is imported, and a batch scoring actor, the flows and the GPU
@@ -30,44 +32,44 @@ from typing import TYPE_CHECKING, Any
 
 # Public name -> the private module that defines it.
 _EXPORTS = {
-    "ServedModel": "_models",
     "check_registered": "_models",
     "labelled_outputs": "_models",
     "load_predictor": "_models",
     "non_finite_rows": "_models",
     "registered_model": "_models",
+    "ServedModel": "_models",
+    "serving_device": "_inference",
     "InferencePrecision": "_inference",
     "Predictor": "_inference",
-    "serving_device": "_inference",
     "AdaptiveBatcher": "_batching",
     "RequestError": "_protocol",
     "Scoring": "_protocol",
     "WireProtocol": "_protocol",
+    "predictions_body": "_predict",
     "MlflowScoring": "_mlflow_scoring",
-    "OpenInference": "_open_inference",
     "model_metadata": "_open_inference",
+    "OpenInference": "_open_inference",
+    "judge": "_canary",
+    "label_outcome": "_canary",
+    "metric_name": "_canary",
     "CanaryRoute": "_canary",
     "Rollout": "_canary",
     "Verdict": "_canary",
     "VersionStats": "_canary",
-    "judge": "_canary",
-    "label_outcome": "_canary",
-    "metric_name": "_canary",
-    "Selection": "_versions",
-    "VersionCatalog": "_versions",
     "chosen": "_versions",
     "parse_model_id": "_versions",
-    "ModelServer": "_app",
-    "ReplicaOptions": "_app",
+    "Selection": "_versions",
+    "VersionCatalog": "_versions",
+    "token_digest": "_replica",
+    "ReplicaOptions": "_replica",
     "api": "_app",
-    "deploy": "_app",
-    "deployment_options": "_app",
-    "listening": "_app",
-    "predictions_body": "_app",
-    "replica_arguments": "_app",
-    "running_replicas": "_app",
-    "start_http": "_app",
-    "token_digest": "_app",
+    "ModelServer": "_app",
+    "deploy": "_deploy",
+    "deployment_options": "_deploy",
+    "listening": "_deploy",
+    "replica_arguments": "_deploy",
+    "running_replicas": "_deploy",
+    "start_http": "_deploy",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -76,26 +78,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.integrations.serving._app import (
         ModelServer as ModelServer,
     )
-    from prefect_ml.integrations.serving._app import (
-        ReplicaOptions as ReplicaOptions,
-    )
     from prefect_ml.integrations.serving._app import api as api
-    from prefect_ml.integrations.serving._app import deploy as deploy
-    from prefect_ml.integrations.serving._app import (
-        deployment_options as deployment_options,
-    )
-    from prefect_ml.integrations.serving._app import listening as listening
-    from prefect_ml.integrations.serving._app import (
-        predictions_body as predictions_body,
-    )
-    from prefect_ml.integrations.serving._app import (
-        replica_arguments as replica_arguments,
-    )
-    from prefect_ml.integrations.serving._app import (
-        running_replicas as running_replicas,
-    )
-    from prefect_ml.integrations.serving._app import start_http as start_http
-    from prefect_ml.integrations.serving._app import token_digest as token_digest
     from prefect_ml.integrations.serving._batching import (
         AdaptiveBatcher as AdaptiveBatcher,
     )
@@ -106,6 +89,18 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.integrations.serving._canary import judge as judge
     from prefect_ml.integrations.serving._canary import label_outcome as label_outcome
     from prefect_ml.integrations.serving._canary import metric_name as metric_name
+    from prefect_ml.integrations.serving._deploy import deploy as deploy
+    from prefect_ml.integrations.serving._deploy import (
+        deployment_options as deployment_options,
+    )
+    from prefect_ml.integrations.serving._deploy import listening as listening
+    from prefect_ml.integrations.serving._deploy import (
+        replica_arguments as replica_arguments,
+    )
+    from prefect_ml.integrations.serving._deploy import (
+        running_replicas as running_replicas,
+    )
+    from prefect_ml.integrations.serving._deploy import start_http as start_http
     from prefect_ml.integrations.serving._inference import (
         InferencePrecision as InferencePrecision,
     )
@@ -138,9 +133,16 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.integrations.serving._open_inference import (
         model_metadata as model_metadata,
     )
+    from prefect_ml.integrations.serving._predict import (
+        predictions_body as predictions_body,
+    )
     from prefect_ml.integrations.serving._protocol import RequestError as RequestError
     from prefect_ml.integrations.serving._protocol import Scoring as Scoring
     from prefect_ml.integrations.serving._protocol import WireProtocol as WireProtocol
+    from prefect_ml.integrations.serving._replica import (
+        ReplicaOptions as ReplicaOptions,
+    )
+    from prefect_ml.integrations.serving._replica import token_digest as token_digest
     from prefect_ml.integrations.serving._versions import Selection as Selection
     from prefect_ml.integrations.serving._versions import (
         VersionCatalog as VersionCatalog,

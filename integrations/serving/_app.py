@@ -1,61 +1,39 @@
-"""The Ray Serve application that answers predictions for one registered model version.
-
-The driver resolves ``models:/<name>@<alias>`` to a version (:class:`ServedModel`) and deploys
-:class:`ModelServer` with it. A new version is new constructor arguments, so Ray Serve replaces
-the replicas; with a surge allowance the new replicas load the model and pass their health check
-before the old ones drain, so requests never meet an empty deployment.
+"""The Ray Serve application that answers predictions for one registered model version: the
+FastAPI app and :class:`ModelServer`, one replica's routes.
 
 Every request is validated before it reaches the model: content type, body size, JSON, shape,
 dtype, finiteness and batch size each get a 4xx with a message, never a 5xx. Besides its own
-``/predict``, the app speaks MLflow's scoring protocol (``/invocations``) and the Open Inference
-Protocol v2 (``/v2/...``): :mod:`_mlflow_scoring` and :mod:`_open_inference` translate their
-bodies and answers, and every protocol's requests go through the same authentication, limits,
-batches, canary and log.
-A request may select another registered version, which the replica loads on demand
-(:mod:`_versions`); each version it holds has its own batcher.
+``/predict`` (:mod:`_predict`), the app speaks MLflow's scoring protocol (``/invocations``) and
+the Open Inference Protocol v2 (``/v2/...``): :mod:`_mlflow_scoring` and
+:mod:`_open_inference` translate their bodies and answers, and every protocol's requests go
+through the same authentication, limits, batches, canary and log. A request may select another
+registered version, which the replica loads on demand (:mod:`_versions`); each version it holds
+has its own batcher. The driver deploys it (:mod:`_deploy`).
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the route signatures at runtime, and
 # Serve's ingress wrapper hides this module's names from string annotations.
 import asyncio
-import hashlib
 import hmac
-import json
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field, ValidationError
 from ray import serve
-from ray.serve import Deployment
 
-from prefect_ml.integrations.config import ServingParams
-from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
-from prefect_ml.integrations.processes import check_port_free
-from prefect_ml.integrations.resources import placeable
-from prefect_ml.integrations.serve_ingress import haproxy_on_loopback
+from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.serving._batching import AdaptiveBatcher
 from prefect_ml.integrations.serving._canary import CanaryRoute, VersionStats, label_outcome
-from prefect_ml.integrations.serving._inference import Predictor
 from prefect_ml.integrations.serving._mlflow_scoring import (
     MlflowScoring,
-    ScoringError,
-    ScoringRequest,
     ScoringResponse,
     mlflow_version,
 )
-from prefect_ml.integrations.serving._models import (
-    ModelIdentity,
-    ServedModel,
-    labelled_outputs,
-    load_predictor,
-)
+from prefect_ml.integrations.serving._models import ServedModel, labelled_outputs
 from prefect_ml.integrations.serving._open_inference import (
     InferError,
     InferRequest,
@@ -66,16 +44,26 @@ from prefect_ml.integrations.serving._open_inference import (
     model_metadata,
     server_metadata,
 )
-from prefect_ml.integrations.serving._protocol import (
-    FiniteNumber,
-    RequestError,
-    Row,
-    Scoring,
-    WireProtocol,
-    finite_outputs,
-    inlined_schema,
-    invalid_body,
-    rows_matrix,
+from prefect_ml.integrations.serving._openapi import (
+    INFER_ERRORS,
+    PREDICT_ERRORS,
+    route_openapi,
+    scoring_openapi,
+)
+from prefect_ml.integrations.serving._predict import (
+    PREDICT,
+    PredictError,
+    PredictRequest,
+    PredictResponse,
+)
+from prefect_ml.integrations.serving._protocol import RequestError, Scoring, WireProtocol
+from prefect_ml.integrations.serving._replica import (
+    LoadedVersion,
+    Pinned,
+    ReplicaOptions,
+    batched_outputs,
+    load_version,
+    token_digest,
 )
 from prefect_ml.integrations.serving._versions import (
     MODEL_ID_HEADER,
@@ -86,57 +74,6 @@ from prefect_ml.integrations.serving._versions import (
 )
 
 DEPLOYMENT_NAME = "ModelServer"
-
-
-class PredictRequest(BaseModel):
-    """Rows to score: each a feature vector, or an object of named columns (tabular models)."""
-
-    inputs: list[Row] = Field(
-        min_length=1,
-        description='Rows of raw features, e.g. [[0.0, 3.0, ...]] or [{"age": 41.0, ...}].',
-    )
-    labels: list[str | FiniteNumber] | None = Field(
-        None,
-        description="Optional: each row's true class or value, where it is known when the "
-        "request is made; a canary rollout compares the versions' accuracy (or RMSE) on them.",
-    )
-
-
-class PredictProblem(BaseModel):
-    message: str
-    errors: list[dict[str, Any]] = Field(description="Per field, what is wrong.")
-
-
-class PredictError(BaseModel):
-    detail: PredictProblem
-
-
-class PredictResponse(BaseModel):
-    predictions: list[str] | list[float] = Field(
-        description="Per row: the predicted class, or for a regression model the value."
-    )
-    probabilities: list[list[float]] | None = Field(
-        None, description="Classification: per row, the probability of each class."
-    )
-    model: ModelIdentity
-
-
-class ReplicaOptions(BaseModel):
-    """What every replica is constructed with: the serving section as the flow parameters hold
-    it (request limits, batching, its resources and device), and the bearer token's digest."""
-
-    serving: ServingParams
-    token_sha256: str | None
-
-    @property
-    def torch_threads(self) -> int:
-        """The whole CPUs the replica reserved, at least one."""
-        return max(1, int(self.serving.replica_cpus))
-
-
-def token_digest(token: str) -> str:
-    """Replicas hold the token's digest, never the token: Ray's state shows constructor args."""
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def _problem(status: int, message: str, errors: list[dict[str, Any]] | None = None) -> None:
@@ -170,87 +107,7 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(chunks)
 
 
-def predictions_body(
-    outputs: np.ndarray,
-    class_names: list[str] | None,
-    identity: dict[str, Any],
-    task: str = "classification",
-) -> str:
-    """The JSON of a ``/predict`` answer: classes and their probabilities, or for regression
-    the values; a model that returned NaN or infinity gets a 500 that says so, never a body
-    that is not JSON."""
-    finite_outputs(outputs)
-    content: dict[str, Any] = {"predictions": labelled_outputs(outputs, class_names, task).tolist()}
-    if task != "regression":
-        content["probabilities"] = outputs.astype(np.float64).round(6).tolist()
-    return json.dumps({**content, "model": identity}, allow_nan=False)
-
-
-class LoadedVersion(NamedTuple):
-    """A model version in a replica's memory, ready to answer."""
-
-    predictor: Predictor
-    served: ServedModel
-    identity: dict[str, Any]
-    input_example: list[list[float]]
-
-
-def load_version(served: ServedModel, limits: ServingParams) -> LoadedVersion:
-    """Download ``served`` and load it (pt2 only) on the device the replica reserved; a
-    pickle-format version fails the replica here, and the old one serves on."""
-    from mlflow.models import Model
-
-    predictor, local = load_predictor(served, limits.replica_gpus, limits.inference_precision)
-    example = Model.load(local).load_input_example(local)
-    rows = np.asarray(example).reshape(-1, served.width)[:2].tolist()
-    return LoadedVersion(predictor, served, served.identity(), rows)
-
-
-class Pinned(NamedTuple):
-    """A version a request selected, loaded in a replica next to the serving one, and the
-    batcher its requests share."""
-
-    version: LoadedVersion
-    batcher: AdaptiveBatcher[np.ndarray, np.ndarray]
-
-
-def _batched(version: LoadedVersion | None, matrices: list[np.ndarray]) -> list[np.ndarray]:
-    if version is None:
-        raise RuntimeError("the canary was dropped while its batch waited")
-    outputs = version.predictor.outputs(np.concatenate(matrices))
-    return np.split(outputs, np.cumsum([len(m) for m in matrices])[:-1])
-
-
-class PredictProtocol:
-    """:class:`WireProtocol` of ``/predict``: ``{"inputs": [...]}`` (and
-    optional ``labels``) in, classes and probabilities or values out; FastAPI's error shape,
-    ``{"detail": {"message": ..., "errors": [...]}}``."""
-
-    def parse(self, body: bytes, content_type: str, served: ServedModel) -> Scoring:
-        if content_type.split(";")[0].strip().lower() != "application/json":
-            _problem(415, f"content type must be application/json, got {content_type!r}")
-        try:
-            parsed = PredictRequest.model_validate_json(body)
-        except ValidationError as exc:
-            raise invalid_body(exc, 422, "{'inputs': [[number, ...], ...]}") from None
-        if parsed.labels is not None and len(parsed.labels) != len(parsed.inputs):
-            _problem(
-                422,
-                f"{len(parsed.labels)} labels for {len(parsed.inputs)} rows; send one per row",
-            )
-        return Scoring(rows_matrix(parsed.inputs, served, served.feature_names), parsed.labels)
-
-    def render(
-        self, outputs: np.ndarray, served: ServedModel, identity: dict[str, Any], scoring: Scoring
-    ) -> str:
-        return predictions_body(outputs, served.class_names, identity, served.task)
-
-    def error(self, problem: RequestError) -> tuple[int, str, str]:
-        detail = {"message": problem.message, "errors": problem.errors}
-        return problem.status, json.dumps({"detail": detail}), "application/json"
-
-
-PREDICT, MLFLOW = PredictProtocol(), MlflowScoring()
+MLFLOW = MlflowScoring()
 
 
 def _error_response(protocol: WireProtocol, problem: RequestError) -> Response:
@@ -272,59 +129,7 @@ async def _request_error(request: Request, problem: RequestError) -> Response:
     return _error_response(PREDICT, problem)
 
 
-def _openapi(
-    body: type[BaseModel] | None,
-    errors: type[BaseModel],
-    statuses: tuple[int, ...],
-    *,
-    media: dict[str, Any] | None = None,
-    path: tuple[str, ...] = (),
-    selectable: bool = True,
-) -> dict[str, Any]:
-    """A route's request body (JSON of ``body``, plus other ``media`` types), error answers,
-    ``path`` parameters and (``selectable``) the header that selects a version, for
-    /openapi.json (the routes read their bodies and these parameters themselves)."""
-    extra: dict[str, Any] = {
-        "responses": {
-            str(status): {
-                "description": "refused",
-                "content": {"application/json": {"schema": inlined_schema(errors)}},
-            }
-            for status in statuses
-        }
-    }
-    parameters = [
-        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-        for name in path
-    ]
-    if selectable and "version" not in path:
-        parameters.append(SELECTION_HEADER)
-    if parameters:
-        extra["parameters"] = parameters
-    if body is not None:
-        json_body = {"application/json": {"schema": inlined_schema(body)}}
-        extra["requestBody"] = {"required": True, "content": {**json_body, **(media or {})}}
-    return extra
-
-
-SELECTION_HEADER = {
-    "name": MODEL_ID_HEADER,
-    "in": "header",
-    "required": False,
-    "description": "Another registered version to answer: <name>/<version> or <name>@<alias> "
-    "(the served model's, or one of serving.other_models); without it, the served version.",
-    "schema": {"type": "string"},
-}
-SCORING_ERRORS = (400, 401, 404, 408, 413, 500, 503)
-INFER_ERRORS = (400, 401, 404, 408, 413, 500, 503)
-PREDICT_ERRORS = (401, 404, 408, 413, 415, 422, 500, 503)
 PINNED = "pinned"  # the role of a selected version's answers: not counted by a canary
-
-
-def _scoring_openapi(path: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``/invocations``' request body (JSON or CSV) and MLflow's errors, for /openapi.json."""
-    csv = {"text/csv": {"schema": {"type": "string"}}}
-    return _openapi(ScoringRequest, ScoringError, SCORING_ERRORS, media=csv, path=path)
 
 
 def _path(request: Request) -> tuple[str, str | None]:
@@ -400,7 +205,7 @@ class ModelServer:
         """Requests that queue while ``role``'s model runs go through it as one matrix; the
         version is read when the batch runs (a canary can be dropped while its batch waits)."""
         return AdaptiveBatcher(
-            lambda matrices: _batched(version(), matrices),
+            lambda matrices: batched_outputs(version(), matrices),
             max_batch_size=self.limits.max_batch_size,
             max_wait_s=self.limits.batch_wait_timeout_s,
             inline_below_s=self.limits.batch_inline_below_s,
@@ -416,7 +221,7 @@ class ModelServer:
         "/predict",
         summary="Predictions for a batch of rows: classes and probabilities, or values",
         response_model=PredictResponse,
-        openapi_extra=_openapi(PredictRequest, PredictError, PREDICT_ERRORS),
+        openapi_extra=route_openapi(PredictRequest, PredictError, PREDICT_ERRORS),
     )
     async def predict(self, request: Request) -> Response:
         return await self._serve(request, PREDICT)
@@ -425,7 +230,7 @@ class ModelServer:
         "/v2/models/{name}/infer",
         summary="Open Inference Protocol: inference (the serving version, or its canary)",
         response_model=InferResponse,
-        openapi_extra=_openapi(InferRequest, InferError, INFER_ERRORS, path=("name",)),
+        openapi_extra=route_openapi(InferRequest, InferError, INFER_ERRORS, path=("name",)),
     )
     async def oip_infer(self, request: Request) -> Response:
         return await self._serve(request, self._oip(request), _path(request))
@@ -434,7 +239,9 @@ class ModelServer:
         "/v2/models/{name}/versions/{version}/infer",
         summary="Open Inference Protocol: inference by this version",
         response_model=InferResponse,
-        openapi_extra=_openapi(InferRequest, InferError, INFER_ERRORS, path=("name", "version")),
+        openapi_extra=route_openapi(
+            InferRequest, InferError, INFER_ERRORS, path=("name", "version")
+        ),
     )
     async def oip_infer_version(self, request: Request) -> Response:
         return await self._serve(request, self._oip(request), _path(request))
@@ -444,7 +251,7 @@ class ModelServer:
         summary="MLflow's scoring protocol: dataframe_split, dataframe_records, instances, "
         "inputs or CSV in; one prediction per row out (mlflow models serve's route)",
         response_model=ScoringResponse,
-        openapi_extra=_scoring_openapi(),
+        openapi_extra=scoring_openapi(),
     )
     async def invocations(self, request: Request) -> Response:
         return await self._serve(request, MLFLOW)
@@ -453,7 +260,7 @@ class ModelServer:
         "/models/{name}/versions/{version}/predict",
         summary="/predict answered by this version (a number, or an alias)",
         response_model=PredictResponse,
-        openapi_extra=_openapi(
+        openapi_extra=route_openapi(
             PredictRequest, PredictError, PREDICT_ERRORS, path=("name", "version")
         ),
     )
@@ -464,7 +271,7 @@ class ModelServer:
         "/models/{name}/versions/{version}/invocations",
         summary="MLflow's scoring protocol answered by this version (a number, or an alias)",
         response_model=ScoringResponse,
-        openapi_extra=_scoring_openapi(path=("name", "version")),
+        openapi_extra=scoring_openapi(path=("name", "version")),
     )
     async def invocations_version(self, request: Request) -> Response:
         return await self._serve(request, MLFLOW, _path(request))
@@ -548,7 +355,7 @@ class ModelServer:
         "/v2/models/{name}",
         summary="Open Inference Protocol: the model's inputs and outputs",
         response_model=ModelMetadata,
-        openapi_extra=_openapi(None, InferError, (401, 404), selectable=False),
+        openapi_extra=route_openapi(None, InferError, (401, 404), selectable=False),
     )
     async def oip_model(self, name: str, request: Request) -> Response:
         return await self._oip_model(request, (name, None), _described)
@@ -557,7 +364,7 @@ class ModelServer:
         "/v2/models/{name}/versions/{version}",
         summary="Open Inference Protocol: the version's inputs and outputs",
         response_model=ModelMetadata,
-        openapi_extra=_openapi(None, InferError, (401, 404), selectable=False),
+        openapi_extra=route_openapi(None, InferError, (401, 404), selectable=False),
     )
     async def oip_model_version(self, name: str, version: str, request: Request) -> Response:
         return await self._oip_model(request, (name, version), _described)
@@ -565,7 +372,7 @@ class ModelServer:
     @api.get(
         "/v2/models/{name}/ready",
         summary="Open Inference Protocol: the model is ready",
-        openapi_extra=_openapi(None, InferError, (401, 404), selectable=False),
+        openapi_extra=route_openapi(None, InferError, (401, 404), selectable=False),
     )
     async def oip_model_ready(self, name: str, request: Request) -> Response:
         return await self._oip_model(request, (name, None), self._ready)
@@ -573,7 +380,7 @@ class ModelServer:
     @api.get(
         "/v2/models/{name}/versions/{version}/ready",
         summary="Open Inference Protocol: the version is ready (loading it if need be)",
-        openapi_extra=_openapi(None, InferError, (401, 404, 503), selectable=False),
+        openapi_extra=route_openapi(None, InferError, (401, 404, 503), selectable=False),
     )
     async def oip_version_ready(self, name: str, version: str, request: Request) -> Response:
         return await self._oip_model(request, (name, version), self._ready)
@@ -720,191 +527,3 @@ class ModelServer:
             outcome.latencies_ms = [(time.perf_counter() - started) * 1000]
             self.canary.record(role, outcome)
         return Response(body, media_type="application/json")
-
-
-def deployment_options(serving: ServingParams, allow_surge: bool) -> dict[str, Any]:
-    """Serve's options of the deployment: its replicas (fixed or autoscaled), their resources
-    and queue, and how a roll and a failing constructor go."""
-    scaling: dict[str, Any] = (
-        {"num_replicas": serving.min_replicas}
-        if serving.max_replicas == serving.min_replicas
-        else {
-            "autoscaling_config": {
-                "min_replicas": serving.min_replicas,
-                "max_replicas": serving.max_replicas,
-                "target_ongoing_requests": serving.target_ongoing_requests,
-            }
-        }
-    )
-    return {
-        **scaling,
-        "max_ongoing_requests": serving.max_ongoing_requests,
-        # Past the queue, a request is answered 503 with Retry-After, not left to time out.
-        "max_queued_requests": serving.max_queued_requests,
-        "backpressure_config": {"status_code": 503, "retry_after_s": serving.retry_after_s},
-        "ray_actor_options": serving.resources().actor_options(),
-        "max_surge_percent": 100 if allow_surge else 0,
-        "logging_config": {"enable_access_log": serving.access_log},
-        # A model that does not load will not load on the 20th try (Ray's default) either;
-        # three covers a flaky artifact store and fails a bad version within seconds.
-        "max_constructor_retry_count": 3,
-    }
-
-
-def replica_arguments(served: ServedModel, options: ReplicaOptions) -> tuple[Any, ...]:
-    """The replica's constructor arguments, as Serve records and pickles them."""
-    return served.model_dump(), options.model_dump()
-
-
-class HTTPAddress(NamedTuple):
-    """Where Serve's HTTP proxy listens and whether it speaks HTTPS."""
-
-    host: str
-    port: int
-    tls: bool
-
-
-def running_http_address() -> HTTPAddress | None:
-    """Where the running Serve proxy listens, or None when Serve is not running."""
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None:
-        return None
-    config = client.get_serve_details().get("http_options", {})
-    return HTTPAddress(
-        str(config.get("host")), int(config.get("port", 0)), bool(config.get("ssl_certfile"))
-    )
-
-
-def listening(host: str, port: int) -> str:
-    """Which ports serving opens, in words: HAProxy ingress opens its stats and Prometheus
-    ports too, on loopback when it starts through prefect-ml's script, otherwise on every
-    interface whatever ``host`` is (Ray 2.60's template has no setting for their address).
-    Read from this process's environment, which a Ray started here inherits."""
-    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
-        return f"Serve's proxy on {host}:{port} only"
-    stats = os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404")
-    metrics = os.environ.get("RAY_SERVE_HAPROXY_METRICS_PORT", "9101")
-    if haproxy_on_loopback():
-        return (
-            f"HAProxy on {host}:{port}, its stats on 127.0.0.1:{stats} and Prometheus metrics "
-            f"on 127.0.0.1:{metrics}"
-        )
-    return (
-        f"HAProxy on {host}:{port}, and its stats (*:{stats}) and Prometheus metrics "
-        f"(*:{metrics}) on every interface (RAY_SERVE_HAPROXY_BINARY_PATH is not prefect-ml's "
-        f"script); PREFECT_ML_SERVE_INGRESS=proxy listens on {host}:{port} only"
-    )
-
-
-def start_http(host: str, port: int, tls: tuple[Path, Path] | None = None) -> None:
-    """Start Serve's HTTP proxy on host:port (HTTPS with ``tls``, a certificate and key), or
-    check that the running one listens there the same way."""
-    running = running_http_address()
-    if running is None:
-        check_port_free(host, port, "serving.port")
-        options: dict[str, Any] = {"host": host, "port": port}
-        if tls is not None:
-            if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
-                raise ConfigurationError(
-                    "PREFECT_ML_SERVE_TLS_CERT",
-                    "Ray Serve's HAProxy ingress serves plain HTTP only; unset "
-                    "RAY_SERVE_ENABLE_HA_PROXY (prefect-ml leaves it unset when serving HTTPS)",
-                )
-            options.update(ssl_certfile=str(tls[0]), ssl_keyfile=str(tls[1]))
-        serve.start(http_options=options)
-    elif running != (host, port, tls is not None):
-        scheme = "HTTPS" if running.tls else "plain HTTP"
-        raise ConfigurationError(
-            "serving.port",
-            f"Ray Serve already listens on {running.host}:{running.port} ({scheme}) in this "
-            f"cluster; use --host {running.host} --port {running.port} with "
-            f"PREFECT_ML_SERVE_TLS_* {'set' if running.tls else 'unset'}, "
-            "or `serve shutdown` first",
-        )
-
-
-def deploy(
-    served: ServedModel,
-    options: ReplicaOptions,
-    *,
-    tls: tuple[Path, Path] | None = None,
-) -> None:
-    """Deploy (or roll) the application; returns once every replica serves ``served``.
-
-    A roll starts the new replicas next to the old ones when the cluster has room for one more;
-    otherwise (a full cluster) old replicas stop first and requests queue meanwhile. With ``tls``
-    (certificate, key) the proxy serves HTTPS only.
-
-    Raises:
-        DeploymentError: a replica failed to start (Serve gives up after
-            ``max_constructor_retry_count`` tries) or the replicas were not all ready within
-            ``serving.deploy_timeout_s`` (a replica that hangs while it loads, or that Ray
-            cannot place: Serve would wait for ever). A new application is deleted then; a
-            roll's old replicas serve on, and the caller deploys the old version again.
-    """
-    import ray
-
-    placement = options.serving
-    start_http(placement.host, placement.port, tls)
-    existed = placement.app_name in serve.status().applications
-    # Free resources summed over the cluster: a surge replica that still finds no single node
-    # with room waits a moment for an old replica to drain, as without surge.
-    allow_surge = placeable(placement.resources(), [ray.available_resources()]) >= 1
-    server = cast(Deployment, ModelServer)  # the decorator made the class a Deployment
-    deployment = server.options(**deployment_options(placement, allow_surge))
-    target = serve.RunTarget(
-        target=deployment.bind(*replica_arguments(served, options)),
-        name=placement.app_name,
-        route_prefix=placement.route_prefix,
-    )
-    # Not serve.run: it waits for the application without a bound.
-    serve.run_many([target], wait_for_applications_running=False)
-    failure = _wait_running(placement.app_name, placement.deploy_timeout_s)
-    if failure is None:
-        return
-    if not existed:
-        serve.delete(placement.app_name)  # nothing left deployed half-way
-    raise DeploymentError(f"{served.uri} did not deploy as {placement.app_name!r}: {failure}")
-
-
-def _wait_running(app_name: str, timeout_s: float) -> str | None:
-    """None once the application runs; otherwise why it does not: the replica's error when
-    Serve gave up on it, or what Serve says about the replicas still starting at the bound."""
-    from ray.serve.schema import ApplicationStatus
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        app = serve.status().applications.get(app_name)
-        status = app.status if app else ApplicationStatus.DEPLOYING
-        if status == ApplicationStatus.RUNNING:
-            return None
-        lines = _deployment_message(app_name)
-        if status == ApplicationStatus.DEPLOY_FAILED:  # the last line of the replica's error
-            return lines[-1] if lines else "see the Ray Serve controller log"
-        if time.monotonic() >= deadline:
-            said = " ".join(lines) or "no replica reported (see the Ray Serve controller log)"
-            bound = f"{timeout_s:g} s (serving.deploy_timeout_s)"
-            return f"its replicas were not ready within {bound}: {said}"
-        time.sleep(0.5)
-
-
-def _deployment_message(app_name: str) -> list[str]:
-    """The lines Serve keeps in the deployment's status: a replica's error, or why replicas
-    are still starting (not placed, or a slow constructor)."""
-    app = serve.status().applications.get(app_name)
-    deployment = app.deployments.get(DEPLOYMENT_NAME) if app else None
-    message = deployment.message if deployment else ""
-    return [line.strip() for line in message.splitlines() if line.strip()]
-
-
-def running_replicas(app_name: str) -> int:
-    """How many of the application's replicas are up now (0: it is not deployed)."""
-    if running_http_address() is None:
-        return 0
-    app = serve.status().applications.get(app_name)
-    deployment = app.deployments.get(DEPLOYMENT_NAME) if app else None
-    if deployment is None:
-        return 0
-    return sum(n for state, n in deployment.replica_states.items() if state == "RUNNING")
