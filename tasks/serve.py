@@ -311,14 +311,20 @@ def serve_registered_model(
         listening=serving.listening(params.host, params.port),
     )
     logger.info("Listening: %s", result.listening)
+    publish_serving(result, settings.resolved_tracking_uri)
+    return result
+
+
+def publish_serving(result: ServingResult, tracking_uri: str) -> None:
+    """The run's artifacts: where and what it serves, the OpenAPI docs, and the served version
+    in the MLflow registry."""
     create_markdown_artifact(serving_markdown(result), key="serving", description="Serving")
-    create_link_artifact(f"{url}/docs", link_text="OpenAPI docs", key="serving-docs")
+    create_link_artifact(f"{result.url}/docs", link_text="OpenAPI docs", key="serving-docs")
     create_link_artifact(
-        tracking.model_version_url(settings.resolved_tracking_uri, served.name, served.version),
-        link_text=f"{served.name} v{served.version} in the MLflow registry",
+        tracking.model_version_url(tracking_uri, result.model_name, result.version),
+        link_text=f"{result.model_name} v{result.version} in the MLflow registry",
         key="served-model",
     )
-    return result
 
 
 def record_served(
