@@ -23,10 +23,6 @@ from prefect_ml.integrations.errors import ConfigurationError
 # 0.7 GPU hold 7 copies of 0.1, as Ray does, not 6 (float division says 6.999...).
 _UNITS = 10_000
 
-# The name the trial pool and trial workers still import, until their move to
-# integrations/campaign/ lands: the request is :class:`Resources`.
-ResourceRequest = Resources
-
 
 def _units(amount: float) -> int:
     return round(amount * _UNITS)

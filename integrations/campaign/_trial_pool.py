@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prefect_ml.integrations.campaign._trial_worker import EpochReport, TrialSpec, TrialWorker
+from prefect_ml.integrations.config.resources import Resources
 from prefect_ml.integrations.errors import DETERMINISTIC_ERRORS, TrainingCodeError
 from prefect_ml.integrations.resources import (
     PLACEMENT_NOTICE_S,
     PLACEMENT_REPEAT_S,
-    ResourceRequest,
     cluster_nodes,
     describe_placement,
     free_per_node,
@@ -111,7 +111,7 @@ class RayTrialPool:
         self,
         size: int,
         *,
-        request: ResourceRequest,
+        request: Resources,
         driver_only: bool,
         start_timeout_s: float,
         logger: Logger | None = None,
@@ -124,7 +124,7 @@ class RayTrialPool:
                 Prefect: other work holds the cluster, which a retry seconds later meets again).
         """
         self._request = request
-        self._placed = ResourceRequest(cpus=0) if driver_only else request
+        self._placed = Resources(cpus=0) if driver_only else request
         self._logger = logger or logging.getLogger(__name__)
         self._pending: dict[Any, int] = {}  # ObjectRef -> slot
         self._workers: list[Any] = self._start(size, start_timeout_s)  # None: a closed slot

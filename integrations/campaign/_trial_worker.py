@@ -21,6 +21,7 @@ from pathlib import Path
 from prefect_ml.integrations import distributed_checkpoint, storage
 from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.config.resources import Resources
 from prefect_ml.integrations.errors import (
     DETERMINISTIC_ERRORS,
     CheckpointError,
@@ -30,7 +31,6 @@ from prefect_ml.integrations.errors import (
 )
 from prefect_ml.integrations.optimization import make_optimizer
 from prefect_ml.integrations.ray_training import fit
-from prefect_ml.integrations.resources import ResourceRequest
 from prefect_ml.integrations.shards import Shard, open_shard
 from prefect_ml.integrations.training import (
     METRICS_FILE,
@@ -47,7 +47,7 @@ class TrialSpec:
     number: int
     loop: TrainLoop
     workers: int  # the sweep's trial_workers
-    request: ResourceRequest  # the trial's process, or each of its workers
+    request: Resources  # the trial's process, or each of its workers
     ray_storage_url: str
 
 

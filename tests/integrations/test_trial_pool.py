@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 from prefect_ml.integrations.campaign import RayTrialPool, TrialWorker, _trial_pool
+from prefect_ml.integrations.config.resources import Resources
 from prefect_ml.integrations.errors import TrainingCodeError
-from prefect_ml.integrations.resources import ResourceRequest
 from tests.helpers import holding_cpus, wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
-ONE_CPU = ResourceRequest(cpus=1)
+ONE_CPU = Resources(cpus=1)
 
 
 class FirstReplacementDies(RayTrialPool):

@@ -37,9 +37,9 @@ from prefect_ml.integrations.campaign import (
     root_trial,
 )
 from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.config.resources import Resources
 from prefect_ml.integrations.errors import PrefectMLError
 from prefect_ml.integrations.leases import LeaseLostError
-from prefect_ml.integrations.resources import ResourceRequest
 from prefect_ml.integrations.tracking import TrackingWriter
 from prefect_ml.tasks.campaign.coordinator import CampaignRules, Coordinator, TrialRefused
 
@@ -184,7 +184,7 @@ def plan(tmp_path: Path) -> Callable[[optuna.trial.Trial], tuple[TrialSpec, dict
             tracking_uri="",
             run_id="",
         )
-        spec = TrialSpec(trial.number, loop, 1, ResourceRequest(), ray_storage_url="")
+        spec = TrialSpec(trial.number, loop, 1, Resources(), ray_storage_url="")
         return spec, {"lr": lr}
 
     return spec_of
