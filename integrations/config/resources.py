@@ -64,11 +64,12 @@ def _amount(value: float) -> str:
 
 class Resources(BaseModel):
     """What one copy of a Ray-backed step reserves: CPUs, GPUs (fractions share a GPU), the GPU
-    type, memory and custom resources."""
+    type, memory and custom resources. Beyond the CPUs, what is not given is not asked for:
+    the sections' own defaults are the only ones."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    cpus: float = Field(1.0, ge=0)
+    cpus: float = Field(ge=0)
     gpus: float = Field(0.0, ge=0)  # a training section's use_gpu: one GPU, or none
     accelerator_type: str | None = None  # e.g. "H100", "A10G": Ray's accelerator_type:<T>
     memory: float | None = Field(None, ge=0)  # decimal GB, as the parameters give it

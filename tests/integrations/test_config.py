@@ -26,6 +26,7 @@ from prefect_ml.integrations.config import (
     TrainingParams,
 )
 from prefect_ml.integrations.config.loop import Splits, TrainLoop
+from prefect_ml.integrations.config.resources import Reserve, Resources, reserving_fields
 from prefect_ml.tasks import serve
 from prefect_ml.tasks.data import PreparedData
 from prefect_ml.tasks.training import train_loop
@@ -88,6 +89,15 @@ def test_what_a_worker_receives_declares_no_default_of_a_section_field(receiver:
         name: value for name, value in declared_defaults(receiver).items() if name in SECTION_FIELDS
     }
     assert not twice, f"{receiver.__qualname__} declares section defaults again: {twice}"
+
+
+def test_the_request_declares_no_default_of_what_a_section_asks() -> None:
+    """Resources is built from every marked field of a section: beyond "nothing asked" (no
+    GPU, type, memory or custom resource) it declares no default, so a section's is the one."""
+    for section in (TrainingParams, SweepParams, ServingParams):
+        for part in set(reserving_fields(section)) - {Reserve.COUNT}:
+            field = Resources.model_fields[part.value]
+            assert field.is_required() or not field.get_default(call_default_factory=True), part
 
 
 def test_the_replica_is_constructed_with_the_serving_section_itself() -> None:

@@ -44,8 +44,8 @@ def test_a_request_reads_as_ray_writes_it() -> None:
         "accelerator_type": "H100",
     }
     assert request.describe() == "2 CPU, 0.5 GPU (H100), 4 GB"
-    assert Resources().describe() == "1 CPU"
-    assert Resources().ray_resources() == {"CPU": 1.0}
+    assert Resources(cpus=1).describe() == "1 CPU"
+    assert Resources(cpus=1).ray_resources() == {"CPU": 1.0}
 
 
 # The parameters users set for each part of a request (count, CPUs, GPUs, GPU type, memory,
@@ -126,8 +126,8 @@ def test_copies_are_packed_per_node_and_pinned_to_their_gpu_type() -> None:
     assert placeable(Resources(cpus=1, gpus=1, accelerator_type="H100"), nodes) == 0
     # Two 1-GPU nodes hold two 1-GPU workers, but not one 2-GPU worker.
     two_single_gpu_nodes = [A10G_NODE, A10G_NODE]
-    assert placeable(Resources(gpus=1), two_single_gpu_nodes) == 2
-    assert placeable(Resources(gpus=2), two_single_gpu_nodes) == 0
+    assert placeable(Resources(cpus=1, gpus=1), two_single_gpu_nodes) == 2
+    assert placeable(Resources(cpus=1, gpus=2), two_single_gpu_nodes) == 0
 
 
 def test_fractional_gpus_share_a_gpu_counted_as_ray_counts_them() -> None:
@@ -232,4 +232,4 @@ def test_the_local_ray_reports_its_nodes(ray_cluster: None) -> None:
     assert nodes[0]["CPU"] == 2.0
     assert placeable(Resources(cpus=0.5), nodes) == 4
     with pytest.raises(ConfigurationError, match="the cluster has 0 GPU in total"):
-        _fits(Resources(gpus=1), 1, nodes)
+        _fits(Resources(cpus=1, gpus=1), 1, nodes)

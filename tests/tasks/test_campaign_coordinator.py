@@ -184,7 +184,7 @@ def plan(tmp_path: Path) -> Callable[[optuna.trial.Trial], tuple[TrialSpec, dict
             tracking_uri="",
             run_id="",
         )
-        spec = TrialSpec(trial.number, loop, 1, Resources(), ray_storage_url="")
+        spec = TrialSpec(trial.number, loop, 1, Resources(cpus=1), ray_storage_url="")
         return spec, {"lr": lr}
 
     return spec_of
