@@ -17,6 +17,7 @@ MODULE_LINES = 600
 FUNCTION_LINES = 60
 FOLDERS = ("flows", "tasks", "integrations")
 
+
 @functools.cache
 def _sizes() -> list[tuple[str, int, int]]:
     """(name, lines, limit) of every module and function: ``path`` or ``path:function``."""
