@@ -29,6 +29,20 @@ from tests.helpers import free_port  # noqa: E402
 
 prepare_process_environment()
 
+# `make test` and `make test-all` run test files side by side (pytest-xdist, TEST_WORKERS in the
+# Makefile): each worker is a session of its own, with its own Prefect API, Ray, MLflow and
+# folders. The ports Ray Serve's ingress takes whatever the application's port (HAProxy's stats
+# and Prometheus, the fallback proxy) are the worker's own, so two workers can serve at once.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    for _variable in (
+        "RAY_SERVE_HAPROXY_STATS_PORT",
+        "RAY_SERVE_HAPROXY_METRICS_PORT",
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
+    ):
+        os.environ[_variable] = str(free_port())
+
 # S3 is moto's server on loopback, with throw-away credentials; set before Ray starts, so local
 # Ray workers (and every subprocess) reach the same endpoint. Real AWS settings are dropped.
 _S3_PORT = free_port()
@@ -144,20 +158,33 @@ _early_mlflow: list[MlflowServer] = []
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tiers (tests/tiers.py), marked before ``-m`` selects."""
+    """The tiers (tests/tiers.py), marked before ``-m`` selects; the groups workers take."""
     tiers.apply(items)
+    _worker_groups(items)
+
+
+def _worker_groups(items: list[pytest.Item]) -> None:
+    """What one worker runs together under ``--dist loadgroup``: a test file (its module
+    fixtures, a served model or a UI, are built once), and every file that uses the session's
+    3-node cluster in one group, so the machine runs one such cluster at a time."""
+    on_cluster = {item.path for item in items if "cluster" in getattr(item, "fixturenames", ())}
+    for item in items:
+        group = "cluster" if item.path in on_cluster else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session: pytest.Session) -> None:
     """Start the MLflow server early when a selected test needs it: it takes 15-25 s to come
     up, time the tests before it use. Here rather than at collection: ``--collect-only``
-    starts nothing."""
+    starts nothing. A test worker starts it on first use: it does not know yet which of the
+    items it will run (the one that runs the cluster's group runs its last test, though)."""
     items = session.items
-    if any("mlflow_s3_server" in getattr(item, "fixturenames", ()) for item in items):
-        _early_mlflow.append(MlflowServer(_SESSION_DIR / "mlflow-s3", _MLFLOW_ARTIFACTS))
     users = [item.nodeid for item in items if "cluster" in getattr(item, "fixturenames", ())]
     _last_cluster_test[:] = users[-1:]
+    needed = any("mlflow_s3_server" in getattr(item, "fixturenames", ()) for item in items)
+    if needed and not XDIST_WORKER:
+        _early_mlflow.append(MlflowServer(_SESSION_DIR / "mlflow-s3", _MLFLOW_ARTIFACTS))
 
 
 def pytest_sessionfinish() -> None:
@@ -223,4 +250,5 @@ def home(
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    durations.report(terminalreporter, REPO_ROOT / "test-reports")
+    if not XDIST_WORKER:  # the controller reports every worker's tests
+        durations.report(terminalreporter, REPO_ROOT / "test-reports")

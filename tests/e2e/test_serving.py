@@ -148,10 +148,13 @@ def test_served_on_loopback_haproxy_listens_on_loopback_only(served: Served) -> 
         for connection in process.net_connections("tcp")
         if connection.status == psutil.CONN_LISTEN
     }
-    assert bound == {("127.0.0.1", served.port), ("127.0.0.1", 8404), ("127.0.0.1", 9101)}
+    # 8404 and 9101 unless the session set its own (tests/conftest.py, side by side workers)
+    stats = int(os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404"))
+    metrics = int(os.environ.get("RAY_SERVE_HAPROXY_METRICS_PORT", "9101"))
+    assert bound == {("127.0.0.1", served.port), ("127.0.0.1", stats), ("127.0.0.1", metrics)}
     assert listening("127.0.0.1", served.port) == (
-        f"HAProxy on 127.0.0.1:{served.port}, its stats on 127.0.0.1:8404 and Prometheus "
-        "metrics on 127.0.0.1:9101"
+        f"HAProxy on 127.0.0.1:{served.port}, its stats on 127.0.0.1:{stats} and Prometheus "
+        f"metrics on 127.0.0.1:{metrics}"
     )
 
 

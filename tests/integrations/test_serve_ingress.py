@@ -55,6 +55,8 @@ def test_the_proxy_ingress_opens_only_the_serving_port_and_says_which(
         home, PREFECT_ML_SERVE_INGRESS="proxy"
     )
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    for port in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+        monkeypatch.delenv(port, raising=False)  # Ray's defaults, not a test worker's own
     assert listening("127.0.0.1", 8000) == "Serve's proxy on 127.0.0.1:8000 only"
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", _ingress_environment(home)[BINARY])
