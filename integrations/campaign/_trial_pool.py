@@ -98,11 +98,21 @@ class TrialPool(Protocol):
         ...
 
 
+@dataclass
+class _Asked:
+    """Workers asked of Ray and starting: each one's readiness reference, and when asked."""
+
+    waiting: dict[Any, Any]  # ObjectRef of ready() -> actor
+    began: float
+
+
 class RayTrialPool:
     """:class:`TrialPool` over warm Ray actors; closing it kills them, freeing their CPUs.
 
+    The workers are asked of Ray when the pool is made and start (a process each, torch
+    imported) while the caller goes on with its own set-up; entering the pool waits for them.
     Ray leaves an actor it cannot place pending for ever. The pool waits ``start_timeout_s``
-    for its workers (Ray Train's bound for a worker group, the same setting), saying what the
+    from the asking (Ray Train's bound for a worker group, the same setting), saying what the
     missing ones wait for, and then runs with those started: a busy cluster runs fewer trials
     at a time, as Ray Tune does, and the campaign still ends. None started is an error.
     """
@@ -116,39 +126,53 @@ class RayTrialPool:
         start_timeout_s: float,
         logger: Logger | None = None,
     ) -> None:
-        """``size`` actors placed with ``request``; ``driver_only`` actors hold nothing (their
-        Ray Train workers hold the request).
+        """Ask Ray for ``size`` actors placed with ``request``; ``driver_only`` actors hold
+        nothing (their Ray Train workers hold the request)."""
+        self._request = request
+        self._placed = Resources(cpus=0) if driver_only else request
+        self._logger = logger or logging.getLogger(__name__)
+        self._pending: dict[Any, int] = {}  # ObjectRef -> slot
+        self._size, self._start_timeout_s = size, start_timeout_s
+        self._workers: list[Any] = []  # None: a closed slot
+        self._asked: _Asked | None = self._ask(size)
+
+    def __enter__(self) -> RayTrialPool:
+        """Wait for the workers asked for; the pool runs with those started in time.
 
         Raises:
             TrainingCodeError: no worker started within ``start_timeout_s`` (not retried by
                 Prefect: other work holds the cluster, which a retry seconds later meets again).
         """
-        self._request = request
-        self._placed = Resources(cpus=0) if driver_only else request
-        self._logger = logger or logging.getLogger(__name__)
-        self._pending: dict[Any, int] = {}  # ObjectRef -> slot
-        self._workers: list[Any] = self._start(size, start_timeout_s)  # None: a closed slot
-        if len(self._workers) < size:
-            placement = self._placement(size)
-            if not self._workers:
-                raise TrainingCodeError(
-                    f"no trial worker of the campaign started within {start_timeout_s:g} s "
-                    f"({TIMEOUT_SETTING}): Ray could not place them: {placement}. To fix it: "
-                    "free those resources (another job holds them), run fewer or smaller "
-                    "trials at once (--concurrency, --trial-cpus, --trial-gpus, "
-                    f"--trial-memory-gb), or raise {TIMEOUT_SETTING}; then run the same "
-                    "command again (the campaign resumes by name)."
-                )
-            self._logger.warning(
-                "Running %d trial(s) at a time, not %d: Ray started only %d trial worker(s) "
-                "within %g s (%s): %s",
-                len(self._workers),
-                size,
-                len(self._workers),
-                start_timeout_s,
-                TIMEOUT_SETTING,
-                placement,
+        asked, self._asked = self._asked, None
+        if asked is None:
+            raise RuntimeError("a trial pool is entered once")
+        self._workers = self._started(asked, self._start_timeout_s)
+        if len(self._workers) < self._size:
+            self._say_short(self._size, self._start_timeout_s)
+        return self
+
+    def _say_short(self, size: int, timeout: float) -> None:
+        """Fewer workers than asked started in time: run with them, or fail if none did."""
+        placement = self._placement(size)
+        if not self._workers:
+            raise TrainingCodeError(
+                f"no trial worker of the campaign started within {timeout:g} s "
+                f"({TIMEOUT_SETTING}): Ray could not place them: {placement}. To fix it: "
+                "free those resources (another job holds them), run fewer or smaller "
+                "trials at once (--concurrency, --trial-cpus, --trial-gpus, "
+                f"--trial-memory-gb), or raise {TIMEOUT_SETTING}; then run the same "
+                "command again (the campaign resumes by name)."
             )
+        self._logger.warning(
+            "Running %d trial(s) at a time, not %d: Ray started only %d trial worker(s) "
+            "within %g s (%s): %s",
+            len(self._workers),
+            size,
+            len(self._workers),
+            timeout,
+            TIMEOUT_SETTING,
+            placement,
+        )
 
     @property
     def size(self) -> int:
@@ -157,20 +181,29 @@ class RayTrialPool:
     def _placement(self, count: int) -> str:
         return describe_placement(self._placed.describe(), count, free_per_node(), "trial(s)")
 
-    def _start(self, count: int, timeout: float) -> list[Any]:
-        """The workers of ``count`` asked for that are ready within ``timeout`` seconds; the
-        others are killed (a pending actor never starts after that). A worker whose process
-        died while starting raises RayActorError."""
+    def _ask(self, count: int) -> _Asked:
         import ray
 
         actor_class = ray.remote(TrialWorker).options(
             **self._placed.actor_options(), max_restarts=0
         )
-        asked: list[Any] = [actor_class.remote() for _ in range(count)]
         threads = max(1, int(self._request.cpus))
-        waiting = {worker.ready.remote(threads): worker for worker in asked}
+        asked: list[Any] = [actor_class.remote() for _ in range(count)]
+        return _Asked({worker.ready.remote(threads): worker for worker in asked}, time.monotonic())
+
+    def _start(self, count: int, timeout: float) -> list[Any]:
+        """``count`` more workers, those ready within ``timeout`` seconds."""
+        return self._started(self._ask(count), timeout)
+
+    def _started(self, asked: _Asked, timeout: float) -> list[Any]:
+        """The workers asked for that are ready within ``timeout`` seconds of the asking; the
+        others are killed (a pending actor never starts after that). A worker whose process
+        died while starting raises RayActorError."""
+        import ray
+
+        waiting, began, count = dict(asked.waiting), asked.began, len(asked.waiting)
         started: list[Any] = []
-        began, last_notice = time.monotonic(), float("-inf")
+        last_notice = float("-inf")
         try:
             while waiting and (left := began + timeout - time.monotonic()) > 0:
                 ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=min(left, 1))
@@ -193,7 +226,7 @@ class RayTrialPool:
                         TIMEOUT_SETTING,
                     )
         except BaseException:
-            for worker in asked:
+            for worker in asked.waiting.values():
                 ray.kill(worker)
             raise
         for worker in waiting.values():
@@ -258,13 +291,11 @@ class RayTrialPool:
     def close(self) -> None:
         import ray
 
-        for worker in self._workers:
+        asked = list(self._asked.waiting.values()) if self._asked else []
+        for worker in [*self._workers, *asked]:
             if worker is not None:
                 ray.kill(worker)
-        self._workers, self._pending = [], {}
-
-    def __enter__(self) -> RayTrialPool:
-        return self
+        self._workers, self._pending, self._asked = [], {}, None
 
     def __exit__(
         self,

@@ -308,38 +308,49 @@ class CampaignRun:
         )
         self.coordinator = Coordinator(self.study, rules, self.planner, logger=self.logger)
         self.coordinator.recover()
-        writer = self.attach()
-        try:
-            remaining = self.coordinator.remaining
-            if remaining == 0:
-                self.logger.info(
-                    "Campaign %s already has %d finished trials",
-                    self.identity.key,
-                    self.coordinator.tally.finished,
-                )
-            else:
-                with ray_session(self.settings):
-                    count = slots(self.sweep, remaining, self.logger)
-                    with RayTrialPool(
-                        count,
-                        request=self.sweep.resources(),
-                        driver_only=self.sweep.trial_workers > 1,
-                        start_timeout_s=self.settings.worker_group_start_timeout_s,
-                        logger=self.logger,
-                    ) as pool:
-                        self.logger.info(
-                            "Campaign %s: %d parallel trial workers, budget %s trials",
-                            self.identity.key,
-                            pool.size,
-                            self.coordinator.rules.budget or "unlimited",
-                        )
-                        self._run_pool(pool, writer, check)
-        finally:
-            # Trials still running (an exception above) are left RUNNING: the next run retries them.
-            writer.close()  # every MLflow record written: part of the trials' cost
+        if self.coordinator.remaining == 0:
+            writer = self.attach()
+            writer.close()
+            self.logger.info(
+                "Campaign %s already has %d finished trials",
+                self.identity.key,
+                self.coordinator.tally.finished,
+            )
+        else:
+            with ray_session(self.settings):
+                writer = self._run_on_ray(check)
         if "setup_seconds" in self.timings:
             self.timings["trials_seconds"] = time.monotonic() - self.trials_started
         return self.conclude(writer)
+
+    def _run_on_ray(self, check: Callable[[], None]) -> TrackingWriter:
+        """Ask Ray for the trial workers, open the MLflow runs while they start (a process
+        and torch each), then run the trials on them; the MLflow writer, closed."""
+        pool = RayTrialPool(
+            slots(self.sweep, self.coordinator.remaining, self.logger),
+            request=self.sweep.resources(),
+            driver_only=self.sweep.trial_workers > 1,
+            start_timeout_s=self.settings.worker_group_start_timeout_s,
+            logger=self.logger,
+        )
+        try:
+            writer = self.attach()
+        except BaseException:
+            pool.close()
+            raise
+        try:
+            with pool:
+                self.logger.info(
+                    "Campaign %s: %d parallel trial workers, budget %s trials",
+                    self.identity.key,
+                    pool.size,
+                    self.coordinator.rules.budget or "unlimited",
+                )
+                self._run_pool(pool, writer, check)
+        finally:
+            # Trials still running (an exception above) are left RUNNING: the next run retries them.
+            writer.close()  # every MLflow record written: part of the trials' cost
+        return writer
 
     def _run_pool(
         self, pool: RayTrialPool, writer: TrackingWriter, check: Callable[[], None]

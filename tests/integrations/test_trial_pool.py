@@ -1,4 +1,5 @@
-"""The trial pool on a real (local) Ray: its first workers on a busy cluster (those placed
+"""The trial pool on a real (local) Ray: its workers start as it is made, before it is entered
+(the caller's set-up meanwhile); its first workers on a busy cluster (those placed
 within the timeout run, none placed is an error, and the wait is said); the replacement of a
 lost worker (one that dies with the node it landed on is tried again; one the cluster has no
 room for closes its slot)."""
@@ -105,7 +106,8 @@ def test_a_pool_ray_cannot_place_at_all_ends_at_its_timeout_and_leaves_nothing_p
 
     started = time.monotonic()
     with holding_cpus(2), pytest.raises(TrainingCodeError) as ended:
-        RayTrialPool(2, request=ONE_CPU, driver_only=False, start_timeout_s=4)
+        with RayTrialPool(2, request=ONE_CPU, driver_only=False, start_timeout_s=4):
+            pass
     assert time.monotonic() - started < 60
     message = str(ended.value)
     node = ray.util.get_node_ip_address()
@@ -117,3 +119,29 @@ def test_a_pool_ray_cannot_place_at_all_ends_at_its_timeout_and_leaves_nothing_p
     ):
         assert reason in message, reason
     wait_for(lambda: ray.available_resources().get("CPU") == 2, 60, "both CPUs free again")
+
+
+def test_the_workers_start_as_the_pool_is_made_and_close_without_being_entered() -> None:
+    """The campaign opens its MLflow runs while its workers start: they are ready before anyone
+    enters the pool, which then has them at once; a pool the caller never enters (its set-up
+    failed meanwhile) leaves nothing when closed."""
+    import ray
+
+    pool = RayTrialPool(2, request=ONE_CPU, driver_only=False, start_timeout_s=120)
+    try:
+        assert pool._asked is not None
+        asked = list(pool._asked.waiting)
+        ready, _ = ray.wait(asked, num_returns=2, timeout=120)  # nobody waits on the pool
+        assert len(ready) == 2, "the workers asked for started before the pool was entered"
+        with pool:
+            assert pool.size == 2
+            pool.finish()
+    finally:
+        pool.close()
+    unentered = RayTrialPool(2, request=ONE_CPU, driver_only=False, start_timeout_s=120)
+    assert unentered._asked is not None
+    workers = list(unentered._asked.waiting.values())
+    unentered.close()
+    for worker in workers:  # killed: a call on it fails instead of waiting for a CPU
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(worker.finish.remote(), timeout=60)
