@@ -7,6 +7,11 @@ STAMP   := $(VENV)/.installed
 LOCK    := requirements.lock
 UV      := uv==0.9.30
 PYTEST_ARGS ?=
+# Test files run side by side, TEST_WORKERS at a time (pytest-xdist; each worker is a session with
+# services of its own, tests/conftest.py): a test spends most of its time waiting on processes,
+# servers and polls, not computing (tests/README.md). TEST_WORKERS=0: one process, as before.
+TEST_WORKERS ?= 2
+XDIST   = -n $(TEST_WORKERS) --dist loadgroup
 # `make bench BENCH_ARGS=--quick`: every benchmark's smoke run (results/*.quick.json, not committed)
 BENCH_ARGS ?=
 
@@ -59,7 +64,7 @@ test: $(STAMP) postgresql chromium
 
 # Everything, the full tier's end-to-end scenarios included (chaos runs stay in `make chaos`).
 test-all: $(STAMP) postgresql chromium
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 bench: $(STAMP) postgresql
 	$(VENV)/bin/python benchmarks/training.py $(BENCH_ARGS)
