@@ -349,20 +349,22 @@ def measure(seconds: float, protocols_only: bool = False) -> dict[str, Any]:
         peers: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {}
         if protocols_only:
             peers["mlflow-serve"] = (mlflow_url, mlflow_body, ())
-        arms.update(ours_curves(version, shape, row, seconds, protocols_only, peers))
+        bodies = (flat_body, mlflow_body)
+        arms.update(ours_curves(version, row, bodies, seconds, protocols_only, peers))
     return {"model_uri": model_uri, "arms": arms}
 
 
 def ours_curves(
     version: str,
-    shape: list[int],
     row: list[float],
+    bodies: tuple[dict[str, Any], dict[str, Any]],
     seconds: float,
     protocols_only: bool,
     peers: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]],
 ) -> dict[str, dict[int, dict[str, float]]]:
     """Our arms on one local Ray; the defaults' replica is deployed last, and ``/predict``, the
-    other protocols, the two versions and ``peers`` (servers already up) take turns on it."""
+    other protocols, the two versions and ``peers`` (servers already up) take turns on it.
+    ``bodies``: the row as ``/predict``'s body and as MLflow's."""
     from prefect_ml.flows.serve import serve_model
     from prefect_ml.integrations.ray_cluster import ray_session
     from prefect_ml.integrations.settings import get_settings
@@ -378,8 +380,7 @@ def ours_curves(
         return {key: sum(v[key] for v in versions) for key in ("batches", "requests")}
 
     base = f"http://127.0.0.1:{port}"
-    flat_body = {"inputs": [row]}
-    mlflow_body = {"inputs": np.asarray(row).reshape(1, *shape).tolist()}
+    flat_body, mlflow_body = bodies
     oip_body = {
         "inputs": [{"name": "input", "shape": [1, len(row)], "datatype": "FP32", "data": row}]
     }

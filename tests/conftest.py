@@ -29,10 +29,11 @@ from tests.helpers import free_port  # noqa: E402
 
 prepare_process_environment()
 
-# `make test` and `make test-all` run test files side by side (pytest-xdist, TEST_WORKERS in the
-# Makefile): each worker is a session of its own, with its own Prefect API, Ray, MLflow and
-# folders. The ports Ray Serve's ingress takes whatever the application's port (HAProxy's stats
-# and Prometheus, the fallback proxy) are the worker's own, so two workers can serve at once.
+# `make test-all TEST_WORKERS=2` runs test files side by side (pytest-xdist; one process by
+# default, see the Makefile): each worker is a session of its own, with its own Prefect API, Ray,
+# MLflow and folders. The ports Ray Serve's ingress takes whatever the application's port
+# (HAProxy's stats and Prometheus, the fallback proxy) are the worker's own, so two workers can
+# serve at once.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER:
     for _variable in (
