@@ -30,8 +30,11 @@ from tests.s3 import TEST_BUCKET, MotoS3
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER_IPS = ("127.0.0.2", "127.0.0.3")  # the session cluster's worker nodes, node-a and node-b
-# What a node must not see of this checkout: everything importable from it.
-SOURCE_FOLDERS = ("prefect_ml", "flows", "tasks", "integrations", "tests", "examples", "benchmarks")
+# What a node must not see of this checkout: everything importable from it (the top-level
+# flows/, tasks/ and integrations/ are links into prefect_ml/, dangling once it is hidden).
+SOURCE_FOLDERS = ("prefect_ml", "tests", "examples", "benchmarks")
+# The package's folders, hidden inside a visible prefect_ml/ (a partial copy of it).
+PACKAGE_FOLDERS = ("flows", "tasks", "integrations")
 # Mount tmpfs over each folder given as arguments, then run the rest (the node's `ray start`).
 _HIDE_AND_RUN = 'for d in "$@"; do [ "$d" = -- ] && break; mount -t tmpfs tmpfs "$d"; done; '
 _HIDE_AND_RUN += 'while [ "$1" != -- ]; do shift; done; shift; exec "$@"'
@@ -190,10 +193,13 @@ class LocalCluster:
         visible: Sequence[str] = (),
     ) -> ClusterNode:
         """Join a node; ``visible`` names folders of the checkout it sees (hidden on the others),
-        e.g. ``prefect_ml``: a node with a partial copy of the project at the driver's path."""
+        e.g. ``prefect_ml``: a node with a partial copy of the project at the driver's path (the
+        package's ``__init__`` without its flows, tasks and integrations)."""
         hidden = [
             path for path in self.hidden if path.name not in visible or path.parent != REPO_ROOT
         ]
+        if "prefect_ml" in visible:
+            hidden += [REPO_ROOT / "prefect_ml" / name for name in PACKAGE_FOLDERS]
         node = self._start(
             name, ip, cpus, resources or {}, f"--address={self.address}", hidden=hidden
         )

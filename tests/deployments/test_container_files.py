@@ -613,14 +613,7 @@ def test_compose_ray_nodes_start_with_the_serve_ingress_environment(
 
 def test_dockerfile_copies_only_what_exists_and_is_not_ignored() -> None:
     sources = copy_sources()
-    assert {
-        "pyproject.toml",
-        "README.md",
-        "flows/",
-        "tasks/",
-        "integrations/",
-        "prefect_ml/",
-    } <= set(sources)
+    assert {"pyproject.toml", "README.md", "prefect_ml/"} <= set(sources)
     patterns = dockerignore_patterns()
     for source in sources:
         assert (REPO_ROOT / source).exists(), f"COPY {source}: not in the repo"
@@ -655,14 +648,24 @@ def test_dockerfile_runs_as_a_non_root_user_with_its_home_as_a_volume() -> None:
 
 
 def test_dockerfile_image_holds_every_deployment_entrypoint() -> None:
-    """prefect.yaml's entrypoints are paths relative to the project root (the WORKDIR)."""
+    """prefect.yaml's entrypoints are paths relative to the project root (the WORKDIR): in a
+    folder copied into the image, or, as ``flows/`` is, a link into the copied package that
+    the image makes as the repository has it."""
     copied = {source.rstrip("/") for source in copy_sources()}
+    runs = " ".join(
+        arguments for keyword, arguments in dockerfile_instructions() if keyword == "RUN"
+    )
     entrypoints = [d["entrypoint"] for d in load_yaml(PREFECT_YAML)["deployments"]]
     assert entrypoints
     for entrypoint in entrypoints:
         path = entrypoint.split(":")[0]
         assert (REPO_ROOT / path).is_file(), entrypoint
-        assert Path(path).parts[0] in copied, f"{entrypoint} is not copied into the image"
+        top = REPO_ROOT / Path(path).parts[0]
+        if top.is_symlink():
+            target = top.readlink()
+            assert f"ln -s {target.as_posix()} {top.name}" in runs, f"{entrypoint}: no link"
+            top = Path(target.parts[0])
+        assert top.name in copied, f"{entrypoint} is not copied into the image"
 
 
 def test_dockerignore_keeps_local_state_out_of_the_context() -> None:

@@ -351,8 +351,8 @@ def test_a_node_with_a_partial_copy_at_the_drivers_path_trains_the_shipped_code(
     s3_bucket: str,
     mlflow_s3_server: str,
 ) -> None:
-    """A node that sees the checkout's ``prefect_ml/`` folder of links at the driver's path, its
-    linked folders missing (a host sharing a filesystem with a partial or older copy), runs the
+    """A node that sees the checkout's ``prefect_ml/`` folder at the driver's path, its
+    subpackages missing (a host sharing a filesystem with a partial or older copy), runs the
     shipped prefect-ml: Ray puts the driver's working directory ahead of the shipped packages on
     every worker's path, and before the worker setup hook pinned them, every worker there failed
     with ``No module named 'prefect_ml.integrations...'``. The doctor's row for every node, that
