@@ -490,6 +490,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 s per point instead of 10 s")
     parser.add_argument(
+        "--seconds", type=float, help="s per point (split into 3 turns with --protocols) [10]"
+    )
+    parser.add_argument(
         "--protocols", action="store_true", help="only mlflow-serve, ours+batching and protocols"
     )
     parser.add_argument("--bare-server", nargs=2, metavar=("PORT", "MODEL_URI"), help="internal")
@@ -500,7 +503,7 @@ def main() -> None:
         return
     os.environ.setdefault("RAY_worker_niceness", "0")  # our replica at its peers' priority
     with embedded_home():
-        report = measure(3 if args.quick else 10, args.protocols)
+        report = measure(args.seconds or (3 if args.quick else 10), args.protocols)
     report["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}"
     save_report(
         report,

@@ -30,7 +30,6 @@ from prefect_ml.integrations.serving._protocol import (
     RequestError,
     Scoring,
     check_columns,
-    column_names,
     finite_outputs,
     invalid_body,
     rows_matrix,
@@ -175,7 +174,7 @@ def _media_type(content_type: str) -> str:
 
 
 def _request_matrix(request: ScoringRequest, served: ServedModel) -> np.ndarray:
-    names = column_names(served)
+    names = served.column_names
     if request.dataframe_split is not None:
         split = request.dataframe_split
         columns = None if split.columns is None else [str(c) for c in split.columns]
@@ -212,7 +211,7 @@ def _table_matrix(
     """Rows of values under ``columns`` (None: the model's order) as the model's matrix."""
     if columns is None:
         return rows_matrix(data, served, None, where)
-    names = column_names(served)
+    names = served.column_names
     if len(set(columns)) != len(columns):
         raise RequestError(422, f"{where}: a column is named twice in {columns}")
     check_columns(set(columns), names, frozenset(names), f"{where}.columns")

@@ -8,7 +8,9 @@ import them), and torch and MLflow only when a model is loaded.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -49,7 +51,14 @@ class ServedModel(BaseModel):
 
     @property
     def width(self) -> int:
-        return int(np.prod(self.sample_shape))
+        return math.prod(self.sample_shape)
+
+    @functools.cached_property
+    def column_names(self) -> list[str]:
+        """The model's columns in its signature's order: its feature names, or for a model of
+        feature vectors the positions "0", "1", ... (a pandas frame of a matrix names them so).
+        Worked out once: a request that names no column never pays for them."""
+        return self.feature_names or [str(i) for i in range(self.width)]
 
     def identity(self) -> dict[str, Any]:
         return ModelIdentity(name=self.name, version=self.version, run_id=self.run_id).model_dump()

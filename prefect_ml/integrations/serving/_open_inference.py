@@ -13,6 +13,7 @@ request's ``outputs`` picks among them; its ``id`` comes back. Errors are ``{"er
 from __future__ import annotations
 
 import json
+import math
 from importlib.metadata import version
 from typing import Any
 
@@ -275,9 +276,9 @@ def _tensor(tensor: InferInput, binary: bytes) -> tuple[bytes, np.ndarray]:
                 400, f"input {name!r}: nested data of shape {list(nested.shape)}, not {shape}"
             )
         values = nested.reshape(-1)
-    if values.size != int(np.prod(shape)):
+    if values.size != math.prod(shape):
         raise RequestError(
-            400, f"input {name!r}: {values.size} values for shape {shape} ({int(np.prod(shape))})"
+            400, f"input {name!r}: {values.size} values for shape {shape} ({math.prod(shape)})"
         )
     if dtype in (np.int32, np.int64) and not (values == np.round(values)).all():
         raise RequestError(400, f"input {name!r}: {tensor.datatype} data holds a fraction")
@@ -291,7 +292,7 @@ def _matrix(arrays: dict[str, np.ndarray], served: ServedModel) -> np.ndarray:
     width, names = served.width, served.feature_names
     if INPUT in arrays and len(arrays) == 1:
         values = arrays[INPUT]
-        if values.ndim < 2 or int(np.prod(values.shape[1:])) != width:
+        if values.ndim < 2 or math.prod(values.shape[1:]) != width:
             raise RequestError(
                 400,
                 f"input {INPUT!r}: shape {list(values.shape)}; this model takes "

@@ -110,12 +110,6 @@ def invalid_body(error: ValidationError, status: int, shape: str) -> RequestErro
     return RequestError(status, f"the body does not match {shape}{first}", problems)
 
 
-def column_names(served: ServedModel) -> list[str]:
-    """The model's columns in its signature's order: its feature names, or for a model of
-    feature vectors the positions "0", "1", ... (a pandas frame of a matrix names them so)."""
-    return served.feature_names or [str(i) for i in range(served.width)]
-
-
 def rows_matrix(
     rows: Sequence[Sequence[float] | Mapping[str, float]],
     served: ServedModel,
@@ -125,7 +119,7 @@ def rows_matrix(
     """``rows`` (feature vectors, or objects of named columns when ``names`` is given) as a
     float32 matrix in the model's feature order; a 422 names the first bad row."""
     width = served.width
-    known = frozenset(names or ())  # once per request: the column check is linear in the body
+    known: frozenset[str] = frozenset()  # once per request, at the first row of named columns
     matrix = np.empty((len(rows), width), dtype=np.float32)
     for index, row in enumerate(rows):
         if isinstance(row, Mapping):
@@ -135,6 +129,7 @@ def rows_matrix(
                     f"{where}.{index}: this model takes feature vectors of {width} numbers, "
                     "not named columns",
                 )
+            known = known or frozenset(names)
             check_columns(row, names, known, f"{where}.{index}")
             values: Sequence[float] = [row[name] for name in names]
         else:
