@@ -452,7 +452,7 @@ def write_checkpoints(url: str, seed: int) -> None:
     """What a training run does with its checkpoints, without the training: abort a dead
     writer's uploads, resume after the newest verified checkpoint, commit and prune each epoch."""
     from prefect_ml.integrations import storage
-    from prefect_ml.integrations.checkpoints import CheckpointStore, RetentionPolicy
+    from prefect_ml.integrations.storage import CheckpointStore, RetentionPolicy
 
     storage.abort_incomplete_uploads(url)
     store = CheckpointStore(url)

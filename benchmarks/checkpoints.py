@@ -168,7 +168,7 @@ class Transfers:
         import boto3
         import s3fs
 
-        from prefect_ml.integrations.checkpoints import CheckpointStore
+        from prefect_ml.integrations.storage import CheckpointStore
 
         self.payload = payload
         self.root = f"s3://{BUCKET}/transfers"
@@ -200,7 +200,7 @@ class Transfers:
     def download(self, arm: str) -> bytes | None:
         """The bytes (in-memory arms) or None (the others wrote ``self.target``)."""
         from prefect_ml.integrations import storage
-        from prefect_ml.integrations.checkpoints import CheckpointStore
+        from prefect_ml.integrations.storage import CheckpointStore
 
         key = f"transfers/{arm}/state.pt"
         if arm == "ours-store":
@@ -277,8 +277,8 @@ def training_loop(
     as :data:`LOOPS` says for ``name``."""
     from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-    from prefect_ml.integrations.checkpoints import CheckpointStore
     from prefect_ml.integrations.distributed_checkpoint import to_files
+    from prefect_ml.integrations.storage import CheckpointStore
     from prefect_ml.integrations.training import METRICS_FILE, EpochCommitter, StagedSnapshot
 
     asynchronous, share = LOOPS[name]

@@ -261,7 +261,7 @@ def commit_times(storage_url: str, sizes: Sizes) -> list[dict[str, Any]]:
     """``CheckpointStore.save`` of a ``state.pt`` (random bytes) plus ``metrics.json`` per size:
     the median of the repeats after one untimed save."""
     from prefect_ml.integrations import storage
-    from prefect_ml.integrations.checkpoints import CheckpointStore
+    from prefect_ml.integrations.storage import CheckpointStore
 
     rows = []
     for megabytes in sizes.commit_mb:
@@ -435,8 +435,8 @@ def training_run(data: PreparedData, experiment: str, epochs: int) -> dict[str, 
 
     import prefect_ml
     from prefect_ml.integrations import ray_training, storage, tracking
-    from prefect_ml.integrations.checkpoints import MANIFEST, CheckpointStore
     from prefect_ml.integrations.settings import get_settings
+    from prefect_ml.integrations.storage import MANIFEST, CheckpointStore
 
     def body() -> TrainResult:
         return prefect_ml.train(data, experiment=experiment, epochs=epochs, workers=WORKERS)

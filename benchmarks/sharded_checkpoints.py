@@ -81,8 +81,8 @@ def gathered_checkpoint(model: torch.nn.Module, url: str, rank: int) -> dict[str
     """Rank 0 gathers, serialises and saves; the seconds of each part (rank 0's)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from prefect_ml.integrations.checkpoints import CheckpointStore
     from prefect_ml.integrations.distributed_checkpoint import to_files
+    from prefect_ml.integrations.storage import CheckpointStore
 
     started = time.perf_counter()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -106,8 +106,8 @@ def sharded_checkpoint(model: torch.nn.Module, url: str, group: Any) -> dict[str
     """Every rank copies its shards, then writes and commits them; rank 0's seconds."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from prefect_ml.integrations.checkpoints import CheckpointStore
     from prefect_ml.integrations.distributed_checkpoint import ShardedSnapshot, commit_sharded
+    from prefect_ml.integrations.storage import CheckpointStore
 
     started = time.perf_counter()
     snapshot = ShardedSnapshot.take({"model": get_model_state_dict(model)}, {}, group)
@@ -120,7 +120,7 @@ def check_and_clean(url: str, world: int, layout: str, verify: bool) -> None:
     """Untimed, on rank 0: the manifest lists what it should (``verify``: every file read back
     and checked), then the checkpoint's objects go."""
     from prefect_ml.integrations import storage
-    from prefect_ml.integrations.checkpoints import MANIFEST, CheckpointStore
+    from prefect_ml.integrations.storage import MANIFEST, CheckpointStore
 
     store = CheckpointStore(url)
     manifest = json.loads(storage.read_bytes(storage.join(store.url_for(1), MANIFEST)))

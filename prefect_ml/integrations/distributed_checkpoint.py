@@ -1,6 +1,6 @@
 """``torch.distributed.checkpoint`` (DCP) files in memory, loaded without unpickling code.
 
-A checkpoint's files travel as bytes through :class:`integrations.checkpoints.CheckpointStore`
+A checkpoint's files travel as bytes through :class:`integrations.storage.CheckpointStore`
 (which verifies every file against its manifest); this module turns a state dict into those
 files and back. DCP itself unpickles its ``.metadata`` file and ``torch.load``s non-tensor values
 with ``weights_only=False``: here the metadata goes through an unpickler that admits only DCP's
@@ -34,7 +34,7 @@ from prefect_ml.integrations.errors import CheckpointError
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from prefect_ml.integrations.checkpoints import CheckpointStore
+    from prefect_ml.integrations.storage import CheckpointStore
 
 METADATA_FILE = ".metadata"
 LAYOUTS = ("auto", "gathered", "sharded")

@@ -20,8 +20,8 @@ from prefect_ml.integrations.errors import (
     EnvironmentCheckError,
     TrainingCodeError,
 )
-from prefect_ml.integrations.leases import LeaseLostError
 from prefect_ml.integrations.settings import get_settings
+from prefect_ml.integrations.storage import LeaseLostError
 
 if TYPE_CHECKING:
     from prefect import Task

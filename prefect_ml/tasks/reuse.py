@@ -10,8 +10,8 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from prefect_ml.integrations import storage, tracking
-from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.settings import get_settings
+from prefect_ml.integrations.storage import CheckpointStore
 from prefect_ml.integrations.training import training_end
 from prefect_ml.tasks.data import PreparedData
 from prefect_ml.tasks.evaluate import Evaluation

@@ -20,9 +20,9 @@ import torch
 from prefect_ml.flows.cli import print_outcome
 from prefect_ml.flows.train import TrainingOutcome, train_model
 from prefect_ml.integrations import ray_training, storage, tracking
-from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.errors import CheckpointError
 from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.storage import CheckpointStore
 from prefect_ml.integrations.training import load_trained_model
 from prefect_ml.tasks.params import TrainModelParams
 from tests.e2e.test_fault_promises import prepare

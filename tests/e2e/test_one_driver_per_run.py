@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from prefect_ml.integrations import tracking
-from prefect_ml.integrations.leases import LeaseHeldError
 from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.storage import LeaseHeldError
 from prefect_ml.tasks.params import TrainModelParams
 from tests.conftest import REPO_ROOT
 from tests.helpers import cli_env, wait_while_running

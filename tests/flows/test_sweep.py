@@ -34,8 +34,8 @@ from prefect_ml.integrations.campaign import (
     root_trial,
     storage_for,
 )
-from prefect_ml.integrations.leases import Lease
 from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.storage import Lease
 from prefect_ml.integrations.tracking import RESUMED_TAG, WORKER_TAG
 from prefect_ml.tasks.campaign.identity import CampaignIdentity
 from prefect_ml.tasks.params import CampaignParams

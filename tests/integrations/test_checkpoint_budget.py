@@ -18,11 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from prefect_ml.integrations.checkpoints import (
-    CheckpointStore,
-    MetricsOnlyCheckpoint,
-    RetentionPolicy,
-)
+from prefect_ml.integrations.storage import CheckpointStore, MetricsOnlyCheckpoint, RetentionPolicy
 from prefect_ml.integrations.training import (
     METRICS_FILE,
     CheckpointBudget,

@@ -11,16 +11,16 @@ import torch
 from pydantic import ValidationError
 
 from prefect_ml.integrations import storage
-from prefect_ml.integrations.checkpoints import (
+from prefect_ml.integrations.distributed_checkpoint import load_files, to_files
+from prefect_ml.integrations.errors import CheckpointError
+from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.storage import (
     MANIFEST,
     SIGNATURE,
     CheckpointStore,
     RetentionPolicy,
     manifest_signature,
 )
-from prefect_ml.integrations.distributed_checkpoint import load_files, to_files
-from prefect_ml.integrations.errors import CheckpointError
-from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.training import METRICS_FILE
 
 STATE_FILE = "__0_0.distcp"
@@ -233,7 +233,7 @@ def test_signed_checkpoints_stay_verifiable_after_pruning(
 def test_mid_epoch_checkpoints_sort_between_epoch_ends_and_retention_counts_them(
     store: CheckpointStore,
 ) -> None:
-    from prefect_ml.integrations.checkpoints import CheckpointPosition as At
+    from prefect_ml.integrations.storage import CheckpointPosition as At
 
     _save_with_loss(store, 1, 0.5)
     for step in (5, 10):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.early_stopping import BestEpoch, EarlyStopping, StopDecision
+from prefect_ml.integrations.storage import CheckpointStore
 from prefect_ml.integrations.training import (
     METRICS_FILE,
     EpochCommitter,

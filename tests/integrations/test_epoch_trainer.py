@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from prefect_ml.integrations.checkpoints import CheckpointStore
+from prefect_ml.integrations.storage import CheckpointStore
 from prefect_ml.integrations.training import METRICS_FILE, EpochCommitter, StagedSnapshot
 from tests.helpers import blob_trainer
 

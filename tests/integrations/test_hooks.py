@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from prefect_ml.integrations import hooks, training
-from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.storage import CheckpointStore
 from prefect_ml.integrations.training import METRICS_FILE
 from prefect_ml.tasks.data import inspect_dataset, preprocess_dataset
 from prefect_ml.tasks.params import TrainModelParams

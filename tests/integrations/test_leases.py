@@ -18,13 +18,14 @@ from prefect import flow, task
 
 from prefect_ml.integrations import storage
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.leases import (
+from prefect_ml.integrations.storage import (
     Lease,
     LeaseHeldError,
     LeaseLostError,
     LeaseRecord,
-    _process_start,
+    _files,
 )
+from prefect_ml.integrations.storage._leases import _process_start
 from tests.helpers import wait_for
 
 
@@ -171,7 +172,7 @@ def test_a_hold_whose_release_failed_is_taken_again_by_its_own_process(
     Prefect retry takes the lease again at once instead of being refused by its own record."""
     first = _lease(lease_url).acquire()
     with monkeypatch.context() as outage:
-        outage.setattr(storage, "write_bytes", _refuse)
+        outage.setattr(_files, "write_bytes", _refuse)  # what the lease writes through
         first.release()  # logs a warning; the record still says held
     record = storage.join(lease_url, "gen-000001.json")
     assert not LeaseRecord.from_bytes(storage.read_bytes(record)).released

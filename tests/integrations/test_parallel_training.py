@@ -196,7 +196,7 @@ def test_a_checkpoint_written_before_the_optimiser_state_was_flattened_still_res
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from prefect_ml.integrations import distributed_checkpoint
-    from prefect_ml.integrations.checkpoints import CheckpointStore
+    from prefect_ml.integrations.storage import CheckpointStore
 
     url = tmp_path.as_uri()
     trainer = EpochTrainer(_config(url), shards=_shards(0, 1))

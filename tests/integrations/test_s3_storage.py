@@ -18,12 +18,12 @@ import pytest
 from s3fs import S3FileSystem
 
 from prefect_ml.integrations import storage
-from prefect_ml.integrations.checkpoints import MANIFEST, CheckpointStore
 from prefect_ml.integrations.errors import (
     CheckpointError,
     ConfigurationError,
     EnvironmentCheckError,
 )
+from prefect_ml.integrations.storage import MANIFEST, CheckpointStore
 from prefect_ml.integrations.storage import _files as storage_files
 from prefect_ml.integrations.training import METRICS_FILE, EpochCommitter
 from tests.helpers import blob_trainer, wait_for

@@ -18,9 +18,9 @@ import torch
 import torch.multiprocessing as mp
 
 from prefect_ml.integrations import distributed_checkpoint, storage, training
-from prefect_ml.integrations.checkpoints import MANIFEST, CheckpointStore, RetentionPolicy
 from prefect_ml.integrations.distributed_checkpoint import resolve_layout
 from prefect_ml.integrations.errors import CheckpointError
+from prefect_ml.integrations.storage import MANIFEST, CheckpointStore, RetentionPolicy
 from prefect_ml.integrations.training import EpochCommitter, EpochTrainer
 from tests.helpers import free_port
 from tests.integrations.test_parallel_training import (

@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 from torch.multiprocessing import ProcessRaisedException
 
 from prefect_ml.integrations import shards
-from prefect_ml.integrations.checkpoints import CheckpointPosition, CheckpointStore
 from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.storage import CheckpointPosition, CheckpointStore
 from prefect_ml.integrations.training import (
     METRICS_FILE,
     EpochCommitter,

@@ -19,12 +19,8 @@ import sqlalchemy as sa
 
 from prefect_ml.integrations.campaign import StudyClaim, claims_supported, claims_table
 from prefect_ml.integrations.errors import ConfigurationError, PrefectMLError
-from prefect_ml.integrations.leases import (
-    LeaseHeldError,
-    LeaseLostError,
-    LeaseRecord,
-    _process_start,
-)
+from prefect_ml.integrations.storage import LeaseHeldError, LeaseLostError, LeaseRecord
+from prefect_ml.integrations.storage._leases import _process_start
 from tests.conftest import REPO_ROOT
 from tests.helpers import free_port, wait_for
 
@@ -302,7 +298,7 @@ def test_a_claim_taken_over_is_noticed_and_stops_the_holder(database: str) -> No
 
 _HOLD_A_CLAIM = """
 import sys
-from prefect_ml.integrations.leases import LeaseHeldError
+from prefect_ml.integrations.storage import LeaseHeldError
 from prefect_ml.integrations.campaign import StudyClaim, claims_supported, claims_table
 
 claim = StudyClaim(sys.argv[1], "campaign-a", what="campaign 'campaign-a'", field="sweep.campaign")

@@ -39,7 +39,7 @@ from prefect_ml.integrations.campaign import (
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.config.resources import Resources
 from prefect_ml.integrations.errors import PrefectMLError
-from prefect_ml.integrations.leases import LeaseLostError
+from prefect_ml.integrations.storage import LeaseLostError
 from prefect_ml.integrations.tracking import TrackingWriter
 from prefect_ml.tasks.campaign.coordinator import CampaignRules, Coordinator, TrialRefused
 

@@ -7,8 +7,8 @@ import json
 from prefect import flow
 
 from prefect_ml.integrations import tracking, training
-from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.storage import CheckpointStore
 from prefect_ml.tasks.training import EpochRecorder
 
 

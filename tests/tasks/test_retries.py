@@ -18,8 +18,8 @@ from prefect_ml.integrations.errors import (
     EnvironmentCheckError,
     PrefectMLError,
 )
-from prefect_ml.integrations.leases import LeaseLostError
 from prefect_ml.integrations.settings import get_settings
+from prefect_ml.integrations.storage import LeaseLostError
 from prefect_ml.tasks.data import inspect_data, preprocess
 from prefect_ml.tasks.retries import is_transient, transient_retries
 from prefect_ml.tasks.sweep import campaign

@@ -13,8 +13,8 @@ import pytest
 from prefect import flow
 
 from prefect_ml.integrations import ray_training, storage, tracking
-from prefect_ml.integrations.leases import LeaseLostError, LeaseRecord
 from prefect_ml.integrations.settings import PrefectMLSettings
+from prefect_ml.integrations.storage import LeaseLostError, LeaseRecord
 from prefect_ml.tasks.data import inspect_dataset, preprocess_dataset
 from prefect_ml.tasks.evaluate import Evaluation, evaluate_model
 from prefect_ml.tasks.params import TrainModelParams

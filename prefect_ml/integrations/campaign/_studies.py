@@ -2,7 +2,7 @@
 
 The study is the campaign: every trial's parameters, intermediate values and final state live in
 it, so a campaign killed at any moment is resumed by opening the study again. Only one process —
-the campaign's coordinator, holding the campaign's lease (:mod:`integrations.leases`) and, in a
+the campaign's coordinator, holding the campaign's lease (:mod:`integrations.storage`) and, in a
 database, its claim on the study (:class:`~integrations.campaign.StudyClaim`) — writes to a
 study.
 """

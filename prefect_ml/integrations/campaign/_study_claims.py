@@ -1,6 +1,6 @@
 """One coordinator per study, claimed in the study's own database.
 
-A campaign's storage lease (:mod:`integrations.leases`) lives under its storage root, so two
+A campaign's storage lease (:mod:`integrations.storage`) lives under its storage root, so two
 coordinators of one study with different storage roots (two hosts, each with its own
 ``file://`` storage) would each hold a lease of their own and both write the study. The claim
 sits where the study lives: a row of ``prefect_ml_study_claims`` in the Optuna database, one per
@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from prefect_ml.integrations.campaign._studies import engine_options, is_database
 from prefect_ml.integrations.errors import PrefectMLError
-from prefect_ml.integrations.leases import Heartbeat, LeaseRecord, held_error
 from prefect_ml.integrations.libraries import lazy_import
 from prefect_ml.integrations.redaction import masked
 from prefect_ml.integrations.settings import get_settings
+from prefect_ml.integrations.storage import Heartbeat, LeaseRecord, held_error
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -87,7 +87,7 @@ class StudyClaim:
         with StudyClaim(storage_url, study_name, what="campaign 'c'", field="sweep.campaign"):
             ...  # write the study; stop when ``raise_if_lost`` raises
 
-    Entering takes the claim (or raises :class:`~integrations.leases.LeaseHeldError`, naming
+    Entering takes the claim (or raises :class:`~integrations.storage.LeaseHeldError`, naming
     the holder) and starts its heartbeat; leaving (also on an exception) deletes the row, so a
     Prefect retry in the same process takes it again at once.
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefect_ml.integrations import distributed_checkpoint, storage
-from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.config.resources import Resources
 from prefect_ml.integrations.errors import (
@@ -32,6 +31,7 @@ from prefect_ml.integrations.errors import (
 from prefect_ml.integrations.optimization import make_optimizer
 from prefect_ml.integrations.ray_training import fit
 from prefect_ml.integrations.shards import Shard, open_shard
+from prefect_ml.integrations.storage import CheckpointStore
 from prefect_ml.integrations.training import (
     METRICS_FILE,
     EpochCommitter,

@@ -11,7 +11,11 @@ a Prefect Secret block named by ``PREFECT_ML_S3_CREDENTIALS_BLOCK`` (see
 Behind this face: ``_files`` (bytes: reads, all-or-nothing writes, exclusive creation,
 listings), ``_arrays`` (``.npy`` arrays), ``_keys`` (keys and base URLs that cannot leave their
 prefix), ``_locations`` (which data URLs and places runs may use), ``_layout`` (the storage
-layout) and ``_access`` (credentials, the probe before any compute, Ray's view of the store).
+layout), ``_access`` (credentials, the probe before any compute, Ray's view of the store),
+``_checkpoints`` (a run's checkpoints as folders with a manifest: the manifest's sha256 and
+signature, retention) and ``_leases`` (the single-holder lease of a run or a campaign, a record
+under its storage root). Checkpoints and leases are stored things with their own layout and
+their own atomicity; they read and write only through the modules beside them.
 """
 
 from prefect_ml.integrations.storage._access import (
@@ -27,6 +31,16 @@ from prefect_ml.integrations.storage._arrays import (
     read_array,
     read_array_rows,
     write_array,
+)
+from prefect_ml.integrations.storage._checkpoints import (
+    MANIFEST,
+    SIGNATURE,
+    CheckpointPosition,
+    CheckpointStore,
+    MetricsOnlyCheckpoint,
+    RetentionPolicy,
+    VerifiedCheckpoint,
+    manifest_signature,
 )
 from prefect_ml.integrations.storage._files import (
     S3_CONCURRENCY,
@@ -67,6 +81,14 @@ from prefect_ml.integrations.storage._layout import (
     trial_checkpoint_url,
     trial_stop_url,
 )
+from prefect_ml.integrations.storage._leases import (
+    Heartbeat,
+    Lease,
+    LeaseHeldError,
+    LeaseLostError,
+    LeaseRecord,
+    held_error,
+)
 from prefect_ml.integrations.storage._locations import (
     DATA_URL_SCHEMES,
     canonical_location,
@@ -78,8 +100,20 @@ from prefect_ml.integrations.storage._locations import (
 __all__ = [
     "CREDENTIAL_VARIABLES",
     "DATA_URL_SCHEMES",
+    "MANIFEST",
     "S3_CONCURRENCY",
     "S3_PART_SIZE",
+    "SIGNATURE",
+    "CheckpointPosition",
+    "CheckpointStore",
+    "Heartbeat",
+    "Lease",
+    "LeaseHeldError",
+    "LeaseLostError",
+    "LeaseRecord",
+    "MetricsOnlyCheckpoint",
+    "RetentionPolicy",
+    "VerifiedCheckpoint",
     "abort_incomplete_uploads",
     "apply_credentials_block",
     "array_rows",
@@ -96,12 +130,14 @@ __all__ = [
     "doctor_url",
     "exists",
     "filesystem",
+    "held_error",
     "is_local",
     "is_within",
     "join",
     "lease_url",
     "list_names",
     "list_sizes",
+    "manifest_signature",
     "modified_time",
     "open_file",
     "predictions_manifest_url",

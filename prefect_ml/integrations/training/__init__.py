@@ -2,7 +2,7 @@
 (:mod:`integrations.ray_training`), campaign trials in one warm process and the GPU check run,
 and what the driver reads back from its checkpoints. Only torch and numpy.
 
-The loop owns checkpointing through :class:`~integrations.checkpoints.CheckpointStore`
+The loop owns checkpointing through :class:`~integrations.storage.CheckpointStore`
 (atomic, verified) instead of Ray Train's checkpoints, so that a restarted worker group, a
 restarted process and a reader on another machine all resume from the same verified bytes.
 Rank 0 commits one checkpoint per epoch, its metrics included; the driver logs those metrics

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prefect_ml.integrations import distributed_checkpoint, problems
-from prefect_ml.integrations.checkpoints import CheckpointStore, RetentionPolicy
 from prefect_ml.integrations.config import TrainingParams
 from prefect_ml.integrations.distributed_checkpoint import ShardedSnapshot
 from prefect_ml.integrations.early_stopping import EarlyStopping, History
 from prefect_ml.integrations.errors import CheckpointError
+from prefect_ml.integrations.storage import CheckpointStore, RetentionPolicy
 
 if TYPE_CHECKING:
     import torch

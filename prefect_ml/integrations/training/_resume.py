@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from prefect_ml.integrations import collectives, distributed_checkpoint, hooks, optimization
 from prefect_ml.integrations.catalog import build_model
-from prefect_ml.integrations.checkpoints import CheckpointStore, VerifiedCheckpoint
 from prefect_ml.integrations.early_stopping import EarlyStopping, StopDecision
 from prefect_ml.integrations.errors import CheckpointError
+from prefect_ml.integrations.storage import CheckpointStore, VerifiedCheckpoint
 from prefect_ml.integrations.training._commit import METRICS_FILE, TRAINER_STATE_FILE
 
 if TYPE_CHECKING:

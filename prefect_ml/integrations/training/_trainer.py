@@ -25,11 +25,11 @@ from prefect_ml.integrations import (
     storage,
 )
 from prefect_ml.integrations.catalog import build_model, enable_gradient_checkpointing
-from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.errors import ModelStepError
 from prefect_ml.integrations.optimization import make_optimizer
 from prefect_ml.integrations.shards import EpochOrder, Shard, epoch_seed, open_shard
+from prefect_ml.integrations.storage import CheckpointStore
 from prefect_ml.integrations.training._commit import (
     TRAINER_STATE_FILE,
     CheckpointBudget,

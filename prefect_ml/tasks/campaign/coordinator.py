@@ -35,9 +35,8 @@ from prefect_ml.integrations.campaign import (
     recover_interrupted,
     requeue,
 )
-from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.errors import PrefectMLError
-from prefect_ml.integrations.leases import LeaseLostError
+from prefect_ml.integrations.storage import CheckpointStore, LeaseLostError
 from prefect_ml.integrations.tracking import NODE_TAG, RESUMED_TAG, WORKER_TAG
 from prefect_ml.tasks.campaign.results import trial_values
 

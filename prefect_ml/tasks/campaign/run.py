@@ -45,10 +45,10 @@ from prefect_ml.integrations.campaign import (
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.config.sweep import space_text
 from prefect_ml.integrations.errors import CampaignFailedError, PrefectMLError
-from prefect_ml.integrations.leases import Lease
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import cluster_nodes
 from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
+from prefect_ml.integrations.storage import Lease
 from prefect_ml.integrations.tracking import TrackingWriter
 from prefect_ml.tasks.campaign.coordinator import CampaignRules, Coordinator, TrialRefused
 from prefect_ml.tasks.campaign.datasets import TrialDatasets, tunes_data

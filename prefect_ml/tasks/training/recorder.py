@@ -10,9 +10,8 @@ from prefect import get_run_logger
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from prefect_ml.integrations import timeline, tracking
-from prefect_ml.integrations.checkpoints import CheckpointStore
 from prefect_ml.integrations.errors import CheckpointError
-from prefect_ml.integrations.leases import Lease
+from prefect_ml.integrations.storage import CheckpointStore, Lease
 from prefect_ml.integrations.training import METRICS_FILE
 
 

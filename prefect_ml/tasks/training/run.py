@@ -19,12 +19,11 @@ from prefect import get_run_logger
 from pydantic import BaseModel
 
 from prefect_ml.integrations import ray_training, storage, timeline, tracking
-from prefect_ml.integrations.checkpoints import CheckpointStore, VerifiedCheckpoint
 from prefect_ml.integrations.config.loop import Splits, TrainLoop
 from prefect_ml.integrations.errors import PrefectMLError, TrainingCodeError
-from prefect_ml.integrations.leases import Lease
 from prefect_ml.integrations.ray_cluster import ray_session, shipped_code
 from prefect_ml.integrations.settings import get_settings
+from prefect_ml.integrations.storage import CheckpointStore, Lease, VerifiedCheckpoint
 from prefect_ml.integrations.training import training_end
 from prefect_ml.tasks.data import PreparedData
 from prefect_ml.tasks.params import TrainingSections

@@ -33,9 +33,9 @@ from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from prefect_ml.integrations import storage
 from prefect_ml.integrations.errors import ConfigurationError, PrefectMLError
 from prefect_ml.integrations.settings import get_settings
+from prefect_ml.integrations.storage import _files, _keys
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ class Lease:
         return self._generation_url(self.generation + 1)
 
     def _generation_url(self, generation: int) -> str:
-        return storage.join(self.url, f"gen-{generation:06d}.json")
+        return _keys.join(self.url, f"gen-{generation:06d}.json")
 
     def __enter__(self) -> Lease:
         return self.acquire()
@@ -350,7 +350,7 @@ class Lease:
             return
         try:
             released = LeaseRecord(**{**asdict(self._record), "released": True})
-            storage.write_bytes(self._generation_url(self.generation), released.to_bytes())
+            _files.write_bytes(self._generation_url(self.generation), released.to_bytes())
         except Exception as exc:  # the lease then expires on its own; keep the caller's error
             logger.warning("Could not release the lease on %s (%s); it expires", self.what, exc)
 
@@ -360,8 +360,8 @@ class Lease:
         if self.lost:
             return False
         self._record = LeaseRecord(**{**asdict(self._record), "written_at": time.time()})
-        storage.write_bytes(self._generation_url(self.generation), self._record.to_bytes())
-        if storage.exists(self.superseded_url):
+        _files.write_bytes(self._generation_url(self.generation), self._record.to_bytes())
+        if _files.exists(self.superseded_url):
             self._beats.lose(f"another process took it over ({self.superseded_url})")
             return False
         return True
@@ -372,7 +372,7 @@ class Lease:
         if self._outer is not None:
             self._outer.ensure_held()
             return
-        if not self.lost and storage.exists(self.superseded_url):
+        if not self.lost and _files.exists(self.superseded_url):
             self._beats.lose(f"another process took it over ({self.superseded_url})")
         self.raise_if_lost()
 
@@ -387,20 +387,20 @@ class Lease:
     def _claim(self, generation: int) -> bool:
         """Create ``generation`` exclusively; whether it is ours."""
         url = self._generation_url(generation)
-        if storage.create_exclusive(url, self._record.to_bytes()):
+        if _files.create_exclusive(url, self._record.to_bytes()):
             return True
         # A create whose reply was lost and was retried finds its own record.
         return self._read(generation) == self._record
 
     def _read(self, generation: int) -> LeaseRecord | None:
         try:
-            return LeaseRecord.from_bytes(storage.read_bytes(self._generation_url(generation)))
+            return LeaseRecord.from_bytes(_files.read_bytes(self._generation_url(generation)))
         except FileNotFoundError:
             return None
 
     def _newest(self) -> tuple[int, LeaseRecord | None]:
         """The newest generation and its record (0 and None for an empty folder)."""
-        names = (_GENERATION.match(name) for name in storage.list_names(self.url))
+        names = (_GENERATION.match(name) for name in _files.list_names(self.url))
         newest = max((int(m.group(1)) for m in names if m), default=0)
         return newest, self._read(newest) if newest else None
 
@@ -409,8 +409,8 @@ class Lease:
         None when it is free: released, its holder dead on this host, or expired."""
         if record.released or record.dead_on_this_host() or record.left_by_this_process():
             return None
-        written = storage.modified_time(self._generation_url(generation))
-        age = storage.storage_clock(self.url) - written
+        written = _files.modified_time(self._generation_url(generation))
+        age = _files.storage_clock(self.url) - written
         return age if age <= self.expiry_s else None
 
     def _held_error(self, generation: int, record: LeaseRecord, age: float) -> LeaseHeldError:

@@ -36,9 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from prefect_ml.integrations import storage
 from prefect_ml.integrations.errors import CheckpointError, ConfigurationError
 from prefect_ml.integrations.settings import get_settings
+from prefect_ml.integrations.storage import _files, _keys, _locations
 
 MANIFEST = "MANIFEST.json"
 SIGNATURE = "hmac_sha256"
@@ -135,7 +135,7 @@ def _upload(url: str, files: dict[str, bytes]) -> dict[str, dict[str, Any]]:
     with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
         digests = {name: hasher.submit(_sha256, data) for name, data in files.items()}
         for name, data in files.items():
-            storage.write_bytes(storage.join(url, name), data)
+            _files.write_bytes(_keys.join(url, name), data)
         return {n: {"sha256": digests[n].result(), "size": len(d)} for n, d in files.items()}
 
 
@@ -161,7 +161,7 @@ def _check_entries(url: str, manifest: dict[str, Any]) -> None:
         raise CheckpointError(f"{url}/{MANIFEST} lists no files")
     for name, entry in files.items():
         try:
-            storage.check_key(name)
+            _keys.check_key(name)
         except ConfigurationError as exc:
             raise CheckpointError(f"{url}/{MANIFEST} lists {exc.message}") from None
         if not (
@@ -183,7 +183,7 @@ class CheckpointStore:
         self.root_url = root_url.rstrip("/")
         # The folder every manifest names, written the same way whichever form of the URL a
         # process was given (``/x``, ``file:///x``).
-        self._run = storage.canonical_location(self.root_url)
+        self._run = _locations.canonical_location(self.root_url)
         self._key = key if key is not None else settings_key()
         # Manifests and metric values this store has seen: committed manifests change only
         # through this store's own ``prune``, so each is read at most once per store.
@@ -192,7 +192,7 @@ class CheckpointStore:
 
     def url_for(self, epoch: int, step: int | None = None) -> str:
         """The checkpoint of ``epoch``'s end, or of ``step`` steps into it."""
-        return storage.join(self.root_url, CheckpointPosition(epoch, step).name)
+        return _keys.join(self.root_url, CheckpointPosition(epoch, step).name)
 
     def save(
         self,
@@ -259,7 +259,7 @@ class CheckpointStore:
                     "also wrote: not committing it"
                 )
             listed.update(listing)
-        present = storage.list_sizes(url)
+        present = _files.list_sizes(url)
         for name, entry in listed.items():
             if present.get(name) != entry["size"]:
                 found = "missing" if name not in present else f"{present[name]} bytes"
@@ -273,7 +273,7 @@ class CheckpointStore:
         # Shards of an attempt that died before its commit (another worker count) would stay
         # behind, named by no manifest, and outlive pruning.
         for name in set(present) - set(listed) - {MANIFEST}:
-            storage.remove(storage.join(url, name))
+            _files.remove(_keys.join(url, name))
         position = {"epoch": epoch} if step is None else {"epoch": epoch, "step": step}
         manifest = {
             **position,
@@ -288,7 +288,7 @@ class CheckpointStore:
     def positions(self) -> list[CheckpointPosition]:
         """Every checkpoint directory (epoch ends and mid-epoch), verified or not, in training
         order."""
-        found = [CheckpointPosition.parse(name) for name in storage.list_names(self.root_url)]
+        found = [CheckpointPosition.parse(name) for name in _files.list_names(self.root_url)]
         return sorted((p for p in found if p is not None), key=CheckpointPosition.sort_key)
 
     def epochs(self) -> list[int]:
@@ -300,7 +300,7 @@ class CheckpointStore:
         manifest = {**manifest, "run": self._run}
         if self._key is not None:
             manifest = {**manifest, SIGNATURE: manifest_signature(manifest, self._key)}
-        storage.write_bytes(storage.join(url, MANIFEST), json.dumps(manifest, indent=1).encode())
+        _files.write_bytes(_keys.join(url, MANIFEST), json.dumps(manifest, indent=1).encode())
         step = manifest.get("step")
         position = CheckpointPosition(int(manifest["epoch"]), None if step is None else int(step))
         self._manifests[position] = manifest
@@ -308,7 +308,7 @@ class CheckpointStore:
     def _manifest(self, position: CheckpointPosition) -> dict[str, Any]:
         url = self.url_for(position.epoch, position.step)
         try:
-            manifest: dict[str, Any] = json.loads(storage.read_bytes(storage.join(url, MANIFEST)))
+            manifest: dict[str, Any] = json.loads(_files.read_bytes(_keys.join(url, MANIFEST)))
         except FileNotFoundError as exc:
             raise CheckpointError(f"{url} has no {MANIFEST}: it was never committed") from exc
         except ValueError as exc:
@@ -394,7 +394,7 @@ class CheckpointStore:
     @staticmethod
     def _read(url: str, names: list[str]) -> list[tuple[bytes, str]]:
         try:
-            return storage.read_all_and_sha256([storage.join(url, name) for name in names])
+            return _files.read_all_and_sha256([_keys.join(url, name) for name in names])
         except FileNotFoundError as exc:
             name = str(exc.filename).removeprefix(f"{url}/")
             raise CheckpointError(f"{url}/{name} is listed in the manifest but missing") from exc
@@ -496,8 +496,8 @@ class CheckpointStore:
                 continue
             url = self.url_for(position.epoch, position.step)
             if position.step is not None:
-                storage.remove(storage.join(url, MANIFEST))
-                storage.remove_folder(url)
+                _files.remove(_keys.join(url, MANIFEST))
+                _files.remove_folder(url)
                 self._manifests.pop(position, None)
                 continue
             epoch = position.epoch
@@ -505,6 +505,6 @@ class CheckpointStore:
             kept = {name: files[name] for name in policy.kept_files if name in files}
             self._write_manifest(url, {**manifest, "files": kept, "pruned": True})
             for name in set(files) - set(kept):
-                storage.remove(storage.join(url, name))
+                _files.remove(_keys.join(url, name))
             pruned.append(epoch)
         return pruned
