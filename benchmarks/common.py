@@ -42,7 +42,7 @@ def embedded_home() -> Iterator[tuple[Path, PrefectMLSettings]]:
         os.environ["PREFECT_ML_HOME"] = str(Path(tmp) / "home")
         # The benchmarks' datasets and models are user code: the allow-list must admit them.
         os.environ["PREFECT_ML_ALLOWED_MODULES"] = "benchmarks,tests.fixtures"
-        from prefect_ml.integrations.settings import prepare_process_environment
+        from prefect_ml.integrations.services import prepare_process_environment
 
         yield Path(tmp), prepare_process_environment()
 

@@ -5,7 +5,7 @@ under the project home.
     python -m examples.pipeline_from_python
 """
 
-from prefect_ml.integrations.settings import prepare_process_environment
+from prefect_ml.integrations.services import prepare_process_environment
 
 prepare_process_environment()
 

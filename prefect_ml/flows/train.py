@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel
 
-from prefect_ml.integrations import storage, timeline
+from prefect_ml.integrations import services, storage
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.data import PreparedData, inspect_data, preprocess
 from prefect_ml.tasks.evaluate import Evaluation, evaluate
@@ -41,7 +41,7 @@ def prepared_data(params: TrainingSections) -> PreparedData:
     apply_ray_slots(settings)
     inspect_data(params)
     data = preprocess(**section_options(params.data))
-    timeline.mark("data ready")
+    services.mark("data ready")
     return data
 
 
@@ -64,9 +64,9 @@ def training_chain(params: TrainModelParams) -> TrainingOutcome:
             )
         with tenant_tags():  # the tenant's quota counts its Ray-occupying tasks
             trained = train(data, params)
-        timeline.mark("trained")
+        services.mark("trained")
         evaluation = evaluate(trained)
-        timeline.mark("evaluated")
+        services.mark("evaluated")
         lease.ensure_held()
         registration = register(
             trained,
@@ -75,7 +75,7 @@ def training_chain(params: TrainModelParams) -> TrainingOutcome:
             alias=registry.alias,
             **registry.promotion(data.problem),
         )
-        timeline.mark("registered")
+        services.mark("registered")
     return TrainingOutcome(
         data=data, trained=trained, evaluation=evaluation, registration=registration
     )

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prefect_ml.integrations import code_shipping, node_probe, timeline, tls
+from prefect_ml.integrations import code_shipping, node_probe, services
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
-from prefect_ml.integrations.prefect_server import run_logger
+from prefect_ml.integrations.services import run_logger
 from prefect_ml.integrations.settings import PrefectMLSettings, worker_environment
 from prefect_ml.integrations.worker_setup import setup_hook
 
@@ -59,7 +59,7 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
                 f"could not start or reach {where}: {exc}. Check PREFECT_ML_RAY_ADDRESS "
                 "(unset it to start a local Ray) and that `ray status` works."
             ) from exc
-        timeline.mark("Ray connected" if settings.ray_address else "local Ray started")
+        services.mark("Ray connected" if settings.ray_address else "local Ray started")
     try:
         yield dict(ray.cluster_resources())
     finally:
@@ -187,5 +187,5 @@ def _use_tls(folder: Path) -> None:
     so its config is reloaded, as Ray itself does when it turns token authentication on."""
     from ray._raylet import Config  # type: ignore[attr-defined]
 
-    os.environ.update(tls.ray_environment(folder))
+    os.environ.update(services.ray_environment(folder))
     Config.initialize("")

@@ -13,7 +13,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prefect_ml.integrations import tenancy
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.serve_ingress import SERVE_INGRESS_ENVIRONMENT, haproxy_private_paths
 
 MIN_KEY_BYTES = 32  # of a signing key: guessing one is out of reach
 
@@ -453,36 +452,6 @@ def local_server_auth_string(settings: PrefectMLSettings) -> str | None:
         return settings.local_server_auth_file.read_text().strip() or None
     except OSError:
         return None
-
-
-def prepare_process_environment(settings: PrefectMLSettings | None = None) -> PrefectMLSettings:
-    """Point Prefect's own state at the project home, silence telemetry, forbid pickled models.
-
-    Must run before ``prefect`` is imported: Prefect reads its settings at import time.
-    Variables the user already set are left alone, except those of
-    :data:`ENFORCED_ENVIRONMENT`, which every process we start gets as they are.
-    """
-    settings = settings or get_settings()
-    settings.prefect_home.mkdir(parents=True, exist_ok=True)
-    local_server = running_local_server(settings)
-    # `prefect-ml ui` runs a server for this home: runs go there, not to an ephemeral API, with
-    # its credentials; never to a server the user chose instead.
-    if local_server and os.environ.setdefault("PREFECT_API_URL", local_server) == local_server:
-        auth_string = local_server_auth_string(settings)
-        if auth_string:
-            os.environ.setdefault("PREFECT_API_AUTH_STRING", auth_string)
-    os.environ.setdefault("PREFECT_HOME", str(settings.prefect_home))
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    # Serve's HAProxy ingress speaks plain HTTP only.
-    if settings.serve_ingress == "haproxy" and settings.serve_tls_cert is None:
-        for variable, value in {**SERVE_INGRESS_ENVIRONMENT, **haproxy_private_paths()}.items():
-            os.environ.setdefault(variable, value)
-    os.environ.update(ENFORCED_ENVIRONMENT)
-    return settings
 
 
 # Set in this process (children inherit it) and in the runtime environment of every Ray job we

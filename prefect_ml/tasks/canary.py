@@ -11,7 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from prefect_ml.integrations import alerts, serving, tracking
+from prefect_ml.integrations import services, serving, tracking
 from prefect_ml.integrations.config.serving import CanaryPolicy
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
 
@@ -159,7 +159,7 @@ def record_verdict(report: CanaryReport, alias: str | None, tracking_uri: str) -
     holder = tracking.champion(client, name, alias)
     if holder is not None and holder[0] == version:
         tracking.set_alias(client, name, alias, report.stable_version)
-        alerts.announce_promotion(  # the champion changed back: the alert automation tells
+        services.announce_promotion(  # the champion changed back: the alert automation tells
             model=name,
             version=report.stable_version,
             previous_version=version,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from prefect_ml.integrations import devices, node_report, prefect_server, storage, tracking
+from prefect_ml.integrations import devices, node_report, services, storage, tracking
 from prefect_ml.integrations.node_report import NodeReport
 from prefect_ml.integrations.ray_cluster import ray_session, shipped_code, ships_project
 from prefect_ml.integrations.settings import PrefectMLSettings
@@ -178,10 +178,10 @@ def _prefect() -> str:
     api_url = get_current_settings().api.url
     if not api_url:
         return "ephemeral API, one per process (`prefect-ml ui` starts a lasting server)"
-    prefect_server.require_server(api_url)
-    slots = prefect_server.ray_quota()
+    services.require_server(api_url)
+    slots = services.ray_quota()
     quota = f"Ray quota {slots} slot(s)" if slots else "no Ray quota (`prefect-ml deploy` sets one)"
-    return f"server {prefect_server.ui_url(api_url)}; {quota}"
+    return f"server {services.ui_url(api_url)}; {quota}"
 
 
 def run_checks(settings: PrefectMLSettings) -> list[Check]:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from prefect_ml.integrations import prefect_server, tracking
+from prefect_ml.integrations import services, tracking
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import get_settings
 
@@ -46,7 +46,7 @@ def parse_reference(reference: str) -> tuple[str, str, str | None]:
 
 def _flow_run_link(flow_run_id: str) -> str | None:
     api_url = os.environ.get("PREFECT_API_URL")
-    return f"{prefect_server.ui_url(api_url)}/runs/flow-run/{flow_run_id}" if api_url else None
+    return f"{services.ui_url(api_url)}/runs/flow-run/{flow_run_id}" if api_url else None
 
 
 def trace(reference: str) -> Lineage:

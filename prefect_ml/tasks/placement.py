@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 from prefect_ml.integrations.config.resources import RequestFields, Reserving
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.prefect_server import run_logger
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import (
     check_fits,
@@ -16,6 +15,7 @@ from prefect_ml.integrations.resources import (
     flag_of,
     mixed_gpu_types,
 )
+from prefect_ml.integrations.services import run_logger
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.params import CampaignParams, TrainingSections
 from prefect_ml.tasks.quotas import check_caps

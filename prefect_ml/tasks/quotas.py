@@ -55,7 +55,7 @@ def check_caps(params: Any, settings: PrefectMLSettings | None = None) -> None:
 
 def apply_ray_slots(settings: PrefectMLSettings | None = None) -> None:
     """Set the tenant's Prefect concurrency limit from ``PREFECT_ML_TENANT_RAY_SLOTS``, if set."""
-    from prefect_ml.integrations.prefect_server import set_tag_quota
+    from prefect_ml.integrations.services import set_tag_quota
 
     settings = settings or get_settings()
     if settings.tenant_ray_slots is None:

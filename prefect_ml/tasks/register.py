@@ -14,7 +14,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import alerts, hooks, problems, storage, tracking
+from prefect_ml.integrations import hooks, problems, services, storage, tracking
 from prefect_ml.integrations.catalog import taking_float64, with_standardizer, with_target_scale
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.problems import Direction
@@ -162,7 +162,7 @@ def register_model(
     registered_name = tracking.in_namespace(model_name)  # what the registry calls it
     logger.info("%s v%s %s to @%s: %s", registered_name, version, verdict, alias, decision.reason)
     if decision.promoted:  # the champion changed: the alert automation listens for this
-        alerts.announce_promotion(
+        services.announce_promotion(
             model=registered_name,
             version=version,
             previous_version=decision.previous_version,

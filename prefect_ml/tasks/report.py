@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 from prefect.artifacts import create_markdown_artifact
 
-from prefect_ml.integrations import timeline
+from prefect_ml.integrations import services
 
 
-def timeline_markdown(recorded: timeline.Timeline, flow_name: str) -> str:
+def timeline_markdown(recorded: services.Timeline, flow_name: str) -> str:
     """The timeline as a table with a bar per step: where the run's wall time went."""
     rows = recorded.rows()
     longest = max((took for _name, _at, took in rows), default=0.0) or 1.0
@@ -32,11 +32,11 @@ def timeline_markdown(recorded: timeline.Timeline, flow_name: str) -> str:
 def published_timeline(flow_name: str) -> Iterator[None]:
     """Record the moments of a flow run's body and publish them as its ``timeline`` artifact,
     also when the run fails."""
-    with timeline.recording("flow run started (Prefect API ready)") as recorded:
+    with services.recording("flow run started (Prefect API ready)") as recorded:
         try:
             yield
         finally:
-            timeline.mark("flow run ends")
+            services.mark("flow run ends")
             create_markdown_artifact(
                 timeline_markdown(recorded, flow_name),
                 key="timeline",

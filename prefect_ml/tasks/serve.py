@@ -15,7 +15,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import serving, tenancy, tls, tracking
+from prefect_ml.integrations import services, serving, tenancy, tracking
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
 from prefect_ml.integrations.ray_cluster import ray_session
 from prefect_ml.integrations.resources import cluster_nodes
@@ -166,7 +166,7 @@ def serving_url(params: ServingParams, tls_pair: tuple[Path, Path] | None) -> st
 def _endpoint_client(token: str | None, certificate: Path | None) -> httpx.Client:
     """A client of our endpoint: with the bearer token, trusting ``certificate`` over HTTPS."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    verify = tls.trusting(certificate) if certificate else True
+    verify = services.trusting(certificate) if certificate else True
     return httpx.Client(timeout=30, headers=headers, verify=verify)
 
 

@@ -11,8 +11,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from prefect_ml.integrations import training
-from prefect_ml.integrations.prefect_server import RAY_TAG
 from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations.services import RAY_TAG
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.data import PreparedData, params_on_data
 from prefect_ml.tasks.params import TrainingSections

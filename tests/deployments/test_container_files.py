@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from prefect_ml.integrations.serve_ingress import SERVE_INGRESS_ENVIRONMENT
+from prefect_ml.integrations.services import SERVE_INGRESS_ENVIRONMENT
 from prefect_ml.integrations.settings import PrefectMLSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

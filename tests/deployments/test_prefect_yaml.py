@@ -11,7 +11,7 @@ from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.callables import parameter_schema
 
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.prefect_server import read_deployment_specs, runner_deployments
+from prefect_ml.integrations.services import read_deployment_specs, runner_deployments
 from tests.conftest import REPO_ROOT
 
 PREFECT_FILE = REPO_ROOT / "deployments" / "prefect.yaml"

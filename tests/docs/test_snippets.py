@@ -226,7 +226,7 @@ def test_the_alert_blocks_example_saves_blocks_that_deploy_accepts() -> None:
     from prefect.blocks.notifications import CustomWebhookNotificationBlock, SlackWebhook
 
     from examples import alert_blocks
-    from prefect_ml.integrations import alerts
+    from prefect_ml.integrations import services
 
     alert_blocks.save_alert_blocks()
     alert_blocks.save_alert_blocks()  # again: updated, not refused
@@ -234,11 +234,11 @@ def test_the_alert_blocks_example_saves_blocks_that_deploy_accepts() -> None:
     custom = CustomWebhookNotificationBlock.load("ml-alerts")
     assert custom.json_data == {"subject": "{{subject}}", "body": "{{body}}"}
     # as the page says: NAME, or TYPE/NAME where several block types share the name
-    assert alerts.find_notification_block("slack-webhook/ml-alerts").reference == (
+    assert services.find_notification_block("slack-webhook/ml-alerts").reference == (
         "slack-webhook/ml-alerts"
     )
     with pytest.raises(ConfigurationError, match="several notification blocks"):
-        alerts.find_notification_block("ml-alerts")
+        services.find_notification_block("ml-alerts")
 
 
 def _one_step(

@@ -116,7 +116,7 @@ def test_a_coordinator_with_its_own_storage_is_refused_by_the_studys_claim(
 
 
 _REPORT_A_FLOW = """
-from prefect_ml.integrations.settings import prepare_process_environment
+from prefect_ml.integrations.services import prepare_process_environment
 
 prepare_process_environment()  # finds the server `prefect-ml ui` runs for this home
 from prefect import flow

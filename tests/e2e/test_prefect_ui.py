@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from prefect_ml.integrations import alerts, tracking
-from prefect_ml.integrations.prefect_server import RAY_TAG, basic_auth_header, server_is_up
+from prefect_ml.integrations import services, tracking
+from prefect_ml.integrations.services import RAY_TAG, basic_auth_header, server_is_up
 from tests.conftest import REPO_ROOT
 from tests.e2e.ui_driver import (
     log_in,
@@ -525,7 +525,7 @@ def test_a_new_champion_sends_an_alert_with_model_versions_and_reason(
 ) -> None:
     """The registry step's emitter, run as a registration runs it, against the server."""
     emit = (
-        "from prefect_ml.integrations.alerts import announce_promotion\n"
+        "from prefect_ml.integrations.services import announce_promotion\n"
         "announce_promotion(model='alerts-demo', version='3', previous_version='2',"
         " alias='champion', reason='test_accuracy 0.97 > 0.95 (v2)', run_id='run-123')\n"
     )
@@ -547,7 +547,7 @@ def test_prefect_ml_alerts_again_updates_the_automations_and_adds_none(
     _run_cli([str(BIN / "prefect-ml"), "alerts", "--alert-block", alert_block], prefect_ui.env)
     with prefect_ui.api() as client:
         names = [a["name"] for a in client.post("/automations/filter", json={}).json()]
-    assert sorted(names) == sorted([alerts.FAILED_RUN_AUTOMATION, alerts.CHAMPION_AUTOMATION])
+    assert sorted(names) == sorted([services.FAILED_RUN_AUTOMATION, services.CHAMPION_AUTOMATION])
 
 
 _SLOT_HOLDER = """

@@ -16,7 +16,7 @@ from prefect_ml.flows.sweep import hpo_campaign
 from prefect_ml.flows.train import train_model
 from prefect_ml.integrations import tenancy, tracking
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.prefect_server import RAY_TAG
+from prefect_ml.integrations.services import RAY_TAG
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import CampaignParams, TrainModelParams
 

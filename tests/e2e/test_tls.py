@@ -23,8 +23,8 @@ import pytest
 from prefect.settings import PREFECT_API_URL
 from sklearn.datasets import load_digits
 
-from prefect_ml.integrations import tls, tracking
-from prefect_ml.integrations.serve_ingress import SERVE_INGRESS_ENVIRONMENT
+from prefect_ml.integrations import services, tracking
+from prefect_ml.integrations.services import SERVE_INGRESS_ENVIRONMENT
 from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
 from tests.e2e.test_resume_after_kill import _kill_tree
@@ -36,7 +36,7 @@ RAY_TLS_VARIABLES = ("RAY_USE_TLS", "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY",
 @dataclass
 class TLSCluster:
     address: str
-    certificates: tls.TLSFiles
+    certificates: services.TLSFiles
     token: str
     home: Path
     # A bare driver started with the cluster (_start_plaintext_driver), judged 45 s later.
@@ -64,11 +64,11 @@ def tls_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSCluster
     """``ray start --head`` with Ray's TLS and token auth on loopback ports, in its own
     process group, stopped by its process id; without Serve's HAProxy (plain HTTP only)."""
     base = tmp_path_factory.mktemp("tls-cluster")
-    certificates = tls.generate(base / "certs")
+    certificates = services.generate(base / "certs")
     cluster = TLSCluster("", certificates, secrets.token_hex(32), base / "home")
     port = free_port()
     cluster.address = f"127.0.0.1:{port}"
-    env = cluster.driver_environment(**tls.ray_environment(certificates.folder))
+    env = cluster.driver_environment(**services.ray_environment(certificates.folder))
     temp_dir = tempfile.mkdtemp(prefix="rtls", dir="/tmp")  # Ray's socket paths must be short
     command = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block"]
     command += ["--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2"]
@@ -145,7 +145,7 @@ def _plaintext_driver_connected(cluster: TLSCluster) -> bool:
     return "answer 42" in output
 
 
-def _gcs_answers(cluster: TLSCluster, client: tls.TLSFiles) -> bool:
+def _gcs_answers(cluster: TLSCluster, client: services.TLSFiles) -> bool:
     """Whether Ray's GCS answers an HTTP/2 preface from a TLS client presenting ``client``'s
     node certificate (the server itself verified with the cluster's CA)."""
     context = ssl.create_default_context(cafile=str(cluster.certificates.ca_cert))
@@ -210,7 +210,7 @@ def test_prefect_ml_trains_on_a_tls_cluster_and_serves_over_https(
         )
     url = f"https://127.0.0.1:{port}"
     row = load_digits().data[:1].tolist()
-    trusting = httpx.Client(verify=tls.trusting(certificates.ca_cert), timeout=10)
+    trusting = httpx.Client(verify=services.trusting(certificates.ca_cert), timeout=10)
 
     def answers() -> bool:
         try:
@@ -247,7 +247,7 @@ def test_prefect_ml_trains_on_a_tls_cluster_and_serves_over_https(
 def test_a_driver_without_the_cluster_certificates_cannot_connect(
     tls_cluster: TLSCluster, tmp_path: Path
 ) -> None:
-    stranger = tls.generate(tmp_path / "other-ca")  # TLS, but a certificate of another CA
+    stranger = services.generate(tmp_path / "other-ca")  # TLS, but a certificate of another CA
     assert not _gcs_answers(tls_cluster, stranger), "a client certificate of another CA"
     assert _gcs_answers(tls_cluster, tls_cluster.certificates), "the probe reaches a member"
     assert not _plaintext_driver_connected(tls_cluster), "a driver without TLS"

@@ -11,7 +11,7 @@ from prefect.blocks.system import Secret
 from prefect.client.orchestration import get_client
 from prefect.events.schemas.automations import Automation
 
-from prefect_ml.integrations import alerts
+from prefect_ml.integrations import services
 from prefect_ml.integrations.errors import ConfigurationError
 
 RECEIVER = "http://127.0.0.1:9/alerts"  # never called here: no automation fires in these tests
@@ -33,7 +33,7 @@ def _automations(name: str) -> list[Automation]:
 
 def test_a_missing_block_fails_naming_the_flag_and_how_to_create_one() -> None:
     with pytest.raises(ConfigurationError) as raised:
-        alerts.find_notification_block("no-such-alerts")
+        services.find_notification_block("no-such-alerts")
     assert raised.value.field == "--alert-block"
     assert "no notification block named 'no-such-alerts'" in raised.value.message
     assert "Custom Webhook" in raised.value.message
@@ -43,22 +43,22 @@ def test_a_missing_block_fails_naming_the_flag_and_how_to_create_one() -> None:
 def test_a_block_that_cannot_notify_is_not_an_alert_block() -> None:
     Secret(value="not a notifier").save("alerts-secret", overwrite=True)
     with pytest.raises(ConfigurationError, match="no notification block named"):
-        alerts.find_notification_block("alerts-secret")
+        services.find_notification_block("alerts-secret")
 
 
 def test_the_block_is_found_by_name_or_by_type_and_name() -> None:
     _webhook_block("unit-alerts")
-    by_name = alerts.find_notification_block("unit-alerts")
+    by_name = services.find_notification_block("unit-alerts")
     assert by_name.reference == "custom-webhook/unit-alerts"
-    assert alerts.find_notification_block("custom-webhook/unit-alerts") == by_name
+    assert services.find_notification_block("custom-webhook/unit-alerts") == by_name
     with pytest.raises(ConfigurationError, match="no notification block"):
-        alerts.find_notification_block("slack-webhook/unit-alerts")
+        services.find_notification_block("slack-webhook/unit-alerts")
 
 
 def test_a_block_whose_ssrf_guard_refuses_its_own_url_fails_before_anything_is_created() -> None:
     _webhook_block("guarded-alerts", allow_private_urls=False)
     with pytest.raises(ConfigurationError) as raised:
-        alerts.find_notification_block("guarded-alerts")
+        services.find_notification_block("guarded-alerts")
     assert raised.value.field == "--alert-block"
     assert "allow_private_urls" in raised.value.message
     assert "private address 127.0.0.1" in raised.value.message
@@ -66,17 +66,17 @@ def test_a_block_whose_ssrf_guard_refuses_its_own_url_fails_before_anything_is_c
 
 def test_creating_the_automations_again_updates_them_instead_of_adding_copies() -> None:
     _webhook_block("rerun-alerts")
-    block = alerts.find_notification_block("rerun-alerts")
+    block = services.find_notification_block("rerun-alerts")
     first, second = [uuid.uuid4()], [uuid.uuid4(), uuid.uuid4()]
-    names = alerts.ensure_automations(block, first, "http://127.0.0.1:4200")
-    assert names == [alerts.FAILED_RUN_AUTOMATION, alerts.CHAMPION_AUTOMATION]
-    assert alerts.ensure_automations(block, second, "http://127.0.0.1:4300") == names
+    names = services.ensure_automations(block, first, "http://127.0.0.1:4200")
+    assert names == [services.FAILED_RUN_AUTOMATION, services.CHAMPION_AUTOMATION]
+    assert services.ensure_automations(block, second, "http://127.0.0.1:4300") == names
 
-    [failed] = _automations(alerts.FAILED_RUN_AUTOMATION)
-    [champion] = _automations(alerts.CHAMPION_AUTOMATION)
+    [failed] = _automations(services.FAILED_RUN_AUTOMATION)
+    [champion] = _automations(services.CHAMPION_AUTOMATION)
     related = failed.trigger.match_related  # type: ignore[union-attr]
     assert related["prefect.resource.id"] == [f"prefect.deployment.{i}" for i in second]  # type: ignore[index]
     [notify] = failed.actions
     assert notify.block_document_id == block.id  # type: ignore[union-attr]
     assert "http://127.0.0.1:4300/runs/flow-run/{{ flow_run.id }}" in notify.body  # type: ignore[union-attr]
-    assert champion.trigger.expect == {alerts.PROMOTED_EVENT}  # type: ignore[union-attr]
+    assert champion.trigger.expect == {services.PROMOTED_EVENT}  # type: ignore[union-attr]

@@ -19,7 +19,7 @@ from prefect_ml.integrations.campaign import (
     open_study,
 )
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.prefect_server import server_database
+from prefect_ml.integrations.services import server_database
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.tracking import _store as tracking_store
 from tests.conftest import REPO_ROOT

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.prefect_server import server_auth_string
-from prefect_ml.integrations.settings import PrefectMLSettings, prepare_process_environment
+from prefect_ml.integrations.services import prepare_process_environment, server_auth_string
+from prefect_ml.integrations.settings import PrefectMLSettings
 
 CLIENT_VARIABLES = ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")
 
@@ -89,7 +89,7 @@ EARLY_API_CHECK = """
 from prefect.client.orchestration import get_client
 from prefect.server.api.server import SubprocessASGIServer
 
-from prefect_ml.integrations.prefect_server import start_ephemeral_api
+from prefect_ml.integrations.services import start_ephemeral_api
 from prefect_ml.integrations.settings import get_settings
 
 start_ephemeral_api(get_settings())

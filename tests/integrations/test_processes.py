@@ -8,15 +8,15 @@ from pathlib import Path
 
 import psutil
 
-from prefect_ml.integrations import processes
+from prefect_ml.integrations import services
 
 KILLED_OWNER = """
 import os, signal, subprocess, sys
 from pathlib import Path
-from prefect_ml.integrations import processes
+from prefect_ml.integrations import services
 
 child = subprocess.Popen(["sleep", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-processes.record_child(Path(sys.argv[1]), child.pid)
+services.record_child(Path(sys.argv[1]), child.pid)
 print(child.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # as a supervisor's or the OOM killer's SIGKILL
 """
@@ -29,9 +29,9 @@ def test_a_child_whose_owner_was_killed_is_ended_and_a_live_owners_is_not(tmp_pa
     )
     orphan = psutil.Process(int(owner.stdout))
     ours = subprocess.Popen(["sleep", "600"])
-    processes.record_child(tmp_path, ours.pid)
+    services.record_child(tmp_path, ours.pid)
     try:
-        assert processes.end_orphans(tmp_path) == [orphan.pid]
+        assert services.end_orphans(tmp_path) == [orphan.pid]
         assert not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE
         assert ours.poll() is None, "the child of a live owner (this test) is left alone"
         assert [p.name for p in tmp_path.iterdir()] == [f"{psutil.Process().pid}.json"]

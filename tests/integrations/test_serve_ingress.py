@@ -1,5 +1,5 @@
-"""Ray Serve's HAProxy ingress as prefect-ml starts it (integrations/serve_ingress.py): a private
-folder, stats and Prometheus on loopback, no HAProxy outliving what started it."""
+"""Ray Serve's HAProxy ingress as prefect-ml starts it (integrations/services/_serve_ingress.py):
+a private folder, stats and Prometheus on loopback, no HAProxy outliving what started it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from prefect_ml.integrations.settings import PrefectMLSettings
 BINARY = "RAY_SERVE_HAPROXY_BINARY_PATH"
 _INGRESS = """
 import json, os
-from prefect_ml.integrations.settings import prepare_process_environment
+from prefect_ml.integrations.services import prepare_process_environment
 prepare_process_environment()
 print(json.dumps({k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}))
 """
@@ -102,7 +102,7 @@ def test_haproxy_starts_through_a_script_that_binds_stats_and_prometheus_on_loop
     host; the serving frontend keeps the host it was given. The real HAProxy checks the result."""
     import tempfile
 
-    from prefect_ml.integrations.serve_ingress import haproxy_private_paths
+    from prefect_ml.integrations.services import haproxy_private_paths
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     script = haproxy_private_paths()[BINARY]
@@ -126,7 +126,7 @@ def test_haproxy_started_through_the_script_dies_with_the_process_that_started_i
 
     import psutil
 
-    from prefect_ml.integrations.serve_ingress import haproxy_private_paths
+    from prefect_ml.integrations.services import haproxy_private_paths
     from tests.helpers import free_port, wait_for
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -157,12 +157,12 @@ def test_each_haproxy_binary_keeps_its_own_script(
     HAProxy (nor, once that virtualenv is deleted, to none): one script per HAProxy binary."""
     import tempfile
 
-    from prefect_ml.integrations import serve_ingress
+    from prefect_ml.integrations.services import _serve_ingress
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    ours = Path(serve_ingress.haproxy_private_paths()[BINARY])
-    monkeypatch.setattr(serve_ingress, "_bundled_haproxy", lambda: "/elsewhere/venv/bin/haproxy")
-    theirs = Path(serve_ingress.haproxy_private_paths()[BINARY])
+    ours = Path(_serve_ingress.haproxy_private_paths()[BINARY])
+    monkeypatch.setattr(_serve_ingress, "_bundled_haproxy", lambda: "/elsewhere/venv/bin/haproxy")
+    theirs = Path(_serve_ingress.haproxy_private_paths()[BINARY])
     assert ours != theirs and ours.exists()
     assert "/elsewhere/" not in ours.read_text()
     assert theirs.read_text().rstrip().endswith('exec /elsewhere/venv/bin/haproxy "$@"')
@@ -174,7 +174,7 @@ def test_a_planted_haproxy_folder_is_refused(
     import tempfile
 
     from prefect_ml.integrations.errors import EnvironmentCheckError
-    from prefect_ml.integrations.serve_ingress import haproxy_private_paths
+    from prefect_ml.integrations.services import haproxy_private_paths
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     (tmp_path / "elsewhere").mkdir()

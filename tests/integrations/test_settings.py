@@ -9,9 +9,9 @@ from typing import Any, cast
 
 import pytest
 
+from prefect_ml.integrations.services import prepare_process_environment
 from prefect_ml.integrations.settings import (
     PrefectMLSettings,
-    prepare_process_environment,
     running_local_server,
     worker_environment,
 )

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import time
 
-from prefect_ml.integrations import timeline
+from prefect_ml.integrations import services
 from prefect_ml.tasks.report import timeline_markdown
 
 
 def test_moments_go_to_every_recording_flow_run_in_time_order_and_none_outside() -> None:
     now = time.time()
-    timeline.mark("before any flow run")  # recorded nowhere
-    with timeline.recording("outer started") as outer:
-        timeline.mark("data ready", at=now + 10)
-        with timeline.recording("inner started") as inner:
-            timeline.mark("worker ready", at=now + 5)  # another process's moment, stamped there
-        timeline.mark("outer ends", at=now + 20)
+    services.mark("before any flow run")  # recorded nowhere
+    with services.recording("outer started") as outer:
+        services.mark("data ready", at=now + 10)
+        with services.recording("inner started") as inner:
+            services.mark("worker ready", at=now + 5)  # another process's moment, stamped there
+        services.mark("outer ends", at=now + 20)
 
     assert [m.name for m in inner.moments] == ["inner started", "worker ready"]
     rows = outer.rows()
@@ -27,8 +27,8 @@ def test_moments_go_to_every_recording_flow_run_in_time_order_and_none_outside()
 
 
 def test_the_artifact_is_a_table_with_a_bar_for_each_step_that_took_time() -> None:
-    recorded = timeline.Timeline(process_started=100.0)
-    recorded.moments += [timeline.Moment("started", 110.0), timeline.Moment("done", 110.01)]
+    recorded = services.Timeline(process_started=100.0)
+    recorded.moments += [services.Moment("started", 110.0), services.Moment("done", 110.01)]
 
     markdown = timeline_markdown(recorded, "train-model")
 
@@ -38,14 +38,14 @@ def test_the_artifact_is_a_table_with_a_bar_for_each_step_that_took_time() -> No
 
 
 def test_a_commands_start_up_goes_to_its_first_flow_run_only() -> None:
-    with timeline.start_up():
-        timeline.mark("local Ray started")
-        with timeline.recording("first started") as first:
-            timeline.mark("first ends")
-        with timeline.recording("second started") as second:
+    with services.start_up():
+        services.mark("local Ray started")
+        with services.recording("first started") as first:
+            services.mark("first ends")
+        with services.recording("second started") as second:
             pass
-    timeline.mark("after the command")  # recorded nowhere
-    with timeline.recording("later started") as later:
+    services.mark("after the command")  # recorded nowhere
+    with services.recording("later started") as later:
         pass
 
     assert [m.name for m in first.moments] == ["local Ray started", "first started", "first ends"]

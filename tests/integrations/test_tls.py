@@ -10,13 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from prefect_ml.integrations import tls
+from prefect_ml.integrations import services
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.serve_ingress import SERVE_INGRESS_ENVIRONMENT
-from prefect_ml.integrations.settings import (
-    PrefectMLSettings,
-    prepare_process_environment,
-)
+from prefect_ml.integrations.services import SERVE_INGRESS_ENVIRONMENT, prepare_process_environment
+from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
 
 
@@ -38,27 +35,27 @@ def test_tls_command_writes_a_ca_and_certificates_with_private_keys(tmp_path: Pa
     run = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert f"PREFECT_ML_RAY_TLS_DIR={folder}" in run.stderr
-    files = tls.TLSFiles(folder)
+    files = services.TLSFiles(folder)
     for key in (files.ca_key, files.node_key, files.serve_key):
         assert key.stat().st_mode & 0o777 == 0o600
     ca = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
     for cert_path in (files.node_cert, files.serve_cert):
-        names = tls.certificate_hosts(cert_path)
+        names = services.certificate_hosts(cert_path)
         assert names[:2] == ["127.0.0.1", "localhost"] and names[-1] == "head.lan"
-        assert set(tls.local_hosts()) <= set(names), "this machine's name and IP address"
+        assert set(services.local_hosts()) <= set(names), "this machine's name and IP address"
         x509.load_pem_x509_certificate(cert_path.read_bytes()).verify_directly_issued_by(ca)
 
     again = subprocess.run([*command[:-2], "--host", "10.1.2.3"], env=env, capture_output=True)
     assert again.returncode == 0
     assert x509.load_pem_x509_certificate(files.ca_cert.read_bytes()) == ca, "the CA is kept"
-    assert "10.1.2.3" in tls.certificate_hosts(files.node_cert)
+    assert "10.1.2.3" in services.certificate_hosts(files.node_cert)
 
 
 def test_missing_certificates_are_named_with_the_command_that_makes_them(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="prefect-ml tls --dir"):
-        tls.ray_environment(tmp_path / "nowhere")
-    files = tls.generate(tmp_path / "tls")
-    environment = tls.ray_environment(files.folder)
+        services.ray_environment(tmp_path / "nowhere")
+    files = services.generate(tmp_path / "tls")
+    environment = services.ray_environment(files.folder)
     assert environment["RAY_USE_TLS"] == "1"
     assert environment["RAY_TLS_CA_CERT"] == str(files.ca_cert)
 
@@ -66,7 +63,7 @@ def test_missing_certificates_are_named_with_the_command_that_makes_them(tmp_pat
 def test_https_serving_needs_both_files_and_leaves_haproxy_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    files = tls.generate(tmp_path / "tls")
+    files = services.generate(tmp_path / "tls")
     monkeypatch.setenv("PREFECT_ML_SERVE_TLS_CERT", str(files.serve_cert))
     with pytest.raises(ConfigurationError, match="set both"):
         _ = PrefectMLSettings().serve_tls

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.prefect_server import run_logger
+from prefect_ml.integrations.services import run_logger
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import (
     CampaignParams,

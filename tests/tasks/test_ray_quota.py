@@ -12,7 +12,7 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
 
-from prefect_ml.integrations.prefect_server import RAY_TAG, ray_quota, set_ray_quota
+from prefect_ml.integrations.services import RAY_TAG, ray_quota, set_ray_quota
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.data import PreparedData
 from prefect_ml.tasks.sweep import campaign

@@ -26,7 +26,7 @@ from prefect_ml.flows.cli._output import console, print_campaign, print_outcome
 from prefect_ml.flows.cli._run import predict, run, sweep, train
 from prefect_ml.flows.cli._serve import serve
 from prefect_ml.flows.cli._setup import alerts_command, deploy, tls, ui
-from prefect_ml.integrations.settings import prepare_process_environment
+from prefect_ml.integrations.services import prepare_process_environment
 
 __all__ = [
     "Parameters",

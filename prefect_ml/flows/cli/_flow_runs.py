@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from rich.markup import escape
 
 from prefect_ml.flows.cli._output import clear_errors, console
-from prefect_ml.integrations import prefect_server, processes, storage, timeline
+from prefect_ml.integrations import services, storage
 from prefect_ml.integrations.settings import get_settings
 
 
@@ -43,8 +43,8 @@ def run_flow(flow_name: str, params: BaseModel) -> Any:
     from prefect_ml.integrations.ray_cluster import ray_session
 
     settings = get_settings()
-    with timeline.start_up(), contextlib.ExitStack() as stack:
-        timeline.mark("parameters checked")
+    with services.start_up(), contextlib.ExitStack() as stack:
+        services.mark("parameters checked")
         stack.enter_context(clear_errors())
         if settings.s3_credentials_block:  # exported before a local Ray starts: workers see them
             storage.apply_credentials_block(settings.s3_credentials_block)
@@ -53,7 +53,7 @@ def run_flow(flow_name: str, params: BaseModel) -> Any:
         # Prefect's API (when it is ephemeral) starts here rather than in the flow run, so the
         # timeline shows its share. Started beside Ray in a thread, it took as long as both in
         # turn on 2 cores (BENCHMARKS.md, start-up), and delayed a failed Ray start's error.
-        prefect_server.start_ephemeral_api(settings)
+        services.start_ephemeral_api(settings)
         stop_on_signals()  # after ray.init, whose SIGTERM handler aborts the process
         state = _in_flow_thread(flow_name, _flow(flow_name), params)
     if not state.is_completed():
@@ -96,7 +96,7 @@ def _flow(flow_name: str) -> Any:
 
 
 def _end_now(signum: int) -> None:
-    processes.stop_descendants(grace_s=1.0)
+    services.stop_descendants(grace_s=1.0)
     os._exit(128 + signum)
 
 
@@ -140,12 +140,12 @@ def _stop_now(flow_name: str, stop: Interrupted, runs: list[UUID]) -> typing.NoR
     message = f"stopped by {stop}; the same command resumes it"
     for run_id in runs:
         try:
-            prefect_server.mark_stopped(run_id, message)
+            services.mark_stopped(run_id, message)
         except Exception as exc:  # the API may have died with the terminal's process group
             console.print(f"could not mark flow run {run_id} Cancelled: {escape(str(exc))}")
-    api_pid = prefect_server.ephemeral_api_pid()
-    processes.stop_descendants(spare=[api_pid] if api_pid else [])
-    prefect_server.stop_ephemeral_api()
+    api_pid = services.ephemeral_api_pid()
+    services.stop_descendants(spare=[api_pid] if api_pid else [])
+    services.stop_ephemeral_api()
     marked = f"flow run {runs[-1]} marked Cancelled" if runs else "no flow run began"
     console.print(
         f"[bold yellow]{flow_name} stopped by {stop}:[/bold yellow] {marked}; "

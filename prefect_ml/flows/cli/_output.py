@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from prefect_ml.integrations import prefect_server
+from prefect_ml.integrations import services
 from prefect_ml.integrations.errors import PrefectMLError
 from prefect_ml.integrations.redaction import masked
 from prefect_ml.integrations.settings import get_settings
@@ -85,7 +85,7 @@ def _print_where_to_look(registration: Any) -> None:
     else:
         console.print(f"  MLflow UI:  {masked(tracking_uri)}")
     api_url = os.environ.get("PREFECT_API_URL")
-    ui_address = prefect_server.ui_url(api_url) if api_url else "prefect-ml ui"
+    ui_address = services.ui_url(api_url) if api_url else "prefect-ml ui"
     console.print(f"  Prefect UI: {ui_address}")
     console.print(
         f"  Serve it:   prefect-ml serve --model-name {registration.model_name} "

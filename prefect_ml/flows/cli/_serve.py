@@ -15,7 +15,7 @@ import click
 from prefect_ml.flows.cli._flags import parameter_flags, parse_parameters
 from prefect_ml.flows.cli._flow_runs import run_flow, stop_on_signals
 from prefect_ml.flows.cli._output import clear_errors, console, print_serving
-from prefect_ml.integrations.serve_ingress import check_haproxy_ports
+from prefect_ml.integrations.services import check_haproxy_ports
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.params import ServeModelParams
 

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from prefect_ml.flows.cli._flow_runs import stop_on_signals
 from prefect_ml.flows.cli._output import clear_errors, console
-from prefect_ml.integrations import alerts, prefect_server
+from prefect_ml.integrations import services
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import get_settings, running_local_server
 
@@ -49,12 +49,10 @@ def ui(host: str, port: int) -> None:
     stop_on_signals()
     with contextlib.ExitStack() as stack:
         stack.enter_context(clear_errors())
-        auth_string, generated = prefect_server.server_auth_string(settings)
-        api_url = stack.enter_context(
-            prefect_server.local_server(settings, host, port, auth_string)
-        )
-        console.print(f"[bold green]Prefect UI:[/bold green] {prefect_server.ui_url(api_url)}")
-        database = prefect_server.server_database(settings)
+        auth_string, generated = services.server_auth_string(settings)
+        api_url = stack.enter_context(services.local_server(settings, host, port, auth_string))
+        console.print(f"[bold green]Prefect UI:[/bold green] {services.ui_url(api_url)}")
+        database = services.server_database(settings)
         console.print(f"  API: {api_url}  (database: {database}; logs in {settings.prefect_home})")
         auth_file = settings.local_server_auth_file
         if generated:  # shown this once; later starts reuse it
@@ -70,7 +68,7 @@ def ui(host: str, port: int) -> None:
 
 
 def _set_up_alerts(
-    block: alerts.NotificationBlock | None, deployments: list[Any], api_url: str
+    block: services.NotificationBlock | None, deployments: list[Any], api_url: str
 ) -> str:
     """Create or update the alert automations for the deployments; what to tell the user."""
     if block is None:
@@ -78,18 +76,18 @@ def _set_up_alerts(
             "Alerts: off (no notification block: pass --alert-block or set "
             "PREFECT_ML_ALERT_BLOCK; docs/how-to/alerts.md)"
         )
-    return _alerts_on(block, prefect_server.register_deployments(deployments), api_url)
+    return _alerts_on(block, services.register_deployments(deployments), api_url)
 
 
-def _alerts_on(block: alerts.NotificationBlock, deployment_ids: list[UUID], api_url: str) -> str:
-    names = alerts.ensure_automations(block, deployment_ids, alerts.alert_ui_url(api_url))
+def _alerts_on(block: services.NotificationBlock, deployment_ids: list[UUID], api_url: str) -> str:
+    names = services.ensure_automations(block, deployment_ids, services.alert_ui_url(api_url))
     return f"Alerts: through {block.reference} (automations: {'; '.join(names)})"
 
 
 _prefect_file_option = click.option(
     "--prefect-file",
     type=click.Path(dir_okay=False, path_type=Path),
-    default=str(prefect_server.DEFAULT_PREFECT_FILE),
+    default=str(services.DEFAULT_PREFECT_FILE),
     show_default=True,
     help="The deployments to serve; entrypoints are relative to the working directory.",
 )
@@ -102,10 +100,10 @@ _alert_block_option = click.option(
 )
 
 
-def _alert_block(flag: str | None) -> alerts.NotificationBlock | None:
+def _alert_block(flag: str | None) -> services.NotificationBlock | None:
     """The block of --alert-block, else of PREFECT_ML_ALERT_BLOCK; None when neither is set."""
     name = flag or get_settings().alert_block
-    return alerts.find_notification_block(name) if name else None
+    return services.find_notification_block(name) if name else None
 
 
 @click.command()
@@ -116,7 +114,7 @@ def _alert_block(flag: str | None) -> alerts.NotificationBlock | None:
     default=1,
     show_default=True,
     help="Training and campaign tasks that may run on the Ray cluster at once, across all "
-    f"flow runs (the concurrency limit on the tag '{prefect_server.RAY_TAG}').",
+    f"flow runs (the concurrency limit on the tag '{services.RAY_TAG}').",
 )
 @click.option("--only", multiple=True, help="Serve only these deployments (repeatable).")
 @_alert_block_option
@@ -126,19 +124,19 @@ def deploy(
     """Register the deployments of prefect.yaml (schedules, parameter forms) on the Prefect
     server and run their flow runs from this process until Ctrl-C; no work pool needed."""
     with clear_errors():
-        api_url = prefect_server.require_server(
+        api_url = services.require_server(
             os.environ.get("PREFECT_API_URL"), os.environ.get("PREFECT_API_AUTH_STRING")
         )
-        specs = prefect_server.read_deployment_specs(prefect_file)
+        specs = services.read_deployment_specs(prefect_file)
         unknown = sorted(set(only) - {spec.name for spec in specs})
         if unknown:
             names = [spec.name for spec in specs]
             raise ConfigurationError("--only", f"no {unknown} in {prefect_file}; it has {names}")
         specs = [spec for spec in specs if not only or spec.name in only]
         block = _alert_block(alert_block)  # a wrong name fails before anything is created
-        deployments = prefect_server.runner_deployments(specs)
-        prefect_server.set_ray_quota(ray_slots)
-        for name in prefect_server.take_over_from_work_pools(deployments):
+        deployments = services.runner_deployments(specs)
+        services.set_ray_quota(ray_slots)
+        for name in services.take_over_from_work_pools(deployments):
             console.print(f"[yellow]{name}: this process runs it from now on[/yellow]")
         alerts_line = _set_up_alerts(block, deployments, api_url)
     table = Table(title="prefect-ml deployments")
@@ -148,7 +146,7 @@ def deploy(
         schedule = ", ".join(str(s.get("cron") or s.get("interval")) for s in spec.schedules)
         table.add_row(spec.name, spec.entrypoint, schedule or "from the UI")
     console.print(table)
-    ui_address = prefect_server.ui_url(api_url)
+    ui_address = services.ui_url(api_url)
     console.print(f"Ray quota: {ray_slots} training or campaign task(s) at once")
     console.print(alerts_line)
     console.print(f"Open {ui_address}/deployments and press Run. Ctrl-C stops.")
@@ -165,7 +163,7 @@ def alerts_command(prefect_file: Path, alert_block: str | None) -> None:
     already on the server (a work pool's, registered by `prefect deploy`), then exit.
     `prefect-ml deploy --alert-block` does the same for the deployments it serves."""
     with clear_errors():
-        api_url = prefect_server.require_server(
+        api_url = services.require_server(
             os.environ.get("PREFECT_API_URL"), os.environ.get("PREFECT_API_AUTH_STRING")
         )
         block = _alert_block(alert_block)
@@ -173,10 +171,8 @@ def alerts_command(prefect_file: Path, alert_block: str | None) -> None:
             raise ConfigurationError(
                 "--alert-block", "name a notification block, or set PREFECT_ML_ALERT_BLOCK"
             )
-        deployments = prefect_server.runner_deployments(
-            prefect_server.read_deployment_specs(prefect_file)
-        )
-        ids = prefect_server.registered_deployment_ids(deployments)
+        deployments = services.runner_deployments(services.read_deployment_specs(prefect_file))
+        ids = services.registered_deployment_ids(deployments)
         console.print(_alerts_on(block, ids, api_url))
 
 
@@ -206,22 +202,21 @@ def alerts_command(prefect_file: Path, alert_block: str | None) -> None:
 def tls(folder: Path | None, hosts: tuple[str, ...], days: int) -> None:
     """Create a CA (or reuse the folder's) and the certificates for Ray's TLS between nodes and
     for HTTPS serving; prints the settings that use them."""
-    from prefect_ml.integrations import tls as certificates
 
     settings = get_settings()
     with clear_errors():
-        files = certificates.generate(
+        files = services.generate(
             folder or settings.default_tls_dir,
-            tuple(dict.fromkeys((*certificates.local_hosts(), *hosts))),
+            tuple(dict.fromkeys((*services.local_hosts(), *hosts))),
             days=days,
         )
-    names = ", ".join(certificates.certificate_hosts(files.node_cert))
+    names = ", ".join(services.certificate_hosts(files.node_cert))
     console.print(f"[bold green]Certificates in {files.folder}[/bold green] for {names}")
     console.print(f"  CA: {files.ca_cert} (its key {files.ca_key} signs more; keep it off nodes)")
     console.print("  Ray TLS, on this driver (prefect-ml starts or joins Ray with it):")
     console.print(f"    export PREFECT_ML_RAY_TLS_DIR={files.folder}")
     console.print("  and on every `ray start` node (copy the folder, without ca-key.pem):")
-    for variable, value in certificates.ray_environment(files.folder).items():
+    for variable, value in services.ray_environment(files.folder).items():
         console.print(f"    export {variable}={value}")
     console.print("  HTTPS serving:")
     console.print(f"    export PREFECT_ML_SERVE_TLS_CERT={files.serve_cert}")

@@ -18,9 +18,8 @@ from ray.serve import Deployment
 
 from prefect_ml.integrations.config import ServingParams
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
-from prefect_ml.integrations.processes import check_port_free
 from prefect_ml.integrations.resources import placeable
-from prefect_ml.integrations.serve_ingress import haproxy_on_loopback
+from prefect_ml.integrations.services import check_port_free, haproxy_on_loopback
 from prefect_ml.integrations.serving._app import DEPLOYMENT_NAME, ModelServer
 from prefect_ml.integrations.serving._models import ServedModel
 from prefect_ml.integrations.serving._replica import ReplicaOptions

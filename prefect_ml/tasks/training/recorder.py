@@ -9,7 +9,7 @@ from types import TracebackType
 from prefect import get_run_logger
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from prefect_ml.integrations import timeline, tracking
+from prefect_ml.integrations import services, tracking
 from prefect_ml.integrations.errors import CheckpointError
 from prefect_ml.integrations.storage import CheckpointStore, Lease
 from prefect_ml.integrations.training import METRICS_FILE
@@ -90,7 +90,7 @@ class EpochRecorder:
                 self._client, self._run_id, epoch, metrics, self._store.url_for(epoch)
             )
             if not self._recorded_any:
-                timeline.mark(f"epoch {epoch} committed (seen by the driver's 1 s poll)")
+                services.mark(f"epoch {epoch} committed (seen by the driver's 1 s poll)")
                 self._recorded_any = True
             self._logged.add(epoch)
             shown = [

@@ -18,7 +18,7 @@ import prefect.runtime
 from prefect import get_run_logger
 from pydantic import BaseModel
 
-from prefect_ml.integrations import ray_training, storage, timeline, tracking
+from prefect_ml.integrations import ray_training, services, storage, tracking
 from prefect_ml.integrations.config.loop import Splits, TrainLoop
 from prefect_ml.integrations.errors import PrefectMLError, TrainingCodeError
 from prefect_ml.integrations.ray_cluster import ray_session, shipped_code
@@ -225,7 +225,7 @@ class TrainingRun:
             with ray_session(self.settings):
                 if code := shipped_code():
                     tracking.set_tags(self.client, self.run_id, {tracking.CODE_TAG: code})
-                timeline.mark("training run opened (MLflow run, lease); worker group starts")
+                services.mark("training run opened (MLflow run, lease); worker group starts")
                 ray_training.fit(
                     loop,
                     workers=training.workers,
@@ -235,7 +235,7 @@ class TrainingRun:
                     name=f"{self.run_id}-{int(time.time())}",
                     logger=self.logger,
                 )
-                timeline.mark("training workers done")
+                services.mark("training workers done")
                 self._mark_worker_group_ready()
         except Exception as exc:
             self.lease.ensure_held()  # the run is the new driver's to mark
@@ -252,7 +252,7 @@ class TrainingRun:
         data (rank 0 stamps the run when it starts its epochs)."""
         tags = self.client.get_run(self.run_id).data.tags
         if ready := tags.get(ray_training.WORKER_GROUP_READY_TAG):
-            timeline.mark("training worker group ready (model built, data opened)", at=float(ready))
+            services.mark("training worker group ready (model built, data opened)", at=float(ready))
 
     def conclude(self, result: TrainResult) -> TrainResult:
         """Tag the run with the epoch that is evaluated and registered, and why training

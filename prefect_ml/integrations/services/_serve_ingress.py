@@ -82,19 +82,19 @@ def check_haproxy_ports() -> None:
     left on this machine (started with our private config, no Ray worker above it), then fail
     at once when the stats or metrics port is still taken, naming the process that holds it,
     instead of HAProxy's endless "Address already in use" restarts inside Ray."""
-    from prefect_ml.integrations import processes  # psutil: not on a torch-only GPU machine
+    from prefect_ml.integrations.services import _processes
 
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         return
     if config := os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"):
-        processes.end_orphan_haproxy(config)
+        _processes.end_orphan_haproxy(config)
     host = "127.0.0.1" if haproxy_on_loopback() else "0.0.0.0"
     for variable, default in (
         ("RAY_SERVE_HAPROXY_STATS_PORT", "8404"),
         ("RAY_SERVE_HAPROXY_METRICS_PORT", "9101"),
     ):
         port = int(os.environ.get(variable, default))
-        processes.check_port_free(host, port, variable, f"set {variable} to a free port")
+        _processes.check_port_free(host, port, variable, f"set {variable} to a free port")
 
 
 def haproxy_on_loopback() -> bool:
@@ -123,7 +123,8 @@ def _bundled_haproxy() -> str:
 # rewritten in place (a copy renamed over it) because Ray finds its HAProxy processes by that
 # path in their command line, to signal the old ones on a reload.
 _HAPROXY_ON_LOOPBACK = r"""#!/bin/sh
-# Written by prefect-ml (integrations/serve_ingress.py): HAProxy's stats and Prometheus on loopback.
+# Written by prefect-ml (integrations/services/_serve_ingress.py): HAProxy's stats and
+# Prometheus on loopback.
 previous=
 for argument in "$@"; do
     if [ "$previous" = -f ]; then

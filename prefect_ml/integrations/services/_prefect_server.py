@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, cast
 import httpx
 import yaml
 
-from prefect_ml.integrations import processes, timeline
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
 from prefect_ml.integrations.redaction import masked
+from prefect_ml.integrations.services import _processes, _timeline
 from prefect_ml.integrations.settings import (
     PrefectMLSettings,
     local_server_auth_string,
@@ -77,13 +77,13 @@ def start_ephemeral_api(settings: PrefectMLSettings) -> None:
 
     if get_current_settings().api.url is None and not (server := SubprocessASGIServer()).running:
         records = settings.prefect_home / "ephemeral"
-        processes.end_orphans(records)
-        with processes.ctrl_c_passes_by():
+        _processes.end_orphans(records)
+        with _processes.ctrl_c_passes_by():
             server.start()  # once per process: a command's later flow runs (serve --watch) reuse it
         assert server.server_process is not None  # started, or start() raised
-        record = processes.record_child(records, server.server_process.pid)
+        record = _processes.record_child(records, server.server_process.pid)
         atexit.register(record.unlink, missing_ok=True)
-        timeline.mark("Prefect API started")
+        _timeline.mark("Prefect API started")
 
 
 def ephemeral_api_pid() -> int | None:
@@ -206,7 +206,7 @@ def local_server(
     under the project home) with basic auth on its API and yield its API URL once it answers;
     stop it on the way out. Other prefect-ml commands on this home use it (with the auth
     string :func:`server_auth_string` recorded)."""
-    processes.check_port_free(host, port, "--port")
+    _processes.check_port_free(host, port, "--port")
     api_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/api"
     environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     environment[SERVER_AUTH_VARIABLE] = auth_string

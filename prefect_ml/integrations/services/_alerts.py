@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.prefect_server import run_logger, ui_url
+from prefect_ml.integrations.services._prefect_server import run_logger, ui_url
 
 if TYPE_CHECKING:
     from prefect.client.orchestration import SyncPrefectClient
