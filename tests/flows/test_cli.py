@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 import prefect_ml
 from prefect_ml.flows.cli import app
+from prefect_ml.flows.cli._output import console
 from prefect_ml.integrations import devices
 from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
@@ -100,9 +101,19 @@ def test_bad_json_option_is_a_usage_error() -> None:
     assert result.exit_code == 2 and "not valid JSON" in result.output
 
 
-@pytest.mark.usefixtures("ray_cluster")
+@pytest.fixture
+def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands' console 400 columns wide, so a doctor row is one line, whatever the
+    terminal. Set on the console, not as COLUMNS: rich fixes a console's width when it is built
+    (at import) if COLUMNS is set then, and a pytest-xdist worker starts with COLUMNS=80 (pytest
+    imports readline, which exports the screen size it finds, 80x24 without a terminal, to the
+    processes started after it)."""
+    monkeypatch.setattr(console, "_width", 400)
+
+
+@pytest.mark.usefixtures("ray_cluster", "wide_console")
 def test_doctor_reports_every_system(home: PrefectMLSettings) -> None:
-    result = CliRunner(env={"COLUMNS": "400"}).invoke(app, ["doctor"])
+    result = CliRunner().invoke(app, ["doctor"])
     assert result.exit_code == 0, result.output
     for check in ("versions", "devices", "ray", "mlflow", "storage", "HAProxy ingress"):
         assert check in result.output
@@ -121,6 +132,7 @@ def test_doctor_reports_every_system(home: PrefectMLSettings) -> None:
     assert "FAIL" not in result.output
 
 
+@pytest.mark.usefixtures("wide_console")
 @pytest.mark.parametrize(
     ("where", "expected"),
     [("file", "not a writable directory"), ("s3", "'no-such-bucket' of s3://no-such-bucket")],
@@ -137,7 +149,7 @@ def test_doctor_fails_on_unusable_storage(
     blocker.write_text("x")
     url = (blocker / "storage").as_uri() if where == "file" else "s3://no-such-bucket/prefect-ml"
     monkeypatch.setenv("PREFECT_ML_STORAGE_URL", url)
-    result = CliRunner(env={"COLUMNS": "400"}).invoke(app, ["doctor"])
+    result = CliRunner().invoke(app, ["doctor"])
     assert result.exit_code == 1
     storage_row = next(line for line in result.output.splitlines() if "│ storage" in line)
     assert "FAIL" in storage_row and expected in storage_row
