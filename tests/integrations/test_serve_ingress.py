@@ -140,7 +140,9 @@ def test_haproxy_started_through_the_script_dies_with_the_process_that_started_i
     wait_for(lambda: bool(psutil.Process(parent.pid).children()), 30, "HAProxy to start")
     (haproxy,) = psutil.Process(parent.pid).children()
     try:
-        wait_for(lambda: "haproxy" in haproxy.name(), 30, "the script to exec HAProxy")
+        # HAProxy itself, not our script (named haproxy-<hash>) still rewriting the config:
+        # killed before it execs setpriv, the parent leaves an HAProxy with no death signal.
+        wait_for(lambda: haproxy.name() == "haproxy", 30, "the script to exec HAProxy")
         parent.kill()
         parent.wait()
         gone, _alive = psutil.wait_procs([haproxy], timeout=30)
