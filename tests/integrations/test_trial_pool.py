@@ -6,6 +6,7 @@ room for closes its slot)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -74,6 +75,21 @@ def test_a_replacement_the_cluster_has_no_room_for_closes_its_slot(
             ray.kill(squatter)
 
 
+class TimedFromTheFirstStart(RayTrialPool):
+    """Its start timeout counts from its first worker's start, not from the asking: on a loaded
+    machine (two test sessions side by side, load 8-27) the start of the one worker Ray can
+    place (a process, torch's import) outlasted the 8 s the test gave the whole pool. The wait
+    for that start is bounded."""
+
+    def _ask(self, count: int) -> _trial_pool._Asked:
+        import ray
+
+        asked = super()._ask(count)
+        first, _ = ray.wait(list(asked.waiting), num_returns=1, timeout=120)
+        assert first, "no trial worker started within 120 s, with a CPU free for one"
+        return dataclasses.replace(asked, began=time.monotonic())
+
+
 def test_a_busy_cluster_runs_the_workers_placed_within_the_timeout_and_says_why(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -85,17 +101,17 @@ def test_a_busy_cluster_runs_the_workers_placed_within_the_timeout_and_says_why(
     logger = logging.getLogger("test.trial_pool")
     node = ray.util.get_node_ip_address()
     with caplog.at_level(logging.WARNING, logger.name), holding_cpus(1):
-        with RayTrialPool(
-            2, request=ONE_CPU, driver_only=False, start_timeout_s=8, logger=logger
+        with TimedFromTheFirstStart(
+            2, request=ONE_CPU, driver_only=False, start_timeout_s=4, logger=logger
         ) as pool:
             assert pool.size == 1
             pool.finish()  # the started worker answers
     waiting, running = (r.getMessage() for r in caplog.records)  # one notice: repeats are 30 s
-    # The placed worker may still be starting at the notice: 0 or 1 of 2 have started.
-    assert re.match(r"Ray has started [01] of 2 trial worker\(s\) after \d+ s: ", waiting)
+    # The notice comes after the first 1 s wait on the other, the placed worker started.
+    assert re.match(r"Ray has started 1 of 2 trial worker\(s\) after \d+ s: ", waiting)
     assert f"2 trial(s) x (1 CPU) asked; free now: node {node}: 0 of 2 CPU" in waiting
     assert running.startswith("Running 1 trial(s) at a time, not 2")
-    assert "within 8 s (PREFECT_ML_WORKER_GROUP_START_TIMEOUT_S)" in running
+    assert "within 4 s (PREFECT_ML_WORKER_GROUP_START_TIMEOUT_S)" in running
 
 
 def test_a_pool_ray_cannot_place_at_all_ends_at_its_timeout_and_leaves_nothing_pending() -> None:
