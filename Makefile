@@ -7,11 +7,13 @@ STAMP   := $(VENV)/.installed
 LOCK    := requirements.lock
 UV      := uv==0.9.30
 PYTEST_ARGS ?=
-# TEST_WORKERS=2 runs test files side by side (pytest-xdist; each worker is a session with services
-# of its own, tests/conftest.py). On this 2-core machine it took `make test-all` from 70.5 to 53.5
-# min (2026-12-07), but it overloaded the machine (load 8-27) and 5 tests failed that pass alone
-# (timing under load; the doctor's table width in a worker): one process stays the default.
-TEST_WORKERS ?= 0
+# `make test-all` runs test files side by side in TEST_WORKERS worker processes (pytest-xdist;
+# each worker is a session with services of its own, tests/conftest.py); TEST_WORKERS=0 runs one
+# process. `make test` is always one process. On this 2-core machine two workers took test-all
+# from 70.5 to 53.5 min (2026-12-07) at load 8-27, where 5 tests failed that passed alone; those
+# five now wait on their event instead of a deadline, or set their table's width (3622380, cdc716b,
+# 0e8147c). test-all with two workers has not been timed again since.
+TEST_WORKERS ?= 2
 XDIST   = -n $(TEST_WORKERS) --dist loadgroup
 # `make bench BENCH_ARGS=--quick`: every benchmark's smoke run (results/*.quick.json, not committed)
 BENCH_ARGS ?=

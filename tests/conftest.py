@@ -30,11 +30,11 @@ from tests.helpers import free_port  # noqa: E402
 
 prepare_process_environment()
 
-# `make test-all TEST_WORKERS=2` runs test files side by side (pytest-xdist; one process by
-# default, see the Makefile): each worker is a session of its own, with its own Prefect API, Ray,
-# MLflow and folders. The ports Ray Serve's ingress takes whatever the application's port
-# (HAProxy's stats and Prometheus, the fallback proxy) are the worker's own, so two workers can
-# serve at once.
+# `make test-all` runs test files side by side (pytest-xdist, two workers; TEST_WORKERS=0 and
+# `make test` run one process, see the Makefile): each worker is a session of its own, with its
+# own Prefect API, Ray, MLflow and folders. The ports Ray Serve's ingress takes whatever the
+# application's port (HAProxy's stats and Prometheus, the fallback proxy) are the worker's own,
+# so two workers can serve at once.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER:
     for _variable in (
