@@ -293,13 +293,13 @@ def shipped_package() -> dict[str, Any]:
 
     from ray._private.runtime_env import packaging
 
-    from prefect_ml.integrations import code_shipping
+    from prefect_ml.integrations import compute
     from prefect_ml.integrations.settings import get_settings
 
-    plan = code_shipping.plan_code(get_settings())
+    plan = compute.plan_code(get_settings())
     packages = []
     for package in (plan.project, *plan.user):
-        excludes = list(code_shipping.EXCLUDES)
+        excludes = list(compute.EXCLUDES)
         began = time.perf_counter()
         packaging.get_uri_for_directory(str(package.path), True, excludes)
         hashed = time.perf_counter() - began
@@ -349,11 +349,11 @@ def timed_fits(fits: list[dict[str, float]]) -> Iterator[None]:
 
 def probe_nodes() -> dict[str, Any]:
     """One task on every node (``on_each_node``), timed; the nodes' addresses."""
-    from prefect_ml.integrations import node_probe
-    from prefect_ml.integrations.ray_cluster import on_each_node
+    from prefect_ml.integrations import compute
+    from prefect_ml.integrations.compute import on_each_node
 
     began = time.perf_counter()
-    answers = on_each_node(node_probe.code_on_node)
+    answers = on_each_node(compute.code_on_node)
     seconds = time.perf_counter() - began
     failed = [str(result) for _, result in answers if isinstance(result, BaseException)]
     if failed:
@@ -401,7 +401,7 @@ def bare_connect(address: str) -> None:
 def connect_and_probe(settings: Any, stack: contextlib.ExitStack | None) -> dict[str, Any]:
     """Connect (``ray_session``), then probe every node twice. With ``stack`` the connection
     stays open (on the stack); without, it is closed again."""
-    from prefect_ml.integrations.ray_cluster import ray_session, shipped_code
+    from prefect_ml.integrations.compute import ray_session, shipped_code
 
     session = ray_session(settings)
     uploads: list[dict[str, Any]] = []

@@ -264,13 +264,13 @@ def _training_worker(
     import torch
     import torch.distributed as dist
 
-    from prefect_ml.integrations import devices
+    from prefect_ml.integrations import compute
 
     use_gpu = torch.cuda.is_available()
     if use_gpu:
         torch.cuda.set_device(rank)
-    device = devices.training_device(use_gpu, local_rank=rank)
-    backend = devices.collective_backend(use_gpu)
+    device = compute.training_device(use_gpu, local_rank=rank)
+    backend = compute.collective_backend(use_gpu)
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )

@@ -366,7 +366,7 @@ def ours_curves(
     other protocols, the two versions and ``peers`` (servers already up) take turns on it.
     ``bodies``: the row as ``/predict``'s body and as MLflow's."""
     from prefect_ml.flows.serve import serve_model
-    from prefect_ml.integrations.ray_cluster import ray_session
+    from prefect_ml.integrations.compute import ray_session
     from prefect_ml.integrations.settings import get_settings
     from prefect_ml.tasks.params import ServeModelParams
 

@@ -22,9 +22,9 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 # theirs; every subprocess and the session's Ray inherit it.
 os.environ["PREFECT_ML_ALLOWED_MODULES"] = "tests.fixtures"
 
+from prefect_ml.integrations.compute import setup_hook  # noqa: E402
 from prefect_ml.integrations.services import prepare_process_environment  # noqa: E402
 from prefect_ml.integrations.settings import PrefectMLSettings  # noqa: E402
-from prefect_ml.integrations.worker_setup import setup_hook  # noqa: E402
 from tests.cluster import LocalCluster, start_cluster  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 

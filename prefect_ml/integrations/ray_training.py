@@ -14,14 +14,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prefect_ml.integrations import collectives, storage, tracking
-from prefect_ml.integrations.config.loop import TrainLoop
-from prefect_ml.integrations.errors import TrainingCodeError
-from prefect_ml.integrations.resources import (
+from prefect_ml.integrations.compute import (
     PLACEMENT_NOTICE_S,
     PLACEMENT_REPEAT_S,
     describe_placement,
     free_per_node,
 )
+from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.errors import TrainingCodeError
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.integrations.training import EpochTrainer, train_epochs
 
@@ -164,13 +164,13 @@ def fit(
     from ray.train import ControllerError
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from prefect_ml.integrations import devices
+    from prefect_ml.integrations import compute
 
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config(loop),
         torch_config=TorchConfig(
-            backend=devices.collective_backend(request.gpus > 0),
+            backend=compute.collective_backend(request.gpus > 0),
             timeout_s=loop.training.collective_timeout_s,
         ),
         scaling_config=scaling_config(loop, workers, request),

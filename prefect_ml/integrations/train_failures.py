@@ -35,8 +35,8 @@ from ray.train.v2._internal.execution.controller.state import (
 )
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
+from prefect_ml.integrations.compute import describe_placement, free_per_node
 from prefect_ml.integrations.errors import DETERMINISTIC_ERRORS, TrainingCodeError, fix_for
-from prefect_ml.integrations.resources import describe_placement, free_per_node
 
 if TYPE_CHECKING:
     from ray.train.v2._internal.execution.controller.state import TrainControllerState

@@ -12,14 +12,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ValidationError
 
-from prefect_ml.integrations import (
-    problems,
-    ray_cluster,
-    shards,
-    storage,
-    streaming,
-    tabular_files,
-)
+from prefect_ml.integrations import compute, problems, shards, storage, streaming, tabular_files
 from prefect_ml.integrations.catalog import DatasetArrays, load_dataset
 from prefect_ml.integrations.config.loop import Layout, Splits
 from prefect_ml.integrations.errors import ConfigurationError
@@ -318,7 +311,7 @@ def preprocess_streamed(
         val_fraction=data.val_fraction,
         test_fraction=data.test_fraction,
     )
-    with ray_cluster.ray_session(get_settings()):
+    with compute.ray_session(get_settings()):
         written = streaming.prepare(
             source,
             recipe,

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from prefect_ml.integrations import devices, node_report, services, storage, tracking
-from prefect_ml.integrations.node_report import NodeReport
-from prefect_ml.integrations.ray_cluster import ray_session, shipped_code, ships_project
+from prefect_ml.integrations import compute, services, storage, tracking
+from prefect_ml.integrations.compute import NodeReport, ray_session, shipped_code, ships_project
 from prefect_ml.integrations.settings import PrefectMLSettings
 
 PACKAGES = ("prefect", "ray", "torch", "mlflow", "optuna", "s3fs", "pydantic")
@@ -51,11 +50,11 @@ def _versions() -> str:
 def _devices() -> list[Check]:
     """The devices row, then one passing row per torch/driver mismatch so that each is seen."""
     try:
-        runtime = devices.detect_runtime()
+        runtime = compute.detect_runtime()
     except Exception as exc:  # same isolation as _guarded: the other checks still run
         return [Check("devices", False, f"{type(exc).__name__}: {exc}")]
     return [
-        Check("devices", True, devices.describe(runtime)),
+        Check("devices", True, compute.describe(runtime)),
         *(_warning("devices", warning) for warning in runtime.warnings),
     ]
 
@@ -71,10 +70,10 @@ def _ray(settings: PrefectMLSettings) -> list[Check]:
                 f"{where}: {resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU; {code}"
             )
             shipped = ships_project()
-            results = node_report.probe_nodes(root, timeout_s=NODE_TIMEOUT_S)
+            results = compute.probe_nodes(root, timeout_s=NODE_TIMEOUT_S)
     except Exception as exc:  # same isolation as _guarded
         return [Check("ray", False, f"{type(exc).__name__}: {exc}")]
-    driver = node_report.imported_versions()
+    driver = compute.imported_versions()
     rows = [Check("ray", True, summary)]
     for record, report in results:
         rows.extend(node_checks(record, report, driver, prefect_ml_shipped=shipped))
@@ -91,7 +90,7 @@ def node_checks(
 ) -> list[Check]:
     """A node's row (``record`` from ``ray.nodes()``), failing when its probe did not answer or
     its storage access failed, then a row per version that differs from the driver's
-    (:func:`node_report.version_differences`) and per device warning."""
+    (:func:`integrations.compute.version_differences`) and per device warning."""
     name = f"node {record['NodeManagerAddress']}"
     if isinstance(report, BaseException):
         cause = getattr(report, "cause", None) or report  # a RayTaskError's str is a traceback
@@ -113,7 +112,7 @@ def node_checks(
             f"storage: {report.storage}",
         )
     )
-    differences = node_report.version_differences(
+    differences = compute.version_differences(
         driver, versions, prefect_ml_shipped=prefect_ml_shipped
     )
     rows = [Check(name, report.storage_ok, detail)]

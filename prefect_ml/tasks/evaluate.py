@@ -7,7 +7,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import hooks, ray_cluster, shards, streaming, tracking
+from prefect_ml.integrations import compute, hooks, shards, streaming, tracking
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.data import PreparedData
@@ -112,7 +112,7 @@ def _score_on_cluster(trained: TrainResult, scored: PreparedData) -> Scored:
         "epoch": trained.best_epoch,  # the checkpoint evaluated and registered
     }
     files = shards.read_manifest(scored.splits_url)["test"]
-    with ray_cluster.ray_session(get_settings()):
+    with compute.ray_session(get_settings()):
         sums, outputs = streaming.score_split(
             scored.splits_url, files, trained.checkpoint_url, loop
         )

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prefect_ml.integrations.config.resources import RequestFields, Reserving
-from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.ray_cluster import ray_session
-from prefect_ml.integrations.resources import (
+from prefect_ml.integrations.compute import (
     check_fits,
     cluster_nodes,
     flag_of,
     mixed_gpu_types,
+    ray_session,
 )
+from prefect_ml.integrations.config.resources import RequestFields, Reserving
+from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.services import run_logger
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.params import CampaignParams, TrainingSections

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from prefect_ml.integrations import batch_scoring, storage, tabular_files, tracking
 from prefect_ml.integrations.batch_scoring import PredictionManifest
-from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations.compute import ray_session
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.params import PredictParams, params_from_options, refuse_options_beside
 from prefect_ml.tasks.serve import resolve_served_model

@@ -16,9 +16,8 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from prefect_ml.integrations import services, serving, tenancy, tracking
+from prefect_ml.integrations.compute import cluster_nodes, ray_session
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
-from prefect_ml.integrations.ray_cluster import ray_session
-from prefect_ml.integrations.resources import cluster_nodes
 from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
 from prefect_ml.tasks.canary import CanaryReport, publish_canary, record_verdict, run_canary
 from prefect_ml.tasks.params import (

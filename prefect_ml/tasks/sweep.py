@@ -11,7 +11,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from prefect_ml.integrations import tracking
-from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations.compute import ray_session
 from prefect_ml.integrations.services import RAY_TAG
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.campaign.results import CampaignResult, TrialSummary

@@ -11,7 +11,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from prefect_ml.integrations import training
-from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations.compute import ray_session
 from prefect_ml.integrations.services import RAY_TAG
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.data import PreparedData, params_on_data

@@ -22,7 +22,7 @@ import pytest
 
 import prefect_ml
 from prefect_ml.integrations import ray_training, tracking
-from prefect_ml.integrations.node_report import imported_versions
+from prefect_ml.integrations.compute import imported_versions
 from tests.cluster import (
     WORKER_IPS,
     ClusterNode,

@@ -21,11 +21,7 @@ import ray
 import torch
 
 import prefect_ml
-from prefect_ml.integrations.node_report import (
-    NodeReport,
-    imported_versions,
-    version_differences,
-)
+from prefect_ml.integrations.compute import NodeReport, imported_versions, version_differences
 from prefect_ml.tasks.doctor import node_checks, storage_host_checks
 from tests.cluster import (
     ClusterNode,
@@ -43,17 +39,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.cluster]
 PROBE_SCRIPT = """
 import json
 from dataclasses import asdict
-from prefect_ml.integrations import node_report, storage
-from prefect_ml.integrations.ray_cluster import ray_session, ships_project
+from prefect_ml.integrations import compute, storage
 from prefect_ml.integrations.settings import get_settings
 
 settings = get_settings()
-with ray_session(settings):
-    results = node_report.probe_nodes(storage.root_url(settings), timeout_s=60)
-    shipped = ships_project()
-nodes = [[record, asdict(report) if isinstance(report, node_report.NodeReport) else repr(report)]
+with compute.ray_session(settings):
+    results = compute.probe_nodes(storage.root_url(settings), timeout_s=60)
+    shipped = compute.ships_project()
+nodes = [[record, asdict(report) if isinstance(report, compute.NodeReport) else repr(report)]
          for record, report in results]
-print(json.dumps({"shipped": shipped, "driver": node_report.imported_versions(), "nodes": nodes},
+print(json.dumps({"shipped": shipped, "driver": compute.imported_versions(), "nodes": nodes},
                  default=str))
 """
 

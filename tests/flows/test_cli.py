@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import prefect_ml
 from prefect_ml.flows.cli import app
 from prefect_ml.flows.cli._output import console
-from prefect_ml.integrations import devices
+from prefect_ml.integrations import compute
 from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
 from tests.helpers import free_port
@@ -117,7 +117,7 @@ def test_doctor_reports_every_system(home: PrefectMLSettings) -> None:
     assert result.exit_code == 0, result.output
     for check in ("versions", "devices", "ray", "mlflow", "storage", "HAProxy ingress"):
         assert check in result.output
-    runtime = devices.detect_runtime()
+    runtime = compute.detect_runtime()
     devices_row = next(line for line in result.output.splitlines() if "│ devices" in line)
     assert f"{runtime.kind}: " in devices_row
     assert f"torch {torch.__version__}" in result.output

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from prefect_ml.integrations import code_shipping
+from prefect_ml.integrations import compute
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
 from prefect_ml.integrations.settings import PrefectMLSettings
 
@@ -36,7 +36,7 @@ def _settings(**values: Any) -> PrefectMLSettings:
 def test_prefect_ml_and_the_allowed_modules_packages_are_shipped_without_caches(
     user_project: Path,
 ) -> None:
-    plan = code_shipping.plan_code(_settings(allowed_modules="acme.models,acme"))
+    plan = compute.plan_code(_settings(allowed_modules="acme.models,acme"))
 
     assert plan.project.name == "prefect_ml" and plan.project.path.name == "prefect_ml"
     assert not plan.project_is_release, "this checkout is an editable install"
@@ -55,12 +55,12 @@ def test_prefect_ml_and_the_allowed_modules_packages_are_shipped_without_caches(
 def test_installed_user_modules_are_left_to_the_nodes_and_missing_ones_refused(
     user_project: Path,
 ) -> None:
-    plan = code_shipping.plan_code(_settings(allowed_modules="acme,yaml"))
+    plan = compute.plan_code(_settings(allowed_modules="acme,yaml"))
     assert plan.installed_user == ("yaml",) and [p.name for p in plan.user] == ["acme"]
     assert "installed user modules yaml" in plan.describe(ship_project=True)
 
     with pytest.raises(ConfigurationError) as refused:
-        code_shipping.plan_code(_settings(allowed_modules="no_such_project.models"))
+        compute.plan_code(_settings(allowed_modules="no_such_project.models"))
     assert refused.value.field == "PREFECT_ML_ALLOWED_MODULES"
     assert "'no_such_project'" in refused.value.message
 
@@ -69,7 +69,7 @@ def test_a_package_over_the_limit_is_refused_before_connecting(user_project: Pat
     (user_project / "weights.bin").write_bytes(b"\0" * 2_000_000)
 
     with pytest.raises(ConfigurationError) as refused:
-        code_shipping.plan_code(_settings(allowed_modules="acme", max_shipped_mb=1))
+        compute.plan_code(_settings(allowed_modules="acme", max_shipped_mb=1))
 
     assert refused.value.field == "PREFECT_ML_MAX_SHIPPED_MB"
     assert "acme" in refused.value.message and "2.0 MB" in refused.value.message
@@ -84,23 +84,21 @@ def _node(ip: str, version: str | None, importable: bool) -> dict[str, Any]:
 
 
 def test_an_installed_release_is_used_only_when_every_node_has_it() -> None:
-    checkout = code_shipping.plan_code(_settings())
+    checkout = compute.plan_code(_settings())
     release = dataclasses.replace(checkout, project_is_release=True)
     same = [_node("10.0.0.2", "1.2.0", True), _node("10.0.0.3", "1.2.0", True)]
     one_old = [_node("10.0.0.2", "1.2.0", True), _node("10.0.0.3", "1.1.0", True)]
     listed_only = [_node("10.0.0.2", "1.2.0", False)]
 
-    assert code_shipping.needs_probe("auto", release) and not code_shipping.needs_probe(
-        "auto", checkout
-    )
-    assert code_shipping.decide_shipping("auto", checkout, "1.2.0", same), "a checkout ships"
-    assert not code_shipping.decide_shipping("auto", release, "1.2.0", same)
-    assert code_shipping.decide_shipping("auto", release, "1.2.0", one_old)
-    assert code_shipping.decide_shipping("always", release, "1.2.0", same)
-    assert not code_shipping.decide_shipping("never", release, "1.2.0", same)
+    assert compute.needs_probe("auto", release) and not compute.needs_probe("auto", checkout)
+    assert compute.decide_shipping("auto", checkout, "1.2.0", same), "a checkout ships"
+    assert not compute.decide_shipping("auto", release, "1.2.0", same)
+    assert compute.decide_shipping("auto", release, "1.2.0", one_old)
+    assert compute.decide_shipping("always", release, "1.2.0", same)
+    assert not compute.decide_shipping("never", release, "1.2.0", same)
 
     with pytest.raises(EnvironmentCheckError) as refused:
-        code_shipping.decide_shipping("never", release, "1.2.0", one_old + listed_only)
+        compute.decide_shipping("never", release, "1.2.0", one_old + listed_only)
     message = str(refused.value)
     assert "10.0.0.3 (1.1.0)" in message and "10.0.0.2 (1.2.0 listed, not importable)" in message
     assert "PREFECT_ML_SHIP_CODE=auto" in message

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefect_ml.integrations import devices
+from prefect_ml.integrations import compute
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,25 +24,25 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @cpu_only
 def test_cpu_machine_detects_cpu_and_gloo() -> None:
-    runtime = devices.detect_runtime()
+    runtime = compute.detect_runtime()
     assert (runtime.kind, runtime.backend, runtime.nccl_version) == ("cpu", "gloo", "")
     assert runtime.torch_version == torch.__version__
     assert runtime.runtime_version == (torch.version.cuda or torch.version.hip or "")
     assert runtime.devices and "CPU" in runtime.devices[0]
-    text = devices.describe(runtime)
+    text = compute.describe(runtime)
     assert text.startswith("cpu: ") and f"torch {torch.__version__}" in text and "gloo" in text
 
 
 @cpu_only
 def test_gpu_request_without_gpu_falls_back_to_gloo_and_cpu() -> None:
-    assert devices.collective_backend(True) == "gloo"
-    assert devices.collective_backend(False) == "gloo"
-    assert devices.training_device(True, local_rank=1) == torch.device("cpu")
-    assert devices.training_device(False) == torch.device("cpu")
+    assert compute.collective_backend(True) == "gloo"
+    assert compute.collective_backend(False) == "gloo"
+    assert compute.training_device(True, local_rank=1) == torch.device("cpu")
+    assert compute.training_device(False) == torch.device("cpu")
 
 
 def test_cpu_only_torch_on_a_gpu_machine_says_install_a_cuda_build() -> None:
-    found = devices.mismatch_warnings(
+    found = compute.mismatch_warnings(
         torch_version="2.13.0+cpu",
         built_cuda=None,
         built_hip=None,
@@ -56,7 +56,7 @@ def test_cpu_only_torch_on_a_gpu_machine_says_install_a_cuda_build() -> None:
 
 
 def test_cuda_torch_that_cannot_use_the_gpu_blames_driver_or_runtime() -> None:
-    found = devices.mismatch_warnings(
+    found = compute.mismatch_warnings(
         torch_version="2.13.0+cu126",
         built_cuda="12.6",
         built_hip=None,
@@ -74,7 +74,7 @@ def test_cuda_torch_that_cannot_use_the_gpu_blames_driver_or_runtime() -> None:
     ("driver_cuda", "warned"), [("12.2", True), ("12.6", False), ("13.0", False)]
 )
 def test_driver_older_than_torch_runtime_is_warned(driver_cuda: str, warned: bool) -> None:
-    found = devices.mismatch_warnings(
+    found = compute.mismatch_warnings(
         torch_version="2.13.0+cu126",
         built_cuda="12.6",
         built_hip=None,
@@ -89,7 +89,7 @@ def test_driver_older_than_torch_runtime_is_warned(driver_cuda: str, warned: boo
 
 
 def test_matching_cuda_stack_has_no_warnings() -> None:
-    assert not devices.mismatch_warnings(
+    assert not compute.mismatch_warnings(
         torch_version="2.13.0+cu126",
         built_cuda="12.6",
         built_hip=None,
@@ -105,19 +105,19 @@ _CPU_PEAK_PROBE = """
 import gc, json
 import numpy as np
 import torch
-from prefect_ml.integrations import devices
+from prefect_ml.integrations import compute
 
 cpu = torch.device("cpu")
-devices.reset_peak_memory(cpu)
-before = devices.peak_memory_bytes(cpu)
+compute.reset_peak_memory(cpu)
+before = compute.peak_memory_bytes(cpu)
 block = np.ones(200 * 2**20 // 8)  # np.ones writes every page, so all of it is resident
-during = devices.peak_memory_bytes(cpu)
+during = compute.peak_memory_bytes(cpu)
 del block
 gc.collect()
-devices.reset_peak_memory(cpu)
-after = devices.peak_memory_bytes(cpu)
+compute.reset_peak_memory(cpu)
+after = compute.peak_memory_bytes(cpu)
 print(json.dumps({"before": before, "during": during, "after": after,
-                  "kind": devices.peak_memory_kind(cpu)}))
+                  "kind": compute.peak_memory_kind(cpu)}))
 """
 
 
@@ -146,33 +146,33 @@ def test_cpu_peak_rss_tracks_an_allocation_and_resets_once_it_is_freed() -> None
     ],
 )
 def test_peak_memory_kind_names_what_was_measured(device: str, kind: str) -> None:
-    assert devices.peak_memory_kind(torch.device(device)).startswith(kind)
+    assert compute.peak_memory_kind(torch.device(device)).startswith(kind)
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_machine_detects_cuda_and_nccl() -> None:
-    runtime = devices.detect_runtime()
+    runtime = compute.detect_runtime()
     expected_kind = "rocm" if torch.version.hip else "cuda"
     assert (runtime.kind, runtime.backend) == (expected_kind, "nccl")
     assert len(runtime.devices) == torch.cuda.device_count()
     assert runtime.nccl_version and runtime.runtime_version
     assert runtime.torch_version == torch.__version__
-    assert devices.collective_backend(True) == "nccl"
-    assert devices.collective_backend(False) == "gloo"
-    assert devices.training_device(True) == torch.device("cuda", 0)
-    assert devices.describe(runtime).startswith(f"{expected_kind}: ")
+    assert compute.collective_backend(True) == "nccl"
+    assert compute.collective_backend(False) == "gloo"
+    assert compute.training_device(True) == torch.device("cuda", 0)
+    assert compute.describe(runtime).startswith(f"{expected_kind}: ")
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_peak_memory_tracks_a_1_gib_allocation() -> None:
-    cuda = devices.training_device(True)
-    devices.reset_peak_memory(cuda)
-    before = devices.peak_memory_bytes(cuda)
+    cuda = compute.training_device(True)
+    compute.reset_peak_memory(cuda)
+    before = compute.peak_memory_bytes(cuda)
     block = torch.ones(GiB, dtype=torch.uint8, device=cuda)
-    assert devices.peak_memory_bytes(cuda) - before >= GiB
+    assert compute.peak_memory_bytes(cuda) - before >= GiB
     del block
-    devices.reset_peak_memory(cuda)
-    assert devices.peak_memory_bytes(cuda) < before + GiB
-    assert devices.peak_memory_kind(cuda) == "max CUDA memory allocated"
+    compute.reset_peak_memory(cuda)
+    assert compute.peak_memory_bytes(cuda) < before + GiB
+    assert compute.peak_memory_kind(cuda) == "max CUDA memory allocated"

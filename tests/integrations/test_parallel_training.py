@@ -292,9 +292,9 @@ def test_fp16_on_cuda_scales_the_loss_and_checkpoints_the_scale(tmp_path: Path) 
 def _nccl_worker(rank: int, world_size: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from prefect_ml.integrations import devices
+    from prefect_ml.integrations import compute
 
-    backend = devices.collective_backend(use_gpu=True)
+    backend = compute.collective_backend(use_gpu=True)
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )

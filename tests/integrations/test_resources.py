@@ -6,6 +6,7 @@ from typing import Annotated
 
 import pytest
 
+from prefect_ml.integrations.compute import check_fits, cluster_nodes, placeable
 from prefect_ml.integrations.config import ServingParams, SweepParams, TrainingParams
 from prefect_ml.integrations.config.resources import (
     GB,
@@ -16,7 +17,6 @@ from prefect_ml.integrations.config.resources import (
     custom_resources,
 )
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.resources import check_fits, cluster_nodes, placeable
 
 FIELDS = RequestFields.of("training", TrainingParams)
 A10G_NODE = {"CPU": 8.0, "GPU": 1.0, "accelerator_type:A10G": 1.0, "memory": 32.0 * GB}

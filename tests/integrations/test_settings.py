@@ -92,7 +92,7 @@ def test_every_process_we_start_refuses_pickled_models(
 
 _WORKER = """
 import json, os, ray
-from prefect_ml.integrations.ray_cluster import ray_session
+from prefect_ml.integrations.compute import ray_session
 from prefect_ml.integrations.settings import PrefectMLSettings
 
 @ray.remote

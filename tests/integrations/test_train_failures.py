@@ -21,8 +21,8 @@ from ray.train.v2._internal.execution.controller.state import (
 )
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
+from prefect_ml.integrations.compute import describe_placement
 from prefect_ml.integrations.errors import ModelStepError, TrainingCodeError
-from prefect_ml.integrations.resources import describe_placement
 from prefect_ml.integrations.train_failures import (
     FailFast,
     WorkerFailure,

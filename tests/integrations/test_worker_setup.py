@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import prefect_ml
-from prefect_ml.integrations import code_shipping, worker_setup
+from prefect_ml.integrations import compute
+from prefect_ml.integrations.compute import CodeMismatchError, ExpectedCode
 from prefect_ml.integrations.settings import PrefectMLSettings
-from prefect_ml.integrations.worker_setup import CodeMismatchError, ExpectedCode
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def _expected(**values: object) -> ExpectedCode:
         installed=[],
         project_hash=None,
         project_version="1.2.0",
-        excludes=list(code_shipping.EXCLUDES),
+        excludes=list(compute.EXCLUDES),
     )
     expected.update(values)  # type: ignore[typeddict-item]
     return expected
@@ -54,7 +54,7 @@ def test_a_shipped_package_is_imported_from_its_shipped_folder_though_a_copy_com
     monkeypatch.setenv("PYTHONPATH", f"{shipped.parent}:/elsewhere")
     assert importlib.util.find_spec("acme_pinned").origin == str(stale / "__init__.py")
 
-    worker_setup.use_shipped_code(_expected(shipped=["acme_pinned"]))
+    compute.use_shipped_code(_expected(shipped=["acme_pinned"]))
 
     models = importlib.import_module("acme_pinned.models")
     assert models.build() == "shipped" and sys.modules["acme_pinned"].ORIGIN == "shipped"
@@ -69,7 +69,7 @@ def test_a_package_pinned_to_site_packages_that_is_not_there_is_not_found_elsewh
     (tmp_path / "acme_installed" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    worker_setup.use_shipped_code(_expected(installed=["acme_installed"]))
+    compute.use_shipped_code(_expected(installed=["acme_installed"]))
 
     with pytest.raises(ModuleNotFoundError, match="No module named 'acme_installed' in .*site"):
         importlib.import_module("acme_installed")
@@ -93,7 +93,7 @@ def test_content_hash_is_the_same_through_links_and_changes_with_any_shipped_fil
     (unpacked / "__pycache__" / "x.pyc").write_bytes(b"cache")
 
     def digest(folder: Path) -> str:
-        return worker_setup.content_hash(folder, code_shipping.EXCLUDES)
+        return compute.content_hash(folder, compute.EXCLUDES)
 
     assert digest(linked) == digest(unpacked)
     (unpacked / "integrations" / "a.py").write_text("A = 2\n")
@@ -109,15 +109,15 @@ def test_a_worker_refuses_a_prefect_ml_that_is_not_the_shipped_one_naming_both(
     """The driver's own prefect_ml with the hash the driver ships passes; other content is
     refused: importing prefect_ml raises an ImportError naming the folder found, both versions
     and contents, and the fixes (what Ray Train ends a run on), also said on stderr."""
-    plan = code_shipping.plan_code(PrefectMLSettings(ray_address="127.0.0.1:1"))
+    plan = compute.plan_code(PrefectMLSettings(ray_address="127.0.0.1:1"))
     expected = plan.expected_code(ship_project=True, version="9.9.9")
     assert expected["shipped"][0] == "prefect_ml" and expected["installed"] == []
-    assert worker_setup.project_difference(expected) is None
+    assert compute.project_difference(expected) is None
 
     folder = Path(prefect_ml.__file__).parent
     monkeypatch.setenv("PYTHONPATH", str(folder.parent))
     monkeypatch.delitem(sys.modules, "prefect_ml")  # as in a new worker; restored afterwards
-    worker_setup.use_shipped_code({**expected, "shipped": ["prefect_ml"], "project_hash": "f" * 64})
+    compute.use_shipped_code({**expected, "shipped": ["prefect_ml"], "project_hash": "f" * 64})
 
     with pytest.raises(CodeMismatchError) as refused:
         importlib.import_module("prefect_ml")
@@ -131,7 +131,7 @@ def test_a_worker_refuses_a_prefect_ml_that_is_not_the_shipped_one_naming_both(
 
 
 def test_the_expected_code_of_a_job_that_uses_the_nodes_prefect_ml() -> None:
-    plan = code_shipping.plan_code(PrefectMLSettings(ray_address="127.0.0.1:1"))
+    plan = compute.plan_code(PrefectMLSettings(ray_address="127.0.0.1:1"))
     expected = plan.expected_code(ship_project=False, version="1.2.0")
     assert expected["installed"] == ["prefect_ml"] and "prefect_ml" not in expected["shipped"]
     assert expected["project_hash"] is None

@@ -40,7 +40,7 @@ STOP_DEADLINE_S = 8.0
 def run_flow(flow_name: str, params: BaseModel) -> Any:
     """Run the named flow on one Ray and the Prefect API, both started here when not running;
     its result, or exit 1 with the flow's error."""
-    from prefect_ml.integrations.ray_cluster import ray_session
+    from prefect_ml.integrations.compute import ray_session
 
     settings = get_settings()
     with services.start_up(), contextlib.ExitStack() as stack:

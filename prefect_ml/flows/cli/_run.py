@@ -43,7 +43,7 @@ def run(serve_after: bool, **flags: Any) -> None:
     if params.serving is None:
         print_outcome(run_flow("ml_pipeline", params))
         return
-    from prefect_ml.integrations.ray_cluster import ray_session
+    from prefect_ml.integrations.compute import ray_session
 
     stop_on_signals()
     check_serving_ports()

@@ -34,7 +34,7 @@ def serve(watch_seconds: float, **flags: Any) -> None:
     params = parse_parameters(ServeModelParams, flags)
     if watch_seconds < 0:
         raise click.BadParameter("must be >= 0", param_hint="--watch")
-    from prefect_ml.integrations.ray_cluster import ray_session
+    from prefect_ml.integrations.compute import ray_session
 
     stop_on_signals()
     check_serving_ports()

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prefect_ml.integrations.campaign._trial_worker import EpochReport, TrialSpec, TrialWorker
-from prefect_ml.integrations.config.resources import Resources
-from prefect_ml.integrations.errors import DETERMINISTIC_ERRORS, TrainingCodeError
-from prefect_ml.integrations.resources import (
+from prefect_ml.integrations.compute import (
     PLACEMENT_NOTICE_S,
     PLACEMENT_REPEAT_S,
     cluster_nodes,
@@ -25,6 +23,8 @@ from prefect_ml.integrations.resources import (
     free_per_node,
     placeable,
 )
+from prefect_ml.integrations.config.resources import Resources
+from prefect_ml.integrations.errors import DETERMINISTIC_ERRORS, TrainingCodeError
 
 if TYPE_CHECKING:
     from types import TracebackType

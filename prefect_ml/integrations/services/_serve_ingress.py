@@ -82,6 +82,7 @@ def check_haproxy_ports() -> None:
     left on this machine (started with our private config, no Ray worker above it), then fail
     at once when the stats or metrics port is still taken, naming the process that holds it,
     instead of HAProxy's endless "Address already in use" restarts inside Ray."""
+    # psutil: not on a torch-only GPU machine
     from prefect_ml.integrations.services import _processes
 
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":

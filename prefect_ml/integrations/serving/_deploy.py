@@ -16,9 +16,9 @@ from typing import Any, NamedTuple, cast
 from ray import serve
 from ray.serve import Deployment
 
+from prefect_ml.integrations.compute import placeable
 from prefect_ml.integrations.config import ServingParams
 from prefect_ml.integrations.errors import ConfigurationError, DeploymentError
-from prefect_ml.integrations.resources import placeable
 from prefect_ml.integrations.services import check_port_free, haproxy_on_loopback
 from prefect_ml.integrations.serving._app import DEPLOYMENT_NAME, ModelServer
 from prefect_ml.integrations.serving._models import ServedModel

@@ -82,7 +82,7 @@ class EpochTrainer:
     ) -> None:
         import torch
 
-        from prefect_ml.integrations import devices
+        from prefect_ml.integrations import compute
 
         self.config, self.rank, self.world_size = config, rank, world_size
         self.layout = model_parallel.MeshLayout.of(config.training, world_size)
@@ -121,7 +121,7 @@ class EpochTrainer:
         )
         self.first_epoch = 1
         self.resume: ResumePoint | None = None  # set by a mid-epoch checkpoint's restore
-        self.peak_memory_kind = devices.peak_memory_kind(self.device)
+        self.peak_memory_kind = compute.peak_memory_kind(self.device)
         if (latest := self.store.latest()) is not None:
             self.first_epoch, self.resume = restore(
                 latest.files, self.state_module, self.optimization, self.scaler, self.loop_state
@@ -265,9 +265,9 @@ class EpochTrainer:
         """
         import torch
 
-        from prefect_ml.integrations import devices
+        from prefect_ml.integrations import compute
 
-        devices.reset_peak_memory(self.device)
+        compute.reset_peak_memory(self.device)
         started = time.perf_counter()
         self.model.train()
         order = EpochOrder(self.config.training.seed, epoch, self.data_rank)
@@ -358,7 +358,7 @@ class EpochTrainer:
     ) -> EpochOutcome:
         """The epoch's one collective: the sums, each rank's own numbers, and what the workers
         must agree on (a stop request anywhere; rank 0's checkpoint budget)."""
-        from prefect_ml.integrations import devices
+        from prefect_ml.integrations import compute
 
         # One rank per model replica adds its rows and validation sums (its loss sum is its
         # steps' losses: zero on the others, see Stepper), so the metrics are DDP's.
@@ -377,7 +377,7 @@ class EpochTrainer:
         rows = collectives.all_gather(
             [
                 *summed,
-                devices.peak_memory_bytes(self.device),
+                compute.peak_memory_bytes(self.device),
                 train_seconds / max(1, steps_run),
                 sent.collectives,
                 sent.p2p_bytes,

@@ -42,11 +42,10 @@ from prefect_ml.integrations.campaign import (
     root_trial,
     tuned_values,
 )
+from prefect_ml.integrations.compute import cluster_nodes, ray_session
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.config.sweep import space_text
 from prefect_ml.integrations.errors import CampaignFailedError, PrefectMLError
-from prefect_ml.integrations.ray_cluster import ray_session
-from prefect_ml.integrations.resources import cluster_nodes
 from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
 from prefect_ml.integrations.storage import Lease
 from prefect_ml.integrations.tracking import TrackingWriter

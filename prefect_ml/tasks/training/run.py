@@ -19,9 +19,9 @@ from prefect import get_run_logger
 from pydantic import BaseModel
 
 from prefect_ml.integrations import ray_training, services, storage, tracking
+from prefect_ml.integrations.compute import ray_session, shipped_code
 from prefect_ml.integrations.config.loop import Splits, TrainLoop
 from prefect_ml.integrations.errors import PrefectMLError, TrainingCodeError
-from prefect_ml.integrations.ray_cluster import ray_session, shipped_code
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.integrations.storage import CheckpointStore, Lease, VerifiedCheckpoint
 from prefect_ml.integrations.training import training_end

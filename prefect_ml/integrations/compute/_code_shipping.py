@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefect_ml.integrations.compute._worker_setup import ExpectedCode, content_hash, package_files
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
 from prefect_ml.integrations.settings import PrefectMLSettings
-from prefect_ml.integrations.worker_setup import ExpectedCode, content_hash, package_files
 
 # Never shipped (Ray's gitignore-style patterns, also applied when measuring).
 EXCLUDES = (

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect_ml.integrations import devices, storage
-from prefect_ml.integrations.code_shipping import EXCLUDES
-from prefect_ml.integrations.worker_setup import content_hash
+from prefect_ml.integrations import storage
+from prefect_ml.integrations.compute import _devices
+from prefect_ml.integrations.compute._code_shipping import EXCLUDES
+from prefect_ml.integrations.compute._worker_setup import content_hash
 
 # Compared between the driver and each node, in this order.
 COMPARED = ("python", "ray", "torch", "prefect-ml", "prefect-ml content")
@@ -53,7 +54,7 @@ class NodeReport:
     host: str
     versions: dict[str, str]
     prefect_ml_from: str  # the folder the worker imports prefect_ml from
-    devices: str  # devices.describe() of the node's runtime
+    devices: str  # _devices.describe() of the node's runtime
     device_warnings: list[str]
     storage_ok: bool
     storage: str  # what the storage probe did, or why it failed
@@ -66,14 +67,14 @@ def probe_node(root_url: str, driver_object: tuple[str, bytes] | None) -> NodeRe
 
     import prefect_ml
 
-    runtime = devices.detect_runtime()
+    runtime = _devices.detect_runtime()
     node_id = ray.get_runtime_context().get_node_id()
     storage_ok, outcome = _storage_access(root_url, node_id, driver_object)
     return NodeReport(
         host=socket.gethostname(),
         versions=imported_versions(),
         prefect_ml_from=str(Path(prefect_ml.__file__).parent),
-        devices=devices.describe(runtime),
+        devices=_devices.describe(runtime),
         device_warnings=list(runtime.warnings),
         storage_ok=storage_ok,
         storage=outcome,
@@ -112,7 +113,7 @@ def probe_nodes(
     """Probe every alive node at once (:func:`ray_cluster.on_each_node`): each node's record
     with its report, or the exception it raised (a TimeoutError after ``timeout_s``)."""
     # Imported here: nodes import this module for probe_node, and need none of Ray's set-up.
-    from prefect_ml.integrations import ray_cluster
+    from prefect_ml.integrations.compute import _ray_cluster
 
     url = storage.doctor_url(root_url, f"driver-{uuid.uuid4().hex}")
     content = uuid.uuid4().bytes
@@ -122,7 +123,7 @@ def probe_nodes(
     except Exception:  # the doctor's storage row says why; the nodes are probed without it
         driver_object = None
     try:
-        return ray_cluster.on_each_node(probe_node, root_url, driver_object, timeout_s=timeout_s)
+        return _ray_cluster.on_each_node(probe_node, root_url, driver_object, timeout_s=timeout_s)
     finally:
         if driver_object is not None:
             storage.remove(url)

@@ -10,11 +10,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prefect_ml.integrations import code_shipping, node_probe, services
+from prefect_ml.integrations import services
+from prefect_ml.integrations.compute import _code_shipping, _node_probe
+from prefect_ml.integrations.compute._worker_setup import setup_hook
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
 from prefect_ml.integrations.services import run_logger
 from prefect_ml.integrations.settings import PrefectMLSettings, worker_environment
-from prefect_ml.integrations.worker_setup import setup_hook
 
 T = TypeVar("T")
 
@@ -70,11 +71,11 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
 
 def _connect(settings: PrefectMLSettings, env_vars: dict[str, str]) -> None:
     """Join the cluster at ``settings.ray_address`` with the code its workers need
-    (:mod:`integrations.code_shipping`), using the cluster's token when one is found."""
+    (:mod:`integrations.compute`), using the cluster's token when one is found."""
     import ray
 
     _use_cluster_token()
-    plan = code_shipping.plan_code(settings)  # size checks before any upload
+    plan = _code_shipping.plan_code(settings)  # size checks before any upload
     mode = settings.ship_code
 
     # Not through Ray Client (ray://): the hook, a function, would travel through the client
@@ -95,18 +96,18 @@ def _connect(settings: PrefectMLSettings, env_vars: dict[str, str]) -> None:
             logging_level=logging.WARNING,
         )
 
-    ship_project = not code_shipping.needs_probe(mode, plan)
+    ship_project = not _code_shipping.needs_probe(mode, plan)
     join(ship_project)
     if not ship_project:
-        node_probe.by_value()
+        _node_probe.by_value()
         nodes = []
-        for node, report in on_each_node(node_probe.code_on_node):
+        for node, report in on_each_node(_node_probe.code_on_node):
             if isinstance(report, BaseException):
                 raise EnvironmentCheckError(
                     f"node {node['NodeManagerAddress']} did not answer the code probe: {report}"
                 )
             nodes.append(report)
-        ship_project = code_shipping.decide_shipping(mode, plan, _driver_version(), nodes)
+        ship_project = _code_shipping.decide_shipping(mode, plan, _driver_version(), nodes)
         if ship_project:  # a job's runtime_env is fixed when it connects
             ray.shutdown()
             join(True)
