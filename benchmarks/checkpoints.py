@@ -5,7 +5,7 @@ One S3 server for every arm: moto's, on loopback, started by this script in a ch
 its request handling does not share this process's interpreter lock with the clients; pass
 ``--moto-in-process`` to run it on a thread here instead, as the tests do). The payload is a
 torch state dict of float32 tensors (100 MB; 20 MB with ``--quick``) serialised once as the
-training loop does, with ``distributed_checkpoint.to_files`` (its DCP data file is the payload).
+training loop does, with ``training.to_files`` (its DCP data file is the payload).
 
 **Transfers** (upload, then download, of the same bytes; each arm in turn, the order rotated per
 repeat; median of the repeats after an untimed warm-up of every arm):
@@ -277,9 +277,13 @@ def training_loop(
     as :data:`LOOPS` says for ``name``."""
     from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-    from prefect_ml.integrations.distributed_checkpoint import to_files
     from prefect_ml.integrations.storage import CheckpointStore
-    from prefect_ml.integrations.training import METRICS_FILE, EpochCommitter, StagedSnapshot
+    from prefect_ml.integrations.training import (
+        METRICS_FILE,
+        EpochCommitter,
+        StagedSnapshot,
+        to_files,
+    )
 
     asynchronous, share = LOOPS[name]
     work_seconds *= share
@@ -433,7 +437,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         import s3fs
         import torch
 
-        from prefect_ml.integrations.distributed_checkpoint import to_files
+        from prefect_ml.integrations.training import to_files
 
         torch.set_num_threads(1)  # the loop's work uses one core; the other is left to S3
         state = make_state(megabytes)

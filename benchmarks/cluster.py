@@ -17,7 +17,7 @@ epochs, DDP over gloo) runs once (reported apart: the first fit on the fresh clu
 ``trainings`` times (medians), and ``prefect_ml.campaign`` (N trials of the digits MLP, 2 at a
 time, random sampler with seed 0, no pruning, study on PostgreSQL) once after an untimed
 2-trial warm-up campaign. The trainings and campaigns run inside the second connection, so
-their numbers leave the connect out. For each training, ``ray_training.fit`` is timed from its
+their numbers leave the connect out. For each training, ``training.fit`` is timed from its
 call; the first epoch's checkpoint manifest (``created_unix``, written by the worker on its
 node) gives the time to the first committed epoch, and minus that epoch's ``epoch_seconds``
 the worker-group start.
@@ -328,10 +328,10 @@ def shipped_package() -> dict[str, Any]:
 
 @contextlib.contextmanager
 def timed_fits(fits: list[dict[str, float]]) -> Iterator[None]:
-    """Record the wall-clock start and end of every ``ray_training.fit`` call in ``fits``."""
-    from prefect_ml.integrations import ray_training
+    """Record the wall-clock start and end of every ``training.fit`` call in ``fits``."""
+    from prefect_ml.integrations import training
 
-    original = ray_training.fit
+    original = training.fit
 
     def fit(*args: Any, **kwargs: Any) -> None:
         fits.append({"started_unix": time.time()})
@@ -340,11 +340,11 @@ def timed_fits(fits: list[dict[str, float]]) -> Iterator[None]:
         finally:
             fits[-1]["ended_unix"] = time.time()
 
-    ray_training.fit = fit  # type: ignore[assignment]
+    training.fit = fit  # type: ignore[assignment]
     try:
         yield
     finally:
-        ray_training.fit = original  # type: ignore[assignment]
+        training.fit = original  # type: ignore[assignment]
 
 
 def probe_nodes() -> dict[str, Any]:
@@ -434,7 +434,7 @@ def training_run(data: PreparedData, experiment: str, epochs: int) -> dict[str, 
     from prefect import flow
 
     import prefect_ml
-    from prefect_ml.integrations import ray_training, storage, tracking
+    from prefect_ml.integrations import storage, tracking, training
     from prefect_ml.integrations.settings import get_settings
     from prefect_ml.integrations.storage import MANIFEST, CheckpointStore
 
@@ -477,7 +477,7 @@ def training_run(data: PreparedData, experiment: str, epochs: int) -> dict[str, 
         "checkpoint_blocking_seconds": history("checkpoint_blocking_seconds"),
         "samples_per_second": history("samples_per_second"),
         "workers": history("workers"),
-        "worker_nodes": tags.get(ray_training.WORKER_NODES_TAG),
+        "worker_nodes": tags.get(training.WORKER_NODES_TAG),
         "code": tags.get(tracking.CODE_TAG),
         "checkpoint_bytes": sum(int(f["size"]) for f in latest.values()),
         "val_accuracy": result.epoch_metrics.get("val_accuracy"),

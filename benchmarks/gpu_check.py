@@ -227,7 +227,7 @@ def _train_and_resume(
     """Two epochs and a checkpoint, then a fresh trainer that resumes at epoch 3."""
     import torch.distributed as dist
 
-    from prefect_ml.integrations import distributed_checkpoint
+    from prefect_ml.integrations import training
 
     url = (
         root / f"{combo['strategy']}-{combo['precision']}-{combo['gradient_checkpointing']}"
@@ -235,8 +235,8 @@ def _train_and_resume(
     trainer = _trainer(combo, url, shard, rank, world, device)
     epochs = [trainer.train_epoch(epoch) for epoch in (1, 2)]
     files = trainer.snapshot(2)  # a collective under FSDP: every rank calls it
-    if isinstance(files, distributed_checkpoint.ShardedSnapshot):  # every rank writes its part
-        distributed_checkpoint.commit_sharded(trainer.store, 2, files)
+    if isinstance(files, training.ShardedSnapshot):  # every rank writes its part
+        training.commit_sharded(trainer.store, 2, files)
     elif rank == 0:
         trainer.store.save(2, files)
     dist.barrier()

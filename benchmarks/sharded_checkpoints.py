@@ -10,10 +10,10 @@ Each arm writes one committed, verified-on-read checkpoint of the model's state,
 training loop runs:
 
 * ``gathered``: ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (the gather
-  to rank 0), ``distributed_checkpoint.to_files`` and ``CheckpointStore.save`` on rank 0;
+  to rank 0), ``training.to_files`` and ``CheckpointStore.save`` on rank 0;
 * ``sharded``: every rank's ``get_model_state_dict`` (its DTensor shards),
   ``ShardedSnapshot.take`` (the CPU copy the loop blocks for) and
-  ``distributed_checkpoint.commit_sharded`` (DCP save over the checkpoint group, each rank's
+  ``training.commit_sharded`` (DCP save over the checkpoint group, each rank's
   upload through the store, the gather of the listings, rank 0's commit).
 
 Checkpoint time runs from a barrier before the snapshot to a barrier after the commit, on rank
@@ -81,8 +81,8 @@ def gathered_checkpoint(model: torch.nn.Module, url: str, rank: int) -> dict[str
     """Rank 0 gathers, serialises and saves; the seconds of each part (rank 0's)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from prefect_ml.integrations.distributed_checkpoint import to_files
     from prefect_ml.integrations.storage import CheckpointStore
+    from prefect_ml.integrations.training import to_files
 
     started = time.perf_counter()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -106,8 +106,8 @@ def sharded_checkpoint(model: torch.nn.Module, url: str, group: Any) -> dict[str
     """Every rank copies its shards, then writes and commits them; rank 0's seconds."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from prefect_ml.integrations.distributed_checkpoint import ShardedSnapshot, commit_sharded
     from prefect_ml.integrations.storage import CheckpointStore
+    from prefect_ml.integrations.training import ShardedSnapshot, commit_sharded
 
     started = time.perf_counter()
     snapshot = ShardedSnapshot.take({"model": get_model_state_dict(model)}, {}, group)
@@ -141,7 +141,7 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, out
     import torch
     import torch.distributed as dist
 
-    from prefect_ml.integrations.distributed_checkpoint import checkpoint_group
+    from prefect_ml.integrations.training import checkpoint_group
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -9,7 +9,7 @@ Each workload (same data files, model, optimizer, batch size and epochs) is trai
 * ``c-ours``   ``tasks.train.train_distributed`` inside a Prefect flow: per-epoch verified
   checkpoints and MLflow logging, 2 workers;
 * ``d-hooked`` the same with the same network behind its own ``training_step`` and
-  ``validation_step`` (``integrations.hooks``): what the hook path costs over the built-in one.
+  ``validation_step`` (``integrations.training``): what the hook path costs over the built-in one.
 
 Steady state is every epoch after the first, measured as wall time per epoch *including* its
 per-epoch overheads (reports, checkpoints, MLflow logging): for a and b from timestamps taken

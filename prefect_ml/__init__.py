@@ -33,7 +33,7 @@ _EXPORTS = {
     "train_model": "prefect_ml.flows.train",
     "hpo_campaign": "prefect_ml.flows.sweep",
     "serve_model": "prefect_ml.flows.serve",
-    "TrainingModule": "prefect_ml.integrations.hooks",
+    "TrainingModule": "prefect_ml.integrations.training",
     "SearchSpace": "prefect_ml.integrations.campaign",
     "PrefectMLSettings": "prefect_ml.integrations.settings",
     "get_settings": "prefect_ml.integrations.settings",
@@ -60,13 +60,13 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.integrations.errors import (
         PrefectMLError as PrefectMLError,
     )
-    from prefect_ml.integrations.hooks import TrainingModule as TrainingModule
     from prefect_ml.integrations.settings import (
         PrefectMLSettings as PrefectMLSettings,
     )
     from prefect_ml.integrations.settings import (
         get_settings as get_settings,
     )
+    from prefect_ml.integrations.training import TrainingModule as TrainingModule
     from prefect_ml.tasks.data import PreparedData as PreparedData
     from prefect_ml.tasks.data import preprocess as preprocess
     from prefect_ml.tasks.evaluate import Evaluation as Evaluation

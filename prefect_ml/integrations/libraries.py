@@ -13,6 +13,9 @@ library names it once, at its top, and uses it as if it were imported::
     def open_study(...):
         return optuna.create_study(...)  # optuna is imported here, the first time
 
+A package whose private modules own such libraries loads its public names the same way
+(:func:`lazy_exports`): its ``__init__`` maps each name to the module that defines it.
+
 A library that cannot be imported raises :class:`ModuleNotFoundError` at that first use, with
 the pip command that installs it: ``pip install 'prefect-ml[<extra>]'`` for a library of one of
 prefect-ml's extras (``pyproject.toml``), ``pip install prefect-ml`` for one of its dependencies.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from types import ModuleType
 from typing import Any
@@ -37,6 +41,29 @@ def lazy_import(name: str) -> Any:
     Typed ``Any``: declare the name under ``TYPE_CHECKING`` as well, for type checkers.
     """
     return _LazyModule(name)
+
+
+def lazy_exports(
+    package: str, exports: Mapping[str, str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package face's ``__getattr__`` and ``__dir__`` (PEP 562): each public name in
+    ``exports`` (name -> the private module of ``package`` that defines it) is imported on its
+    first access, then kept on the package, so the next access skips the hook.
+
+    Declare the names under ``TYPE_CHECKING`` as well, for type checkers.
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+        setattr(importlib.import_module(package), name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(exports)
+
+    return __getattr__, __dir__
 
 
 class _LazyModule:

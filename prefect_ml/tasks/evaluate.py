@@ -7,7 +7,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import compute, hooks, shards, streaming, tracking
+from prefect_ml.integrations import compute, shards, streaming, tracking, training
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.data import PreparedData
@@ -96,7 +96,7 @@ def _score_here(trained: TrainResult, scored: PreparedData) -> Scored:
         problem.targets(labels, trained.data.target_mean, trained.data.target_std)
     )
     batches = zip(torch.from_numpy(features).split(512), targets.split(512), strict=True)
-    return sums, (outputs.reshape(-1), labels), hooks.test_step_metrics(model, batches)
+    return sums, (outputs.reshape(-1), labels), training.test_step_metrics(model, batches)
 
 
 def _score_on_cluster(trained: TrainResult, scored: PreparedData) -> Scored:

@@ -14,7 +14,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import hooks, problems, services, storage, tracking
+from prefect_ml.integrations import problems, services, storage, tracking, training
 from prefect_ml.integrations.catalog import taking_float64, with_standardizer, with_target_scale
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.problems import Direction
@@ -192,7 +192,7 @@ def _served_model(trained: TrainResult) -> tuple[Any, np.ndarray, str]:
     test_rows, _ = data.shard("test").head(INPUT_EXAMPLE_ROWS)
     raw_example = (test_rows * std + mean).astype("float32")
     # A model's own predict_step (Lightning's) is what serving and batch scoring run.
-    served = with_standardizer(hooks.served_module(model), mean, std, data.sample_shape)
+    served = with_standardizer(training.served_module(model), mean, std, data.sample_shape)
     if data.task == "regression":
         served = with_target_scale(served, data.target_mean, data.target_std)
     if data.feature_names:  # tabular: rows read from a CSV are float64

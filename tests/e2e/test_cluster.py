@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import prefect_ml
-from prefect_ml.integrations import ray_training, tracking
+from prefect_ml.integrations import tracking, training
 from prefect_ml.integrations.compute import imported_versions
 from tests.cluster import (
     WORKER_IPS,
@@ -65,7 +65,7 @@ def _final_run(tracking_uri: str) -> Any:
     experiment = client.get_experiment_by_name("cluster")
     if experiment is None:
         return None
-    query = f"tags.`{ray_training.WORLD_SIZE_TAG}` != ''"
+    query = f"tags.`{training.WORLD_SIZE_TAG}` != ''"
     runs = client.search_runs([experiment.experiment_id], query)
     return runs[0] if runs else None
 
@@ -78,7 +78,7 @@ def _final_run_workers(tracking_uri: str) -> list[int]:
 
 def _latest_group_size(tracking_uri: str) -> str:
     run = _final_run(tracking_uri)
-    return run.data.tags[ray_training.WORLD_SIZE_TAG] if run else ""
+    return run.data.tags[training.WORLD_SIZE_TAG] if run else ""
 
 
 def _workers_per_epoch(tracking_uri: str, run_id: str) -> list[int]:
@@ -115,7 +115,7 @@ def test_workers_asking_for_a_custom_resource_land_only_on_the_node_that_has_it(
     )
     assert placed.returncode == 0, placed.stdout[-3000:] + placed.stderr[-3000:]
     (run,) = _runs(mlflow_s3_server, "cluster-placed")
-    assert run.data.tags[ray_training.WORKER_NODES_TAG] == WORKER_IPS[1]
+    assert run.data.tags[training.WORKER_NODES_TAG] == WORKER_IPS[1]
     assert run.data.tags[tracking.CODE_TAG].startswith("shipped prefect_ml")
 
     # Nothing of the checkout is importable on the nodes unless shipped.
@@ -172,9 +172,9 @@ def test_code_the_nodes_lack_ends_the_training_at_once_naming_the_nodes_and_the_
     named = set(re.findall(r"worker rank \d on node (\S+): ModuleNotFoundError", output))
     assert named and named <= {node.ip for node in cluster.nodes}, output[-3000:]
     assert reason in latest_failed_flow_run_message()
-    (training,) = _runs(mlflow_s3_server, "cluster-lacking")
-    assert training.info.status == "FAILED"
-    seconds = ended - training.info.start_time / 1000
+    (failed,) = _runs(mlflow_s3_server, "cluster-lacking")
+    assert failed.info.status == "FAILED"
+    seconds = ended - failed.info.start_time / 1000
     print(f"prefect-ml train ended {seconds:.1f} s after its training run started")
     assert seconds < WITHIN_S, f"ended {seconds:.0f} s after its training run started"
 
@@ -283,8 +283,8 @@ def test_the_pipeline_runs_on_the_cluster_and_survives_a_lost_node(
     assert workers[0] == 2 and 1 in workers, f"two nodes' workers, then the survivor's: {workers}"
     assert workers[-1] == 2, f"grew onto the node that joined: {workers}"
     tags = final.data.tags
-    assert int(tags[ray_training.STARTED_AT_TAG]) > 3, "restarted twice from checkpoints"
-    assert tags[ray_training.WORKER_NODES_TAG].split(",") in (
+    assert int(tags[training.STARTED_AT_TAG]) > 3, "restarted twice from checkpoints"
+    assert tags[training.WORKER_NODES_TAG].split(",") in (
         [WORKER_IPS[1], "127.0.0.4"],
         ["127.0.0.4", WORKER_IPS[1]],
     ), "the survivor and the new node, not the lost one"
@@ -381,7 +381,7 @@ def test_a_node_with_a_partial_copy_at_the_drivers_path_trains_the_shipped_code(
         cluster.wait_for_nodes(cluster.alive_count())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (run,) = _runs(mlflow_s3_server, "cluster-stale")
-    assert run.data.tags[ray_training.WORKER_NODES_TAG] == "127.0.0.6"
+    assert run.data.tags[training.WORKER_NODES_TAG] == "127.0.0.6"
     assert run.data.tags[tracking.CODE_TAG].startswith("shipped prefect_ml")
 
     assert doctor.returncode == 0, doctor.stderr[-6000:]

@@ -19,7 +19,7 @@ import torch
 
 from prefect_ml.flows.cli import print_outcome
 from prefect_ml.flows.train import TrainingOutcome, train_model
-from prefect_ml.integrations import ray_training, storage, tracking
+from prefect_ml.integrations import storage, tracking, training
 from prefect_ml.integrations.errors import CheckpointError
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.storage import CheckpointStore
@@ -192,7 +192,7 @@ def test_a_resumed_run_that_had_stopped_early_trains_no_further(stopped: Stopped
     the training again decides from the checkpoints that it is done, and starts no workers."""
     first = stopped.outcome.trained
     client = tracking.client_for(stopped.settings.resolved_tracking_uri)
-    started_at = client.get_run(first.run_id).data.tags[ray_training.STARTED_AT_TAG]
+    started_at = client.get_run(first.run_id).data.tags[training.STARTED_AT_TAG]
     client.set_terminated(first.run_id, status="FAILED")
     try:
         resumed = train_flow(stopped.params)
@@ -203,7 +203,7 @@ def test_a_resumed_run_that_had_stopped_early_trains_no_further(stopped: Stopped
     assert resumed.early_stopped == first.early_stopped
     tags = client.get_run(first.run_id).data.tags
     assert tags["prefect_ml.resumed_from_epoch"] == str(STOPPED_AT)
-    assert tags[ray_training.STARTED_AT_TAG] == started_at, "no worker group started again"
+    assert tags[training.STARTED_AT_TAG] == started_at, "no worker group started again"
     assert CheckpointStore(first.checkpoint_url).epochs() == list(range(1, STOPPED_AT + 1))
 
 
@@ -215,5 +215,5 @@ def test_a_worker_killed_mid_way_resumed_with_the_same_patience_count(stopped: S
     trained = stopped.outcome.trained
     client = tracking.client_for(stopped.settings.resolved_tracking_uri)
     tags = client.get_run(trained.run_id).data.tags
-    assert tags[ray_training.STARTED_AT_TAG] in ("2", "3"), "a new group resumed mid-way"
+    assert tags[training.STARTED_AT_TAG] in ("2", "3"), "a new group resumed mid-way"
     assert (trained.final_epoch, trained.best_epoch) == (STOPPED_AT, 1)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from prefect import flow
 
-from prefect_ml.integrations import ray_training, storage, tracking
+from prefect_ml.integrations import storage, tracking, training
 from prefect_ml.integrations.errors import PrefectMLError
 from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
 from prefect_ml.tasks.data import PreparedData, inspect_dataset, preprocess_dataset
@@ -186,5 +186,5 @@ def test_a_hung_peer_fails_the_group_after_the_collective_timeout_and_it_restart
     client = tracking.client_for(home.resolved_tracking_uri)
     assert tracking.logged_epochs(client, result.run_id) == list(range(1, epochs + 1))
     tags = client.get_run(result.run_id).data.tags
-    assert 2 <= int(tags[ray_training.STARTED_AT_TAG]) <= epochs, "restarted from a checkpoint"
+    assert 2 <= int(tags[training.STARTED_AT_TAG]) <= epochs, "restarted from a checkpoint"
     assert committed_epochs(storage_dir) == list(range(1, epochs + 1))

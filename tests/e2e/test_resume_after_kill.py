@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from prefect_ml.integrations import ray_training, tracking
+from prefect_ml.integrations import tracking, training
 from prefect_ml.integrations.settings import PrefectMLSettings
 from tests.conftest import REPO_ROOT
 from tests.helpers import cli_env, committed_epochs, resume_point, wait_while_running
@@ -95,11 +95,11 @@ def test_killed_process_resumes_from_last_verified_checkpoint(
     assert tracking.logged_epochs(client, run.info.run_id) == list(range(1, EPOCHS + 1))
     assert run.data.tags["registered_version"] == "1"
     assert run.data.params["training.strategy"] == "fsdp", "the run began sharded"
-    assert run.data.tags[ray_training.WORLD_SIZE_TAG] == "1", "and finished on one worker"
+    assert run.data.tags[training.WORLD_SIZE_TAG] == "1", "and finished on one worker"
     workers = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "workers")}
     assert workers[1] == 2 and workers[EPOCHS] == 1
     mid_epoch = client.get_metric_history(run.info.run_id, "mid_epoch_checkpoints")
     assert {m.step for m in mid_epoch if m.value > 0} == set(range(1, EPOCHS + 1))
     peaks = client.get_metric_history(run.info.run_id, "peak_memory_mib")
     assert len(peaks) == EPOCHS and all(p.value > 50 for p in peaks), "each worker's peak RSS"
-    assert run.data.tags[ray_training.PEAK_MEMORY_TAG].startswith("peak process RSS")
+    assert run.data.tags[training.PEAK_MEMORY_TAG].startswith("peak process RSS")

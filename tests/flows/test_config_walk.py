@@ -16,7 +16,7 @@ import optuna
 import pytest
 
 from prefect_ml.flows.cli import Parameters, app, parse_parameters
-from prefect_ml.integrations import ray_training
+from prefect_ml.integrations import training
 from prefect_ml.integrations.config import ModelParams, SweepParams, TrainingParams
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.config.resources import GB, Reserve, reserving_fields
@@ -127,7 +127,7 @@ def _prepared() -> PreparedData:
 
 def _on_a_worker(loop: TrainLoop) -> TrainLoop:
     """What ``train_loop_per_worker`` receives: TorchTrainer's train_loop_config, pickled."""
-    config = cloudpickle.loads(cloudpickle.dumps(ray_training.loop_config(loop)))
+    config = cloudpickle.loads(cloudpickle.dumps(training.loop_config(loop)))
     received = config["loop"]
     assert isinstance(received, TrainLoop)
     return received
@@ -161,7 +161,7 @@ def test_every_model_and_training_field_reaches_the_training_worker_with_its_val
     assert received.model == params.model and received.training == params.training
     assert received.data.model_dump() == data.model_dump(include=set(received.data.model_fields))
     # What Ray Train places each worker with (the train task hands fit the section's resources).
-    scaling = ray_training.scaling_config(received, 4, given.training.resources())
+    scaling = training.scaling_config(received, 4, given.training.resources())
     per_worker = {"CPU": 2.0, "GPU": 1.0, "memory": 2.5 * GB, "fast_disk": 1.0}
     assert scaling.resources_per_worker == per_worker
     assert (scaling.use_gpu, scaling.accelerator_type) == (True, "H100")
@@ -219,7 +219,7 @@ def test_every_trial_resource_field_reaches_what_ray_places_a_trial_with(
         "accelerator_type": "A10G",
         "resources": {"fast_disk": 1.0},
     }
-    scaling = ray_training.scaling_config(received.loop, received.workers, received.request)
+    scaling = training.scaling_config(received.loop, received.workers, received.request)
     per_worker = {"CPU": 2.0, "GPU": 0.5, "memory": 1.5 * GB, "fast_disk": 1.0}
     assert (scaling.resources_per_worker, scaling.accelerator_type) == (per_worker, "A10G")
 

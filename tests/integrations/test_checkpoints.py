@@ -11,7 +11,6 @@ import torch
 from pydantic import ValidationError
 
 from prefect_ml.integrations import storage
-from prefect_ml.integrations.distributed_checkpoint import load_files, to_files
 from prefect_ml.integrations.errors import CheckpointError
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.storage import (
@@ -21,7 +20,7 @@ from prefect_ml.integrations.storage import (
     RetentionPolicy,
     manifest_signature,
 )
-from prefect_ml.integrations.training import METRICS_FILE
+from prefect_ml.integrations.training import METRICS_FILE, load_files, to_files
 
 STATE_FILE = "__0_0.distcp"
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from prefect_ml.integrations import collectives
+from prefect_ml.integrations import training
 from prefect_ml.integrations.errors import ConfigurationError
 from tests.helpers import blob_trainer, free_port
 
@@ -73,7 +73,7 @@ def process_group(backend: str) -> Iterator[None]:
 def test_served_device_types_read_torchs_backend_configuration(
     config: str, served: set[str]
 ) -> None:
-    assert collectives.served_device_types(config) == served
+    assert training.served_device_types(config) == served
 
 
 def test_a_cpu_worker_in_a_group_that_reduces_only_cuda_tensors_is_refused_before_training(
@@ -101,9 +101,9 @@ def _reduce_worker(rank: int, world_size: int, port: int, out: str) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     cpu = torch.device("cpu")
-    summed = collectives.all_reduce([torch.tensor(rank + 1.0), 10.0], cpu)
-    maxed = collectives.all_reduce([rank], cpu, op="max")
-    anyone = collectives.any_worker(rank == 1, cpu)
+    summed = training.all_reduce([torch.tensor(rank + 1.0), 10.0], cpu)
+    maxed = training.all_reduce([rank], cpu, op="max")
+    anyone = training.any_worker(rank == 1, cpu)
     if rank == 0:
         Path(out).write_text(json.dumps({"sum": summed, "max": maxed, "any": anyone}))
     dist.destroy_process_group()
@@ -121,22 +121,23 @@ def test_all_reduce_sums_tensors_and_numbers_and_every_worker_agrees_on_a_flag(
 
 def test_outside_a_process_group_the_answer_is_this_workers() -> None:
     cpu = torch.device("cpu")
-    assert collectives.all_reduce([torch.tensor(2.5), 4], cpu) == [2.5, 4.0]
-    assert collectives.any_worker(False, cpu) is False
+    assert training.all_reduce([torch.tensor(2.5), 4], cpu) == [2.5, 4.0]
+    assert training.any_worker(False, cpu) is False
 
 
 # Receivers whose calls of these names are not torch.distributed's: our module, and asyncio's
 # gather (the storage module reads a checkpoint's objects concurrently with it).
-NOT_TORCH_DISTRIBUTED = {"collectives", "asyncio"}
+NOT_TORCH_DISTRIBUTED = {"_collectives", "training", "asyncio"}
 
 
 def test_no_collective_is_called_outside_the_collectives_module() -> None:
-    """Every collective goes through ``integrations/collectives.py``, which builds its tensor on
-    the worker's device: a direct ``dist.all_reduce`` elsewhere is how the NCCL bug came in."""
+    """Every collective goes through ``integrations/training/_collectives.py``, which builds its
+    tensor on the worker's device: a direct ``dist.all_reduce`` elsewhere is how the NCCL bug
+    came in."""
     found = []
     for package in PROJECT_PACKAGES:
         for path in sorted((REPO_ROOT / package).rglob("*.py")):
-            if path == REPO_ROOT / "integrations" / "collectives.py":
+            if path == REPO_ROOT / "integrations" / "training" / "_collectives.py":
                 continue
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if (

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from prefect_ml.integrations import batch_scoring, ray_training, serving
+from prefect_ml.integrations import batch_scoring, serving, training
 from prefect_ml.integrations.campaign import TrialSpec
 from prefect_ml.integrations.config import (
     DataParams,
@@ -46,8 +46,8 @@ SECTION_FIELDS = {
 RECEIVERS: list[Any] = [
     TrainLoop,
     TrialSpec,
-    ray_training.fit,
-    ray_training.train_loop_per_worker,
+    training.fit,
+    training.train_loop_per_worker,
     train_loop,
     serving.ReplicaOptions,
     serving.replica_arguments,

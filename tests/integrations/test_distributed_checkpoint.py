@@ -17,8 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefect_ml.integrations.distributed_checkpoint import _MetadataUnpickler, load_files, to_files
 from prefect_ml.integrations.errors import CheckpointError
+from prefect_ml.integrations.training._distributed_checkpoint import (
+    _MetadataUnpickler,
+    load_files,
+    to_files,
+)
 
 # Attribute chains from a class or function to something that runs code when called.
 _CHAINS = (

@@ -1,4 +1,4 @@
-"""A model with its own steps (integrations.hooks): trained through its training_step and
+"""A model with its own steps (integrations.training): trained through its training_step and
 configure_optimizers, validated through its validation_step next to the task's metrics,
 checkpointed as the plain network; a model that breaks the contract is refused, naming the
 hook, before any worker starts."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefect_ml.integrations import hooks, training
+from prefect_ml.integrations import training
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.storage import CheckpointStore
@@ -28,9 +28,9 @@ SMOOTHED = "tests.fixtures.user_code:smoothed_model"
 
 
 def test_the_fixture_fits_the_protocol_by_duck_typing() -> None:
-    assert isinstance(StepsModule(4, 3), hooks.TrainingModule)
-    assert hooks.is_hooked(StepsModule(4, 3))
-    assert not hooks.is_hooked(torch.nn.Linear(4, 3))
+    assert isinstance(StepsModule(4, 3), training.TrainingModule)
+    assert training.is_hooked(StepsModule(4, 3))
+    assert not training.is_hooked(torch.nn.Linear(4, 3))
 
 
 def test_a_hooked_model_trains_through_its_own_steps_and_resumes(tmp_path: Path) -> None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from prefect_ml.integrations.libraries import install_hint, lazy_import
+from tests.conftest import REPO_ROOT
 
 
 def test_a_declared_library_is_the_real_module_from_its_first_use_on() -> None:
@@ -40,3 +43,29 @@ def test_a_library_whose_own_dependency_is_missing_raises_python_s_error(
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="No module named 'not_installed_anywhere'"):
         lazy_import("half_installed").anything  # noqa: B018
+
+
+# A fresh interpreter: which modules the training package's face loads for a user contract.
+_FACE_PROBE = """
+import sys
+from prefect_ml.integrations import training
+WATCHED = ("torch", "ray", "prefect_ml.integrations.training._hooks")
+before = sorted(m for m in WATCHED if m in sys.modules)
+protocol = training.TrainingModule
+after = sorted(m for m in WATCHED if m in sys.modules)
+assert training.TrainingModule is protocol is vars(training)["TrainingModule"]
+try:
+    training.no_such_name
+except AttributeError as exc:
+    print(before, after, "no_such_name" in str(exc))
+"""
+
+
+def test_a_package_face_loads_each_name_s_module_on_first_use() -> None:
+    """The training face (``lazy_exports``) loads the user contract's module when it is asked
+    for, and not torch or Ray, which its worker and launcher modules import."""
+    run = subprocess.run(
+        [sys.executable, "-c", _FACE_PROBE], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[0] == "[] ['prefect_ml.integrations.training._hooks'] True"

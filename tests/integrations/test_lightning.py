@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefect_ml.integrations import hooks, step_log, training
+from prefect_ml.integrations import training
 from prefect_ml.integrations.errors import ConfigurationError, TrainingCodeError
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.storage import CheckpointStore
@@ -72,7 +72,7 @@ def test_self_log_records_what_a_lightning_trainer_records(tmp_path: Path) -> No
     assert len(expected) == 12, expected  # rows, rows_step, rows_epoch and 9 more
     for name, value in expected.items():
         hook = "validation_step" if name in validation else "training_step"
-        recorded = step_log.metric_name(hook, name)
+        recorded = training.metric_name(hook, name)
         assert ours[recorded] == pytest.approx(value, rel=1e-6), (recorded, ours, expected)
     assert ours["train_rows_step"] == 10.0  # the last batch of 90 rows in 16s
     assert ours["train_epoch_at_start"] == ours["train_epoch_at_end"] == 1.0  # 0-based epochs
@@ -175,7 +175,7 @@ def test_manual_optimisation_and_an_unknown_plateau_monitor_are_refused(tmp_path
 
 
 def test_self_log_refuses_what_lightning_refuses_naming_the_hook() -> None:
-    log = step_log.StepLog()
+    log = training.StepLog()
     with log.hook("on_train_epoch_end"), pytest.raises(ConfigurationError, match="on_step"):
         log.log("x", 1.0, on_step=True)
     with log.hook("validation_step"):
@@ -197,14 +197,14 @@ def test_epoch_values_across_workers_follow_sync_dist() -> None:
     without it rank 0's own value, as Lightning logs it."""
     workers = []
     for rows, value in ((30, 1.0), (10, 3.0)):
-        log = step_log.StepLog()
+        log = training.StepLog()
         with log.hook("validation_step", rows):
             log.log("synced", value, sync_dist=True)
             log.log("local", value)
             log.log("top", value, sync_dist=True, reduce_fx="max")
             log.log("count", float(rows), sync_dist=True, reduce_fx="sum")
         workers.append(log.take())
-    metrics = step_log.combine(workers)
+    metrics = training.combine(workers)
     assert metrics["val_synced"] == pytest.approx((30 * 1.0 + 10 * 3.0) / 40)
     assert metrics["val_local"] == 1.0
     assert metrics["val_top"] == 3.0 and metrics["val_count"] == 40.0
@@ -286,7 +286,7 @@ def test_a_hooked_model_without_validation_step_trains(tmp_path: Path) -> None:
         model="tests.fixtures.user_code:steps_model",
         model_options={"broken": "missing"},
     )
-    assert not hooks.defines(trainer.network, "validation_step")
+    assert not training.defines(trainer.network, "validation_step")
     metrics = trainer.train_epoch(1)
     assert {"train_loss", "val_loss", "val_accuracy"} <= set(metrics)
 
@@ -314,10 +314,10 @@ def test_test_step_scores_the_test_split_and_predict_step_is_what_serves(
     trainer.train_epoch(1)
     features, labels = (torch.from_numpy(a) for a in trainer.val.head(trainer.val.rows))
     batches = zip(features.split(32), labels.split(32), strict=True)
-    metrics = hooks.test_step_metrics(trainer.network, batches)
+    metrics = training.test_step_metrics(trainer.network, batches)
     accuracy = (trainer.network(features).argmax(dim=1) == labels).double().mean()
     assert metrics == {"test_acc": pytest.approx(float(accuracy))}
-    served = hooks.served_module(trainer.network)
+    served = training.served_module(trainer.network)
     exported = torch.export.export(served, (features[:4],)).module()
     torch.testing.assert_close(exported(features[:4]), trainer.network(features[:4]) / 2.0)
-    assert hooks.served_module(torch.nn.Linear(4, 3)).__class__ is torch.nn.Linear
+    assert training.served_module(torch.nn.Linear(4, 3)).__class__ is torch.nn.Linear

@@ -1,4 +1,4 @@
-"""Tensor and pipeline parallelism (``integrations.model_parallel``) on gloo, without Ray.
+"""Tensor and pipeline parallelism (``integrations.training``) on gloo, without Ray.
 
 With one model replica (dp = 1) every rank reads the whole split in the order one process
 reads it, so a tensor-parallel group or a pipeline must compute what one process computes;
@@ -16,11 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from prefect_ml.integrations import hooks, model_parallel
+from prefect_ml.integrations import training
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.model_parallel import MeshLayout
-from prefect_ml.integrations.training import EpochTrainer
+from prefect_ml.integrations.training import EpochTrainer, MeshLayout
 from tests.integrations.test_parallel_training import (
     _assert_same_weights,
     _config,
@@ -144,7 +143,7 @@ def test_the_built_in_plan_pairs_linears_across_elementwise_layers() -> None:
         nn.Linear(8, 8),  # LayerNorm breaks this one
         nn.Linear(8, 3),  # ... which pairs the next two
     )
-    plan = model_parallel.sequential_plan(model, 2)
+    plan = training.sequential_plan(model, 2)
     kinds = {name: type(style).__name__ for name, style in plan.items()}
     assert kinds == {
         "0": "ColwiseParallel",
@@ -181,9 +180,9 @@ def test_a_model_the_built_in_plan_cannot_split_is_refused_with_the_fix(
     model = build()
     with pytest.raises(ConfigurationError, match=match):
         if isinstance(model, nn.Sequential):
-            model_parallel.sequential_plan(model, 2)
+            training.sequential_plan(model, 2)
         else:
-            model_parallel.tensor_parallel_plan(model, None)  # type: ignore[arg-type]
+            training.tensor_parallel_plan(model, None)  # type: ignore[arg-type]
 
 
 def test_the_driver_refuses_a_model_it_cannot_split_before_any_worker_starts() -> None:
@@ -191,29 +190,29 @@ def test_the_driver_refuses_a_model_it_cannot_split_before_any_worker_starts() -
         convolutions = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten())
         shallow = nn.Sequential(nn.Linear(4, 2))
     with pytest.raises(ConfigurationError, match="training.strategy.*tensor_parallel_plan"):
-        model_parallel.check_split(convolutions, "tp", 2)
+        training.check_split(convolutions, "tp", 2)
     with pytest.raises(ConfigurationError, match="training.pipeline_parallel_size"):
-        model_parallel.check_split(shallow, "pp", 2)
-    model_parallel.check_split(shallow, "tp", 2)  # an unpaired Linear still splits
-    model_parallel.check_split(convolutions, "ddp", 2)
+        training.check_split(shallow, "pp", 2)
+    training.check_split(shallow, "tp", 2)  # an unpaired Linear still splits
+    training.check_split(convolutions, "ddp", 2)
 
 
 def test_pipeline_stages_balance_parameters_and_keep_the_full_models_names() -> None:
-    assert model_parallel.balanced_stages([10, 1, 1, 10], 2) == [0, 2]
-    assert model_parallel.balanced_stages([1, 1, 1, 1], 4) == [0, 1, 2, 3]
+    assert training.balanced_stages([10, 1, 1, 10], 2) == [0, 2]
+    assert training.balanced_stages([1, 1, 1, 1], 4) == [0, 1, 2, 3]
     from prefect_ml.integrations.catalog import build_mlp
 
     full = build_mlp([6], 3, hidden=16, depth=2, dropout=0.0)
     names = set(full.state_dict())
     stages = [
-        set(model_parallel.stage_module(build_mlp([6], 3, hidden=16, depth=2), k, 2).state_dict())
+        set(training.stage_module(build_mlp([6], 3, hidden=16, depth=2), k, 2).state_dict())
         for k in range(2)
     ]
     assert stages[0] | stages[1] == names and not stages[0] & stages[1]
     with pytest.raises(ConfigurationError, match="training.pipeline_parallel_size.*lower"):
-        model_parallel.stage_module(build_mlp([6], 3, depth=1), 0, 3)
+        training.stage_module(build_mlp([6], 3, depth=1), 0, 3)
     with pytest.raises(ConfigurationError, match="not an nn.Sequential.*pipeline_stage"):
-        model_parallel.stage_module(nn.Bilinear(2, 2, 2), 0, 2)
+        training.stage_module(nn.Bilinear(2, 2, 2), 0, 2)
 
 
 class _RenamingStages(nn.Module):
@@ -227,7 +226,7 @@ class _RenamingStages(nn.Module):
 
 def test_a_user_stage_must_keep_the_full_models_names() -> None:
     with pytest.raises(ConfigurationError, match="model.pipeline_stage.*nn.Identity"):
-        model_parallel.stage_module(_RenamingStages(), 0, 2)
+        training.stage_module(_RenamingStages(), 0, 2)
 
 
 def test_tp_and_pp_refuse_a_model_with_its_own_step_and_fp16() -> None:
@@ -236,9 +235,9 @@ def test_tp_and_pp_refuse_a_model_with_its_own_step_and_fp16() -> None:
     model = steps_model([6], 3)
     for strategy in ("tp", "pp"):
         with pytest.raises(ConfigurationError, match="training.strategy.*--strategy ddp"):
-            hooks.check_contract(model, strategy=strategy)
+            training.check_contract(model, strategy=strategy)
     with pytest.raises(ConfigurationError, match="training.precision.*bf16"):
-        model_parallel.check_precision(
+        training.check_precision(
             _config("", strategy="pp", precision="fp16", use_gpu=True).training
         )
 

@@ -20,11 +20,11 @@ import torch.multiprocessing as mp
 from prefect_ml.integrations import catalog, training
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.model_parallel import MeshLayout
 from prefect_ml.integrations.shards import ArrayShard, shard_bounds
 from prefect_ml.integrations.training import (
     EpochCommitter,
     EpochTrainer,
+    MeshLayout,
 )
 from tests.fixtures.user_code import blobs
 from tests.helpers import free_port, in_gloo_group
@@ -75,7 +75,7 @@ def _train_in_group(rank: int, world_size: int, config: TrainLoop, epochs: int, 
     """Restore, train ``epochs`` more epochs, commit each."""
     from torch.nn.parallel import DistributedDataParallel
 
-    # A tensor-parallel group or a pipeline reads one shard (integrations.model_parallel).
+    # A tensor-parallel group or a pipeline reads one shard (integrations.training).
     trainer_layout = MeshLayout.of(config.training, world_size)
     trainer = EpochTrainer(
         config,
@@ -195,14 +195,14 @@ def test_a_checkpoint_written_before_the_optimiser_state_was_flattened_still_res
     different parameters); one of the earlier nested form restores all the same."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from prefect_ml.integrations import distributed_checkpoint
+    from prefect_ml.integrations import training
     from prefect_ml.integrations.storage import CheckpointStore
 
     url = tmp_path.as_uri()
     trainer = EpochTrainer(_config(url), shards=_shards(0, 1))
     trainer.train_epoch(1)
     model_state, optimizer_state = get_state_dict(trainer.state_module, trainer.optimizer)
-    files = distributed_checkpoint.to_files({"model": model_state, "optimizer": optimizer_state})
+    files = training.to_files({"model": model_state, "optimizer": optimizer_state})
     trainer_state = {"epoch": 1, "seed": 3, "scheduler": trainer.scheduler.state_dict()}
     files[training.TRAINER_STATE_FILE] = json.dumps(trainer_state).encode()
     CheckpointStore(url).save(1, files)

@@ -17,11 +17,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from prefect_ml.integrations import distributed_checkpoint, storage, training
-from prefect_ml.integrations.distributed_checkpoint import resolve_layout
+from prefect_ml.integrations import storage, training
 from prefect_ml.integrations.errors import CheckpointError
 from prefect_ml.integrations.storage import MANIFEST, CheckpointStore, RetentionPolicy
-from prefect_ml.integrations.training import EpochCommitter, EpochTrainer
+from prefect_ml.integrations.training import EpochCommitter, EpochTrainer, resolve_layout
 from tests.helpers import free_port
 from tests.integrations.test_parallel_training import (
     _assert_same_weights,
@@ -105,9 +104,9 @@ def _dying_worker(rank: int, port: int, url: str, out: str) -> None:
     committer.wait()
     metrics = trainer.train_epoch(2)
     snapshot = trainer.snapshot(2)
-    assert isinstance(snapshot, distributed_checkpoint.ShardedSnapshot)
+    assert isinstance(snapshot, training.ShardedSnapshot)
     if rank == 1:
-        files = distributed_checkpoint.shard_files(snapshot.state, snapshot.group)
+        files = training.shard_files(snapshot.state, snapshot.group)
         trainer.store.upload(2, files)
         os._exit(3)  # its shard is in storage; the commit never happens
     committer.submit(2, snapshot, metrics, epoch_started=0.0, blocked_since=0.0)

@@ -23,7 +23,7 @@ from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 from prefect_ml.integrations.compute import describe_placement
 from prefect_ml.integrations.errors import ModelStepError, TrainingCodeError
-from prefect_ml.integrations.train_failures import (
+from prefect_ml.integrations.training import (
     FailFast,
     WorkerFailure,
     code_failure_message,

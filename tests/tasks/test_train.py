@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from prefect_ml.integrations import ray_training, storage, tracking
+from prefect_ml.integrations import storage, tracking, training
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.storage import LeaseLostError, LeaseRecord
 from prefect_ml.tasks.data import inspect_dataset, preprocess_dataset
@@ -87,9 +87,9 @@ def test_elastic_group_trains_on_what_the_cluster_has_and_carries_on_after_losin
     client = tracking.client_for(home.resolved_tracking_uri)
     assert tracking.logged_epochs(client, result.run_id) == list(range(1, EPOCHS + 1))
     tags = client.get_run(result.run_id).data.tags
-    restarted_at = int(tags[ray_training.STARTED_AT_TAG])
+    restarted_at = int(tags[training.STARTED_AT_TAG])
     assert 1 <= killed_at < restarted_at <= EPOCHS, "the new group resumed from a checkpoint"
-    assert tags[ray_training.WORLD_SIZE_TAG] == "2"
+    assert tags[training.WORLD_SIZE_TAG] == "2"
     workers = {m.step: m.value for m in client.get_metric_history(result.run_id, "workers")}
     assert workers == {e: 2 for e in range(1, EPOCHS + 1)}
     assert all(f"checkpoint.epoch_{e:04d}" in tags for e in range(1, EPOCHS + 1))
@@ -161,7 +161,7 @@ def test_a_model_with_its_own_steps_trains_on_two_ddp_workers_and_is_evaluated(
     result = train_flow(params)
     client = tracking.client_for(home.resolved_tracking_uri)
     run = client.get_run(result.run_id)
-    assert run.data.tags[ray_training.WORLD_SIZE_TAG] == "2"
+    assert run.data.tags[training.WORLD_SIZE_TAG] == "2"
     history = client.get_metric_history(result.run_id, "val_top2_accuracy")
     assert [m.step for m in history] == [1, 2, 3]
     assert run.data.params["training.optimizer"] == "adam"  # the flag, overridden by the hook

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefect_ml.integrations import distributed_checkpoint, storage
+from prefect_ml.integrations import storage, training
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.config.resources import Resources
 from prefect_ml.integrations.errors import (
@@ -28,14 +28,14 @@ from prefect_ml.integrations.errors import (
     TrainingCodeError,
     fix_for,
 )
-from prefect_ml.integrations.optimization import make_optimizer
-from prefect_ml.integrations.ray_training import fit
 from prefect_ml.integrations.shards import Shard, open_shard
 from prefect_ml.integrations.storage import CheckpointStore
 from prefect_ml.integrations.training import (
     METRICS_FILE,
     EpochCommitter,
     EpochTrainer,
+    fit,
+    make_optimizer,
     retention,
 )
 
@@ -94,7 +94,7 @@ class TrialWorker:
             optimizer = make_optimizer(name, model.parameters(), 1e-3, 0.0)
             model(torch.zeros(1, 2)).sum().backward()
             optimizer.step()
-        distributed_checkpoint.to_files({"model": model.state_dict()})
+        training.to_files({"model": model.state_dict()})
         storage.exists(storage.join(Path.cwd().as_uri(), "warm-up"))
         return os.getpid()
 

@@ -11,7 +11,7 @@ and checks that the pinned ``prefect_ml`` has the content hash the driver comput
 whose copy differs refuses to import it: every import of ``prefect_ml`` there raises
 :class:`CodeMismatchError`, an ImportError, so whatever the worker was to run (a training
 function, a trial, a probe) fails with the reason, as an import error that the next attempt
-meets again (Ray Train ends the run on it, :mod:`integrations.train_failures`). Raising from the
+meets again (Ray Train ends the run on it, :mod:`integrations.training`). Raising from the
 hook instead kills the worker process, and Ray reports only that it died.
 
 The hook travels by value, so nodes that cannot import prefect-ml run it: this module imports

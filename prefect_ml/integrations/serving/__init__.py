@@ -27,8 +27,9 @@ check import this package without paying for FastAPI or Ray Serve.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from prefect_ml.integrations.libraries import lazy_exports
 
 # Public name -> the private module that defines it.
 _EXPORTS = {
@@ -153,13 +154,4 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     )
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value  # the next access skips this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -16,12 +16,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prefect_ml.integrations import distributed_checkpoint, problems
+from prefect_ml.integrations import problems
 from prefect_ml.integrations.config import TrainingParams
-from prefect_ml.integrations.distributed_checkpoint import ShardedSnapshot
 from prefect_ml.integrations.early_stopping import EarlyStopping, History
 from prefect_ml.integrations.errors import CheckpointError
 from prefect_ml.integrations.storage import CheckpointStore, RetentionPolicy
+from prefect_ml.integrations.training import _distributed_checkpoint
+from prefect_ml.integrations.training._distributed_checkpoint import ShardedSnapshot
 
 if TYPE_CHECKING:
     import torch
@@ -69,7 +70,7 @@ class StagedSnapshot:
     small: dict[str, bytes]  # the trainer state, as written
 
     def files(self) -> dict[str, bytes]:
-        return {**distributed_checkpoint.to_files(self.state), **self.small}
+        return {**_distributed_checkpoint.to_files(self.state), **self.small}
 
 
 Snapshot = dict[str, bytes] | StagedSnapshot | ShardedSnapshot
@@ -214,7 +215,7 @@ class EpochCommitter:
         if isinstance(files, StagedSnapshot):
             files = files.files()
         if isinstance(files, ShardedSnapshot):  # None on ranks other than 0
-            url = distributed_checkpoint.commit_sharded(self._store, epoch, files, step=step)
+            url = _distributed_checkpoint.commit_sharded(self._store, epoch, files, step=step)
         else:
             url = self._store.save(epoch, files, step=step, metrics_only=metrics_only)
         if metrics is not None:
@@ -301,4 +302,4 @@ def packaged(
         from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
         return StagedSnapshot(BlockingAsyncStager().stage(state), small)
-    return {**distributed_checkpoint.to_files(state), **small}
+    return {**_distributed_checkpoint.to_files(state), **small}

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prefect_ml.integrations import hooks, model_parallel, problems, step_log
+from prefect_ml.integrations import problems
+from prefect_ml.integrations.training import _hooks, _model_parallel, _step_log
 
 if TYPE_CHECKING:
     import torch
@@ -21,7 +22,7 @@ Batches = Iterator[tuple["torch.Tensor", "torch.Tensor"]]
 
 
 def evaluate_batches(
-    model: torch.nn.Module | model_parallel.Pipeline,
+    model: torch.nn.Module | _model_parallel.Pipeline,
     batches: Batches,
     device: torch.device,
     problem: problems.Problem,
@@ -52,11 +53,11 @@ class ModelValidation:
 
     model: torch.nn.Module
     network: torch.nn.Module
-    pipeline: model_parallel.Pipeline | None
+    pipeline: _model_parallel.Pipeline | None
     hooked: bool
     extra_metrics: Callable[[Any, Any], Any] | None  # the model's compute_metrics
-    log: step_log.StepLog
-    loop_state: hooks.LoopState | None
+    log: _step_log.StepLog
+    loop_state: _hooks.LoopState | None
 
     @property
     def adds_metrics(self) -> bool:
@@ -64,7 +65,7 @@ class ModelValidation:
 
     @property
     def validates(self) -> bool:
-        return self.hooked and hooks.defines(self.network, "validation_step")
+        return self.hooked and _hooks.defines(self.network, "validation_step")
 
     def sums(self, batches: Batches) -> dict[str, torch.Tensor]:
         """The model's metrics over ``batches``, summed weighted by batch size on the device;
@@ -78,7 +79,7 @@ class ModelValidation:
         self.model.eval()
         if self.loop_state is not None:
             self.loop_state.validating = True
-            hooks.call_hook(self.network, "on_validation_epoch_start", self.log)
+            _hooks.call_hook(self.network, "on_validation_epoch_start", self.log)
         with torch.no_grad():
             for batch_idx, (features, targets) in enumerate(batches):
                 metrics = (
@@ -90,17 +91,17 @@ class ModelValidation:
                     weighted = value * len(targets)
                     sums[name] = sums[name] + weighted if name in sums else weighted
         if self.loop_state is not None:
-            hooks.call_hook(self.network, "on_validation_epoch_end", self.log)
+            _hooks.call_hook(self.network, "on_validation_epoch_end", self.log)
             self.loop_state.validating = False
         return sums
 
     def _validation_step(
         self, features: torch.Tensor, targets: torch.Tensor, batch_idx: int
     ) -> dict[str, torch.Tensor]:
-        batch = hooks.batch_of(self.network, features, targets)
+        batch = _hooks.batch_of(self.network, features, targets)
         with self.log.hook("validation_step", len(targets)):
             found = self.model(batch, batch_idx, True)
-        return hooks.checked_metrics(found, self.network)
+        return _hooks.checked_metrics(found, self.network)
 
     def _computed(
         self, features: torch.Tensor, targets: torch.Tensor
@@ -110,7 +111,7 @@ class ModelValidation:
         if outputs is None:  # a pipeline stage before the last
             return None
         found = self.extra_metrics(outputs, targets)
-        return hooks.checked_metrics(found, self.network, "compute_metrics")
+        return _hooks.checked_metrics(found, self.network, "compute_metrics")
 
     def covers_the_task(self, problem: problems.Problem, rows: tuple[Any, Any]) -> bool:
         """Whether the model's ``validation_step`` returns or logs every validation metric of
@@ -118,14 +119,14 @@ class ModelValidation:
         there is forgotten)."""
         import torch
 
-        if not hooks.defines(self.network, "validation_step"):
+        if not _hooks.defines(self.network, "validation_step"):
             return False
-        batch = hooks.batch_of(self.network, *rows)
+        batch = _hooks.batch_of(self.network, *rows)
         was_training = self.network.training
         self.network.eval()
         with torch.no_grad(), self.log.hook("validation_step", len(rows[1])):
             found = self.network.validation_step(batch, 0)  # type: ignore[operator]
-        returned = set(hooks.checked_metrics(found, self.network))
+        returned = set(_hooks.checked_metrics(found, self.network))
         logged = set(self.log.names())
         self.log.discard()
         self.network.train(was_training)

@@ -7,10 +7,11 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from prefect_ml.integrations import collectives, storage
+from prefect_ml.integrations import storage
 from prefect_ml.integrations.config import TrainingParams
 from prefect_ml.integrations.early_stopping import EarlyStopping, History
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.training import _collectives
 from prefect_ml.integrations.training._commit import (
     CheckpointBudget,
     EpochCommitter,
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 def stop_requested(stop_url: str, device: torch.device) -> bool:
     """Whether someone asked this run to stop (a pruned trial); every worker agrees."""
-    return collectives.any_worker(bool(stop_url) and storage.exists(stop_url), device)
+    return _collectives.any_worker(bool(stop_url) and storage.exists(stop_url), device)
 
 
 def stopped_early(
@@ -35,7 +36,7 @@ def stopped_early(
     """Whether the monitored metric stopped improving (early stopping); every worker agrees."""
     if early_stopping is None:
         return False
-    return collectives.any_worker(early_stopping.decide(history) is not None, device)
+    return _collectives.any_worker(early_stopping.decide(history) is not None, device)
 
 
 def check_monitored(training: TrainingParams, metrics: Mapping[str, float]) -> None:

@@ -15,11 +15,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prefect_ml.integrations import collectives, distributed_checkpoint, hooks, optimization
 from prefect_ml.integrations.catalog import build_model
 from prefect_ml.integrations.early_stopping import EarlyStopping, StopDecision
 from prefect_ml.integrations.errors import CheckpointError
 from prefect_ml.integrations.storage import CheckpointStore, VerifiedCheckpoint
+from prefect_ml.integrations.training import (
+    _collectives,
+    _distributed_checkpoint,
+    _hooks,
+    _optimization,
+)
 from prefect_ml.integrations.training._commit import METRICS_FILE, TRAINER_STATE_FILE
 
 if TYPE_CHECKING:
@@ -42,9 +47,9 @@ class ResumePoint:
 def restore(
     files: Mapping[str, bytes | bytearray],
     state_module: torch.nn.Module,
-    optimizing: optimization.Optimization,
+    optimizing: _optimization.Optimization,
     scaler: torch.amp.GradScaler,
-    loop_state: hooks.LoopState | None,
+    loop_state: _hooks.LoopState | None,
 ) -> tuple[int, ResumePoint | None]:
     """Load a checkpoint's model, optimiser, schedules and loss scale into this worker's;
     the epoch to train first, and where inside it to continue (a mid-epoch checkpoint's)."""
@@ -89,7 +94,7 @@ def load_state(
 
     options = StateDictOptions(flatten_optimizer_state_dict=flatten)
     model_state, optimizer_state = get_state_dict(state_module, optimizer, options=options)
-    distributed_checkpoint.load_files(files, {"model": model_state, "optimizer": optimizer_state})
+    _distributed_checkpoint.load_files(files, {"model": model_state, "optimizer": optimizer_state})
     set_state_dict(
         state_module,
         optimizer,
@@ -151,7 +156,7 @@ def mid_epoch_state(
         "cuda_rng": _text_of(torch.cuda.get_rng_state(device)) if cuda else None,
         "loss_sum": float(loss_sum),  # a float32 sum: exact as a Python float
     }
-    gathered = collectives.gather_strings(json.dumps(own))
+    gathered = _collectives.gather_strings(json.dumps(own))
     return {
         "step": step,
         "world_size": layout[0],
@@ -227,6 +232,6 @@ def load_trained_model(
         raise CheckpointError(f"no verified checkpoint under {checkpoint_url}")
     model = build_model(model_name, input_shape, num_classes, model_options)
     state = {"model": model.state_dict()}
-    distributed_checkpoint.load_files(latest.files, state)
+    _distributed_checkpoint.load_files(latest.files, state)
     model.load_state_dict(state["model"])
     return model.eval(), latest.epoch

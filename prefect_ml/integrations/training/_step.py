@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from prefect_ml.integrations import hooks, model_parallel, optimization, step_log
 from prefect_ml.integrations.errors import ConfigurationError, ModelStepError
+from prefect_ml.integrations.training import _hooks, _model_parallel, _optimization, _step_log
 
 if TYPE_CHECKING:
     import torch
@@ -68,12 +68,12 @@ class Stepper:
         network: torch.nn.Module,
         hooked: bool,
         loss: Any,
-        pipeline: model_parallel.Pipeline | None,
-        optimizing: optimization.Optimization,
+        pipeline: _model_parallel.Pipeline | None,
+        optimizing: _optimization.Optimization,
         scaler: torch.amp.GradScaler,
         device: torch.device,
-        log: step_log.StepLog,
-        loop_state: hooks.LoopState | None,
+        log: _step_log.StepLog,
+        loop_state: _hooks.LoopState | None,
         reports: bool,
         measures: bool,
     ) -> None:
@@ -83,14 +83,14 @@ class Stepper:
         self.precision = config.training.precision
         self.hooked, self.loss = hooked, loss  # loss: the task's or the model's compute_loss
         self.reports, self.measures = reports, measures
-        self.communication: model_parallel.Communication | None = None  # of one step, tp/pp
+        self.communication: _model_parallel.Communication | None = None  # of one step, tp/pp
         # A RuntimeError in the forward of this process's first step is the model's own (a
         # shape its layers do not take): the same on every retry, so it ends the run.
         self.stepped = False
 
     def __call__(self, step: int, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.communication is None and self.measures:
-            with model_parallel.measured(self.pipeline) as measured:
+            with _model_parallel.measured(self.pipeline) as measured:
                 loss = self._step(step, features, targets)
             self.communication = measured[0]
             return loss
@@ -108,9 +108,9 @@ class Stepper:
             with precision_context(self.precision, self.device):
                 if self.hooked:
                     self.step_log.enter("training_step", len(targets))
-                    returned = model(hooks.batch_of(self.network, features, targets), step)
+                    returned = model(_hooks.batch_of(self.network, features, targets), step)
                     self.step_log.enter(None)
-                    loss = hooks.step_loss(returned, self.network, checked=not self.stepped)
+                    loss = _hooks.step_loss(returned, self.network, checked=not self.stepped)
                 else:
                     loss = self.loss(model(features), targets)
         except RuntimeError as exc:

@@ -1,8 +1,8 @@
 """The strategy: a worker's model wrapped for data-parallel or model-parallel training.
 
 ``ddp`` (Ray Train's ``prepare_model``), ``fsdp`` (FSDP2's ``fully_shard``), ``tp`` and ``pp``
-over a ``(dp, tp|pp)`` device mesh (:mod:`integrations.model_parallel`). A model with its own
-steps (:mod:`integrations.hooks`) trains its step module under DDP, and its checkpoints hold
+over a ``(dp, tp|pp)`` device mesh (:mod:`integrations.training`). A model with its own
+steps (:mod:`integrations.training`) trains its step module under DDP, and its checkpoints hold
 the model's own state.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prefect_ml.integrations import hooks, model_parallel
+from prefect_ml.integrations.training import _hooks, _model_parallel
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +33,7 @@ def apply_strategy(
     ``fsdp`` shards every top-level child that holds parameters, then the root, with FSDP2's
     ``fully_shard`` over all workers (gloo on CPU, NCCL on GPUs); ``ddp`` uses ``prepare_ddp``
     (Ray Train's ``prepare_model``). ``tp`` and ``pp`` split the model over the ``(dp, tp|pp)``
-    ``mesh`` (:mod:`integrations.model_parallel`): tensor-parallel layers, or this rank's
+    ``mesh`` (:mod:`integrations.training`): tensor-parallel layers, or this rank's
     pipeline stage, FSDP2-sharded over ``dp``. Outside a process group the model trains
     unwrapped.
     """
@@ -42,9 +42,9 @@ def apply_strategy(
     if not (dist.is_available() and dist.is_initialized()):
         return model.to(device)
     if strategy == "tp" and mesh is not None:
-        return model_parallel.parallelize_tensors(model.to(device), mesh)
+        return _model_parallel.parallelize_tensors(model.to(device), mesh)
     if strategy == "pp" and mesh is not None:
-        return model_parallel.pipeline_stage_module(model, mesh, device)
+        return _model_parallel.pipeline_stage_module(model, mesh, device)
     if strategy == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -66,13 +66,13 @@ class Wrapped:
     model: torch.nn.Module  # what a training step calls (a hooked model's: its step module)
     network: torch.nn.Module  # what forward() runs: validation, evaluation and serving
     state_module: torch.nn.Module  # what checkpoints hold
-    pipeline: model_parallel.Pipeline | None  # pp: this rank's stage
+    pipeline: _model_parallel.Pipeline | None  # pp: this rank's stage
 
 
 def wrap(
     model: torch.nn.Module,
     training: TrainingParams,
-    layout: model_parallel.MeshLayout,
+    layout: _model_parallel.MeshLayout,
     device: torch.device,
     prepare_model: Any,
     *,
@@ -80,16 +80,16 @@ def wrap(
 ) -> Wrapped:
     """``model`` wrapped by ``training.strategy`` over ``layout`` (a hooked model: its steps
     under DDP); ``loss`` is what a pipeline's last stage computes."""
-    if hooks.is_hooked(model):  # DDP wraps the steps; checkpoints hold the network's own state
+    if _hooks.is_hooked(model):  # DDP wraps the steps; checkpoints hold the network's own state
         model.to(device)  # a LightningModule's own .to() keeps its self.device right
-        steps = apply_strategy(hooks.step_module(model), "ddp", device, prepare_model)
+        steps = apply_strategy(_hooks.step_module(model), "ddp", device, prepare_model)
         return Wrapped(steps, model, model, None)
-    model_parallel.check_precision(training)
+    _model_parallel.check_precision(training)
     mesh = layout.build(device) if layout.model_parallel > 1 else None
     wrapped = apply_strategy(model, training.strategy, device, prepare_model, mesh=mesh)
     pipeline = None
     if training.strategy == "pp" and mesh is not None:
-        pipeline = model_parallel.Pipeline(
+        pipeline = _model_parallel.Pipeline(
             wrapped,
             mesh,
             device,

@@ -14,22 +14,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prefect_ml.integrations import (
-    collectives,
-    distributed_checkpoint,
-    hooks,
-    model_parallel,
-    optimization,
-    problems,
-    step_log,
-    storage,
-)
+from prefect_ml.integrations import problems, storage
 from prefect_ml.integrations.catalog import build_model, enable_gradient_checkpointing
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.errors import ModelStepError
-from prefect_ml.integrations.optimization import make_optimizer
 from prefect_ml.integrations.shards import EpochOrder, Shard, epoch_seed, open_shard
 from prefect_ml.integrations.storage import CheckpointStore
+from prefect_ml.integrations.training import (
+    _collectives,
+    _distributed_checkpoint,
+    _hooks,
+    _model_parallel,
+    _optimization,
+    _step_log,
+)
 from prefect_ml.integrations.training._commit import (
     TRAINER_STATE_FILE,
     CheckpointBudget,
@@ -39,6 +37,7 @@ from prefect_ml.integrations.training._commit import (
     training_state,
 )
 from prefect_ml.integrations.training._evaluation import ModelValidation, evaluate_batches
+from prefect_ml.integrations.training._optimization import make_optimizer
 from prefect_ml.integrations.training._resume import (
     ResumePoint,
     committed_history,
@@ -85,7 +84,7 @@ class EpochTrainer:
         from prefect_ml.integrations import compute
 
         self.config, self.rank, self.world_size = config, rank, world_size
-        self.layout = model_parallel.MeshLayout.of(config.training, world_size)
+        self.layout = _model_parallel.MeshLayout.of(config.training, world_size)
         # The ranks of one model replica (a tensor-parallel group, a pipeline) read the same
         # shard in the same order; one of them reports the replica's metrics.
         self.data_rank = self.layout.data_rank(rank)
@@ -93,16 +92,16 @@ class EpochTrainer:
         self.reports = self.layout.reports(rank)
         self.problem = problems.problem(config.data.task)
         self.device = device or torch.device("cpu")
-        collectives.check_group_device(self.device)
+        _collectives.check_group_device(self.device)
         check_precision(config.training.precision, self.device)
         model = self._built_model()
-        # A model with its own steps (integrations.hooks) trains through them; any other
+        # A model with its own steps (integrations.training) trains through them; any other
         # through the task's loss and metrics.
-        self.hooked = hooks.is_hooked(model)
-        self.loss = hooks.loss_function(model, self.problem)
-        self.extra_metrics = hooks.metrics_function(model)
+        self.hooked = _hooks.is_hooked(model)
+        self.loss = _hooks.loss_function(model, self.problem)
+        self.extra_metrics = _hooks.metrics_function(model)
         # What the model's self.log records, and the loop as a LightningModule sees it.
-        self.step_log = step_log.StepLog(self.device)
+        self.step_log = _step_log.StepLog(self.device)
         wrapped = wrap(
             model, config.training, self.layout, self.device, prepare_model, loss=self.loss
         )
@@ -115,7 +114,7 @@ class EpochTrainer:
         # Sharded checkpoints coordinate on a gloo group of their own (created here, by every
         # rank in the same order); None for gathered ones.
         self.checkpoint_group = (
-            distributed_checkpoint.checkpoint_group()
+            _distributed_checkpoint.checkpoint_group()
             if self.checkpoint_layout == "sharded"
             else None
         )
@@ -144,8 +143,8 @@ class EpochTrainer:
             config.data.num_classes,
             config.model.factory_options(),
         )
-        if hooks.is_hooked(model):
-            hooks.check_contract(model, strategy=config.training.strategy)
+        if _hooks.is_hooked(model):
+            _hooks.check_contract(model, strategy=config.training.strategy)
         if config.training.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         return model
@@ -173,19 +172,21 @@ class EpochTrainer:
         import torch
 
         training = self.config.training
-        self.loop_state: hooks.LoopState | None = None
+        self.loop_state: _hooks.LoopState | None = None
         if self.hooked:
-            self.loop_state = hooks.LoopState(
+            self.loop_state = _hooks.LoopState(
                 max_epochs=training.epochs,
                 num_training_batches=self.steps_per_epoch,
                 world_size=self.world_size,
                 global_rank=self.rank,
             )
-            hooks.attach(model, self.step_log, self.loop_state)
+            _hooks.attach(model, self.step_log, self.loop_state)
         configured = (
-            optimization.configured(model) if hooks.defines(model, "configure_optimizers") else None
+            _optimization.configured(model)
+            if _hooks.defines(model, "configure_optimizers")
+            else None
         )
-        self.optimization = configured or optimization.default(
+        self.optimization = configured or _optimization.default(
             make_optimizer(
                 training.optimizer, self.model.parameters(), training.lr, training.weight_decay
             ),
@@ -226,7 +227,7 @@ class EpochTrainer:
     def _steps_cover_the_task(self) -> bool:
         """Whether the model's ``validation_step`` returns or logs every validation metric of
         the task (asked once, on two validation rows)."""
-        if not hooks.defines(self.network, "validation_step"):
+        if not _hooks.defines(self.network, "validation_step"):
             return False
         return self.validation.covers_the_task(self.problem, self._on_device(*self.val.head(2)))
 
@@ -290,7 +291,7 @@ class EpochTrainer:
             )
             model_sums = self._model_validation(val_batch)
             if self.loop_state is not None:
-                hooks.call_hook(self.network, "on_train_epoch_end", self.step_log)
+                _hooks.call_hook(self.network, "on_train_epoch_end", self.step_log)
         outcome = self._reduce(
             loss_sum,
             val_sums,
@@ -314,7 +315,7 @@ class EpochTrainer:
             return
         self.loop_state.current_epoch, self.loop_state.training = epoch - 1, True
         try:
-            hooks.call_hook(self.network, "on_train_epoch_start", self.step_log)
+            _hooks.call_hook(self.network, "on_train_epoch_start", self.step_log)
         except RuntimeError as exc:  # before the first step: the model's own, every time
             if self.stepper.stepped:
                 raise
@@ -371,10 +372,10 @@ class EpochTrainer:
             *(part * share for part in val_sums),
             *(part * share for part in model_sums.values()),
         ]
-        sent = self.stepper.communication or model_parallel.Communication()
+        sent = self.stepper.communication or _model_parallel.Communication()
         stop = bool(self.config.stop_url) and storage.exists(self.config.stop_url)
         due = self.rank == 0 and (budget is None or budget.due(time.perf_counter()))
-        rows = collectives.all_gather(
+        rows = _collectives.all_gather(
             [
                 *summed,
                 compute.peak_memory_bytes(self.device),
@@ -403,7 +404,7 @@ class EpochTrainer:
         train_rows, val_rows, seconds, *totals = [sum(column) for column in columns]
         model_metrics = dict(zip(model_names, totals[1 + val_width :], strict=True))
         logged = (
-            step_log.combine([json.loads(p) for p in collectives.gather_strings(self._logged())])
+            _step_log.combine([json.loads(p) for p in _collectives.gather_strings(self._logged())])
             if any(row[-3] > 0 for row in rows)  # one more collective, for models that log
             else {}
         )
@@ -445,7 +446,7 @@ class EpochTrainer:
             metrics[f"peak_memory_mib_rank{rank}"] = peak / 2**20
             metrics[f"step_seconds_rank{rank}"] = seconds
         if (
-            self.config.training.strategy in model_parallel.SIZE_FIELDS
+            self.config.training.strategy in _model_parallel.SIZE_FIELDS
             and self.layout.model_parallel > 1
         ):
             metrics["collectives_per_step"] = max(row[2] for row in rows)
@@ -482,7 +483,7 @@ class EpochTrainer:
         if config.training.checkpoint_every_seconds > 0:
             elapsed = time.perf_counter() - self._last_checkpoint
             late = self.rank == 0 and elapsed >= config.training.checkpoint_every_seconds
-            due = collectives.any_worker(late, self.device) or due
+            due = _collectives.any_worker(late, self.device) or due
         return due
 
     @property
@@ -491,7 +492,7 @@ class EpochTrainer:
         import torch.distributed as dist
 
         grouped = dist.is_available() and dist.is_initialized()
-        return distributed_checkpoint.resolve_layout(
+        return _distributed_checkpoint.resolve_layout(
             self.config.training.checkpoint_layout,
             "ddp" if self.hooked else self.config.training.strategy,
             self.world_size if grouped else 1,

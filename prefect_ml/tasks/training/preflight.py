@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from prefect_ml.integrations import catalog, hooks, model_parallel
+from prefect_ml.integrations import catalog, training
 from prefect_ml.integrations.errors import PrefectMLError, TrainingCodeError
 from prefect_ml.tasks.data import PreparedData
 from prefect_ml.tasks.params import TrainingSections
@@ -16,10 +16,10 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def check_model(params: TrainingSections, data: PreparedData) -> hooks.Probe | None:
+def check_model(params: TrainingSections, data: PreparedData) -> training.Probe | None:
     """Refuse, before any run starts, a model that cannot train as asked: one whose factory
     raises, one without the ``--gradient-checkpointing`` hook, or one whose own hooks
-    (integrations.hooks: steps, ``configure_optimizers``, ``compute_loss``,
+    (integrations.training: steps, ``configure_optimizers``, ``compute_loss``,
     ``compute_metrics``) break their contract. Returns what a hooked model's steps log.
 
     The model is built on torch's meta device when it can be (no memory, no initialisation
@@ -42,34 +42,34 @@ def check_model(params: TrainingSections, data: PreparedData) -> hooks.Probe | N
         model = _users_code(build, params, "its factory")
     if params.training.gradient_checkpointing:
         catalog.check_gradient_checkpointing(model)
-    training = params.training
-    if training.strategy in model_parallel.SIZE_FIELDS and isinstance(training.workers, int):
-        size = getattr(training, model_parallel.SIZE_FIELDS[training.strategy]) or training.workers
-        model_parallel.check_split(model, training.strategy, size)
+    section = params.training
+    if section.strategy in training.SIZE_FIELDS and isinstance(section.workers, int):
+        size = getattr(section, training.SIZE_FIELDS[section.strategy]) or section.workers
+        training.check_split(model, section.strategy, size)
     own = [
         name for name in ("compute_loss", "compute_metrics") if callable(getattr(model, name, None))
     ]
-    if not (hooks.is_hooked(model) or own):
+    if not (training.is_hooked(model) or own):
         return None
-    if hooks.is_hooked(model):
-        hooks.check_contract(model, strategy=params.training.strategy)
+    if training.is_hooked(model):
+        training.check_contract(model, strategy=params.training.strategy)
     if next(iter(model.parameters()), torch.empty(0)).is_meta:
         model = _users_code(build, params, "its factory")
     rows, raw_labels = data.shard("train").head(2)
     targets = data.problem.targets(raw_labels, data.target_mean, data.target_std)
     features, labels = torch.from_numpy(rows), torch.from_numpy(targets)
-    if hooks.is_hooked(model):
+    if training.is_hooked(model):
         epochs = params.training.epochs
         return _users_code(
-            lambda: hooks.probe_steps(model, features, labels, epochs), params, "its hooks"
+            lambda: training.probe_steps(model, features, labels, epochs), params, "its hooks"
         )
 
     def steps() -> None:
-        loss = hooks.loss_function(model, data.problem)(model(features), labels)
-        hooks.check_loss(loss, model, "compute_loss")
-        if extra := hooks.metrics_function(model):
+        loss = training.loss_function(model, data.problem)(model(features), labels)
+        training.check_loss(loss, model, "compute_loss")
+        if extra := training.metrics_function(model):
             with torch.no_grad():
-                hooks.checked_metrics(extra(model(features), labels), model, "compute_metrics")
+                training.checked_metrics(extra(model(features), labels), model, "compute_metrics")
 
     _users_code(steps, params, "its loss and metrics")
     return None

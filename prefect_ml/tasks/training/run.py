@@ -4,7 +4,7 @@ process its only driver, its checkpoint store, and the Ray Train worker group.
 :class:`TrainingRun` wires these parts — the MLflow run (:mod:`integrations.tracking`), the
 checkpoints, which are the run's source of truth (:mod:`integrations.training`), the
 :class:`~tasks.training.recorder.EpochRecorder` and Ray Train
-(:mod:`integrations.ray_training`) — and owns nothing else. A run with the same identity is
+(:mod:`integrations.training`) — and owns nothing else. A run with the same identity is
 resumed from its newest verified checkpoint; one whose checkpoints say it ended trains no
 further.
 """
@@ -18,7 +18,7 @@ import prefect.runtime
 from prefect import get_run_logger
 from pydantic import BaseModel
 
-from prefect_ml.integrations import ray_training, services, storage, tracking
+from prefect_ml.integrations import services, storage, tracking, training
 from prefect_ml.integrations.compute import ray_session, shipped_code
 from prefect_ml.integrations.config.loop import Splits, TrainLoop
 from prefect_ml.integrations.errors import PrefectMLError, TrainingCodeError
@@ -109,8 +109,8 @@ class TrainingRun:
         resumed_from = latest.completed_epochs if latest else 0  # a mid-epoch one: the epoch before
         if self.resumed:
             self._log_resume(latest, resumed_from)
-        training = self.params.training
-        early_stopping, epochs = training.early_stopping(), training.epochs
+        section = self.params.training
+        early_stopping, epochs = section.early_stopping(), section.epochs
         with self._recorder():  # also logs epochs a killed process committed but never logged
             # A run that already stopped early (before a crash) trains no further.
             if training_end(store, latest, early_stopping, epochs) is None:
@@ -211,7 +211,7 @@ class TrainingRun:
             PrefectMLError: any other failure; the run is marked FAILED, and running the same
                 command again resumes it from its last verified checkpoint.
         """
-        training = self.params.training
+        section = self.params.training
         loop = train_loop(
             self.params,
             self.data,
@@ -226,11 +226,11 @@ class TrainingRun:
                 if code := shipped_code():
                     tracking.set_tags(self.client, self.run_id, {tracking.CODE_TAG: code})
                 services.mark("training run opened (MLflow run, lease); worker group starts")
-                ray_training.fit(
+                training.fit(
                     loop,
-                    workers=training.workers,
-                    request=training.resources(),
-                    max_failures=training.max_failures,
+                    workers=section.workers,
+                    request=section.resources(),
+                    max_failures=section.max_failures,
                     ray_storage_url=self.settings.ray_storage_url,
                     name=f"{self.run_id}-{int(time.time())}",
                     logger=self.logger,
@@ -251,7 +251,7 @@ class TrainingRun:
         """Put on the timeline when the latest worker group had built its model and opened its
         data (rank 0 stamps the run when it starts its epochs)."""
         tags = self.client.get_run(self.run_id).data.tags
-        if ready := tags.get(ray_training.WORKER_GROUP_READY_TAG):
+        if ready := tags.get(training.WORKER_GROUP_READY_TAG):
             services.mark("training worker group ready (model built, data opened)", at=float(ready))
 
     def conclude(self, result: TrainResult) -> TrainResult:

@@ -112,7 +112,7 @@ def gather_strings(value: str) -> list[str]:
 def gather_to_first(value: Any, group: Any) -> list[Any] | None:
     """Every rank's ``value`` (any picklable object) on rank 0 of ``group``, in rank order;
     None on the other ranks. Objects travel pickled on the CPU: ``group`` is a gloo group
-    (the checkpoint group of ``integrations.distributed_checkpoint``)."""
+    (the checkpoint group of ``integrations.training``)."""
     import torch.distributed as dist
 
     gathered = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None

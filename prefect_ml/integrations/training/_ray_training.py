@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prefect_ml.integrations import collectives, storage, tracking
+from prefect_ml.integrations import storage, tracking
 from prefect_ml.integrations.compute import (
     PLACEMENT_NOTICE_S,
     PLACEMENT_REPEAT_S,
@@ -23,7 +23,9 @@ from prefect_ml.integrations.compute import (
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.errors import TrainingCodeError
 from prefect_ml.integrations.settings import get_settings
-from prefect_ml.integrations.training import EpochTrainer, train_epochs
+from prefect_ml.integrations.training import _collectives
+from prefect_ml.integrations.training._loop import train_epochs
+from prefect_ml.integrations.training._trainer import EpochTrainer
 
 if TYPE_CHECKING:
     from ray.train import RunConfig, ScalingConfig
@@ -43,7 +45,7 @@ def worker_nodes() -> list[str]:
     """Every rank's node address, in rank order (one gather when the group starts)."""
     import ray
 
-    return collectives.gather_strings(ray.util.get_node_ip_address())
+    return _collectives.gather_strings(ray.util.get_node_ip_address())
 
 
 def train_loop_per_worker(config: dict[str, TrainLoop]) -> None:
@@ -158,7 +160,7 @@ def fit(
     Raises:
         TrainingCodeError: a worker's code raised an error that every retry meets again, or the
             group failed to start more than PREFECT_ML_CONTROLLER_FAILURE_LIMIT times in a row
-            (:mod:`integrations.train_failures`); other failures past ``max_failures`` raise
+            (:mod:`integrations.training`); other failures past ``max_failures`` raise
             Ray Train's own error.
     """
     from ray.train import ControllerError
@@ -207,11 +209,11 @@ def run_config(
     name: str,
 ) -> RunConfig:
     """The run of :func:`fit`: named ``name``, its state under ``ray_storage_url``, restarted
-    up to ``max_failures`` times, failed fast by :class:`~integrations.train_failures.FailFast`
+    up to ``max_failures`` times, failed fast by :class:`~integrations.training.FailFast`
     on an error of the model's code."""
     from ray.train import FailureConfig, RunConfig
 
-    from prefect_ml.integrations.train_failures import FailFast
+    from prefect_ml.integrations.training._train_failures import FailFast
 
     storage_path, storage_filesystem = storage.ray_storage(ray_storage_url)
     return RunConfig(

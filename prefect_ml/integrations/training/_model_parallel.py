@@ -223,7 +223,7 @@ def sequential_plan(model: nn.Sequential, size: int) -> dict[str, ParallelStyle]
             "training.strategy",
             f"{type(model).__name__} has no nn.Linear layer for the built-in tensor-parallel "
             "plan to split; define tensor_parallel_plan(self, tp_mesh) on the model (see "
-            "integrations/model_parallel.py) or use --strategy fsdp",
+            "prefect_ml.integrations.training.ModelParallelHooks) or use --strategy fsdp",
         )
     return plan
 
@@ -320,8 +320,8 @@ def _not_sequential(model: nn.Module, hook: str) -> ConfigurationError:
     return ConfigurationError(
         "training.strategy",
         f"{type(model).__name__} is not an nn.Sequential, which the built-in {what} needs; "
-        f"define {hook}(self, {signature}) on the model (see integrations/model_parallel.py) "
-        "or use --strategy fsdp",
+        f"define {hook}(self, {signature}) on the model (see "
+        "prefect_ml.integrations.training.ModelParallelHooks) or use --strategy fsdp",
     )
 
 

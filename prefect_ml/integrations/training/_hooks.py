@@ -39,12 +39,12 @@ A batch is ``(features, targets)``: a float32 tensor of ``(batch, *sample_shape)
 task's targets (class ids, or regression targets standardised as the data was prepared); a
 model with ``batch_format = "dict"`` gets ``{"features": ..., "targets": ...}`` instead.
 The steps log as a ``LightningModule`` does, with ``self.log``/``self.log_dict`` (see
-:mod:`integrations.step_log`); metrics ``validation_step`` returns, if it returns any, are
+:mod:`integrations.training`); metrics ``validation_step`` returns, if it returns any, are
 logged as ``val_<name>`` (batch-size-weighted means over every worker's validation rows). Both
 come next to the task's own, which ``forward`` still provides: evaluation, registration and
 serving call ``forward`` (``test_step`` and ``predict_step``, when the model defines them, add
 test metrics and shape what serving returns). ``configure_optimizers`` may return any form
-Lightning accepts (:mod:`integrations.optimization`). The loop calls ``on_train_epoch_start``,
+Lightning accepts (:mod:`integrations.training`). The loop calls ``on_train_epoch_start``,
 ``on_train_epoch_end``, ``on_validation_epoch_start`` and ``on_validation_epoch_end`` where
 Lightning does; a ``LightningModule`` reads ``self.current_epoch``, ``self.global_step`` and
 ``self.trainer`` (a :class:`LoopState`) as under Lightning's ``Trainer``. Hooked models train
@@ -62,9 +62,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from prefect_ml.integrations import step_log
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.step_log import StepLog
+from prefect_ml.integrations.training import _step_log
+from prefect_ml.integrations.training._step_log import StepLog
 
 if TYPE_CHECKING:
     import torch
@@ -307,12 +307,12 @@ def probe_steps(model: Any, features: torch.Tensor, targets: torch.Tensor, epoch
     hook that breaks its contract fails here, naming the hook."""
     import torch
 
-    from prefect_ml.integrations import optimization
+    from prefect_ml.integrations.training import _optimization
 
     log = StepLog()
     attach(model, log, LoopState(max_epochs=epochs, num_training_batches=1))
     if defines(model, "configure_optimizers"):
-        optimization.configured(model)
+        _optimization.configured(model)
     batch = batch_of(model, features, targets)
     with log.hook("training_step", len(targets)):
         step_loss(model.training_step(batch, 0), model)
@@ -350,7 +350,7 @@ def test_step_metrics(
                 totals[1] += len(targets)
         call_hook(model, "on_test_epoch_end", log)
     means = {name: total / rows for name, (total, rows) in returned.items() if rows}
-    return {**means, **step_log.combine([log.take()])}
+    return {**means, **_step_log.combine([log.take()])}
 
 
 def served_module(model: torch.nn.Module) -> torch.nn.Module:

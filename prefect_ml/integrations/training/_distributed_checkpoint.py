@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from prefect_ml.integrations import collectives
 from prefect_ml.integrations.errors import CheckpointError
+from prefect_ml.integrations.training import _collectives
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -284,7 +284,7 @@ def commit_sharded(
         listing = store.upload(epoch, shards, step=step)
     except Exception as exc:  # told to the coordinator, then raised here
         listing = f"{type(exc).__name__}: {exc}"
-    listings = collectives.gather_to_first(listing, group)
+    listings = _collectives.gather_to_first(listing, group)
     if isinstance(listing, str):
         raise CheckpointError(f"could not upload this rank's shards of epoch {epoch}: {listing}")
     if listings is None:
