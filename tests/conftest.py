@@ -45,6 +45,13 @@ if XDIST_WORKER:
     ):
         os.environ[_variable] = str(free_port())
 
+# Ray Serve says why a replica is not ready yet (not placed, a slow constructor) once it has
+# waited 5 s, not Ray's 30: test_serving's replica that is never placed fails at a bound of 20 s,
+# not 45, with that reason. Read by each Serve controller, which the session's Ray (and a
+# command's own) starts from this environment.
+os.environ.setdefault("RAY_SERVE_SLOW_STARTUP_WARNING_S", "5")
+os.environ.setdefault("RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S", "5")
+
 # S3 is moto's server on loopback, with throw-away credentials; set before Ray starts, so local
 # Ray workers (and every subprocess) reach the same endpoint. Real AWS settings are dropped.
 _S3_PORT = free_port()

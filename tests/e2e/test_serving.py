@@ -537,7 +537,7 @@ def test_replicas_that_are_never_ready_fail_the_deployment_at_its_bound(served: 
 
     free = ray.available_resources().get("CPU", 0.0)
     params = served.params(
-        app_name="never-placed", route_prefix="/never-placed", replica_cpus=1, deploy_timeout_s=45
+        app_name="never-placed", route_prefix="/never-placed", replica_cpus=1, deploy_timeout_s=20
     )
     outcome: list[Any] = []
     started = time.monotonic()
@@ -552,8 +552,8 @@ def test_replicas_that_are_never_ready_fail_the_deployment_at_its_bound(served: 
     state = outcome[0]
     assert state.is_failed() and time.monotonic() - started < 240
     message = str(state.message)
-    assert "were not ready within 45 s (serving.deploy_timeout_s)" in message
-    assert "to be scheduled" in message  # what Serve says about the replica
+    assert "were not ready within 20 s (serving.deploy_timeout_s)" in message
+    assert "to be scheduled" in message  # what Serve says about the replica (after 5 s here)
     assert "never-placed" not in serve.status().applications
 
 
