@@ -54,7 +54,7 @@ EPOCHS = 3
 BATCH = 512
 MODEL = {"hidden": 128, "depth": 2, "dropout": 0.0}
 ARMS = ("ours", "in-memory", "ray-data")
-FEATURES_COLUMN, LABEL_COLUMN = "features", "label"  # integrations.shards' Parquet columns
+FEATURES_COLUMN, LABEL_COLUMN = "features", "label"  # integrations.datasets' Parquet columns
 
 
 def generate(url: str, megabytes: int, seed: int = 0) -> None:
@@ -136,7 +136,7 @@ def bare_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.nn.functional as F
 
-    from prefect_ml.integrations.catalog import build_mlp
+    from prefect_ml.integrations.datasets import build_mlp
 
     torch.manual_seed(0)
     model = ray.train.torch.prepare_model(build_mlp([FEATURES], CLASSES, **MODEL))
@@ -166,9 +166,9 @@ def run_ray_data(splits_url: str) -> dict[str, Any]:
         from ray.train import RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
-        from prefect_ml.integrations import shards, storage
+        from prefect_ml.integrations import datasets, storage
 
-        files = shards.read_manifest(splits_url)["train"]
+        files = datasets.read_manifest(splits_url)["train"]
         located = [storage.ray_storage(storage.join(splits_url, f.name)) for f in files]
         ray.init(address="local", num_cpus=2, include_dashboard=True, logging_level="WARNING")
         dataset = ray.data.read_parquet(

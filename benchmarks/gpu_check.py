@@ -165,7 +165,7 @@ def _worker_shard(rank: int, world: int) -> tuple[Any, Any]:
     """This rank's rows of a learnable random dataset (the label: the largest of 10 columns)."""
     import numpy as np
 
-    from prefect_ml.integrations.shards import shard_bounds
+    from prefect_ml.integrations.datasets import shard_bounds
 
     rows = 4096
     x = np.random.default_rng(0).standard_normal((rows, FEATURES), dtype=np.float32)
@@ -181,7 +181,7 @@ def _trainer(
     from torch.nn.parallel import DistributedDataParallel
 
     from prefect_ml.integrations.config.loop import TrainLoop
-    from prefect_ml.integrations.shards import ArrayShard
+    from prefect_ml.integrations.datasets import ArrayShard
     from prefect_ml.integrations.training import EpochTrainer
 
     def ddp(model: torch.nn.Module) -> torch.nn.Module:
@@ -355,7 +355,7 @@ def run_serving() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from prefect_ml.integrations.catalog import build_model
+    from prefect_ml.integrations.datasets import build_model
     from prefect_ml.integrations.serving import Predictor, serving_device
 
     cuda = torch.cuda.is_available()

@@ -273,7 +273,7 @@ class OursArm:
         checkpoint_url: str,
     ) -> None:
         from prefect_ml.integrations.config.loop import TrainLoop
-        from prefect_ml.integrations.shards import ArrayShard
+        from prefect_ml.integrations.datasets import ArrayShard
         from prefect_ml.integrations.training import EpochTrainer
 
         config = TrainLoop.from_options(
@@ -328,7 +328,7 @@ class BareArm:
     ) -> None:
         import torch
 
-        from prefect_ml.integrations.catalog import build_model
+        from prefect_ml.integrations.datasets import build_model
 
         torch.manual_seed(0)
         model = build_model(workload.model, workload.input_shape, CLASSES, dict(workload.options))

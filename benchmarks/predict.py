@@ -113,10 +113,10 @@ def register(settings: Any, workload: Workload) -> str:
     import numpy as np
     import torch
 
-    from prefect_ml.integrations import catalog, tracking
+    from prefect_ml.integrations import datasets, tracking
 
     torch.manual_seed(0)
-    model = catalog.build_model("mlp", [FEATURES], CLASSES, workload.model)
+    model = datasets.build_model("mlp", [FEATURES], CLASSES, workload.model)
     client = tracking.client_for(settings.resolved_tracking_uri)
     experiment = tracking.ensure_experiment(client, "bench-predict", settings.mlflow_artifact_root)
     run_id = client.create_run(experiment).info.run_id

@@ -78,7 +78,7 @@ def hooked_mlp(
     import torch.nn.functional as F
     from torch import nn
 
-    from prefect_ml.integrations.catalog import build_mlp
+    from prefect_ml.integrations.datasets import build_mlp
 
     class HookedMLP(nn.Module):
         def __init__(self) -> None:
@@ -161,7 +161,7 @@ def plain_loop(config_dict: dict[str, Any]) -> None:
     import torch
     import torch.nn.functional as F
 
-    from prefect_ml.integrations.catalog import build_model
+    from prefect_ml.integrations.datasets import build_model
 
     config = PlainLoopConfig(**config_dict)
     loop, training = config.loop, config.loop.training

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.datasets import ArrayShard
 from prefect_ml.integrations.settings import PrefectMLSettings
-from prefect_ml.integrations.shards import ArrayShard
 from prefect_ml.integrations.training import EpochTrainer
 from tests.fixtures.user_code import blobs
 
@@ -207,11 +207,11 @@ def register_classifier(
     network that is registered). Returns the version number."""
     import torch
 
-    from prefect_ml.integrations import catalog, tracking
+    from prefect_ml.integrations import datasets, tracking
 
     torch.manual_seed(seed)
     mean, std = features.mean(axis=0), features.std(axis=0) + 1e-6
-    model = catalog.build_model("mlp", [features.shape[1]], int(labels.max()) + 1, {"hidden": 32})
+    model = datasets.build_model("mlp", [features.shape[1]], int(labels.max()) + 1, {"hidden": 32})
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     inputs = torch.from_numpy(((features - mean) / std).astype(np.float32))
     targets = torch.from_numpy(labels.astype(np.int64))
@@ -223,7 +223,7 @@ def register_classifier(
     experiment = tracking.ensure_experiment(client, "serving-tests", settings.mlflow_artifact_root)
     run_id = client.create_run(experiment).info.run_id
     classes = [str(c) for c in range(int(labels.max()) + 1)]
-    registered = catalog.with_standardizer(model, mean, std, [features.shape[1]])
+    registered = datasets.with_standardizer(model, mean, std, [features.shape[1]])
     version = tracking.log_and_register_model(
         client,
         settings.resolved_tracking_uri,

@@ -48,4 +48,4 @@ def test_the_walk_sees_every_folder_module_and_method() -> None:
     names = {name for name, _lines, _limit in _sizes()}
     assert {name.split("/")[0] for name in names} == set(FOLDERS)
     assert {"flows/cli/__init__.py", "flows/cli/_flags.py:parse_parameters"} <= names
-    assert "integrations/batch_scoring.py:__call__" in names  # BatchScorer's, a method
+    assert "integrations/serving/_batch_scoring.py:__call__" in names  # BatchScorer's, a method

@@ -26,7 +26,7 @@ log = logging.getLogger("mkdocs.hooks.reference")
 
 # The user contracts beside ``prefect_ml.__all__``: the functions and modules users write.
 CONTRACTS = {
-    "prefect_ml.integrations.catalog": "Dataset loaders and model factories",
+    "prefect_ml.integrations.datasets._catalog": "Dataset loaders and model factories",
     "prefect_ml.integrations.training._hooks": "Your own training step",
     "prefect_ml.integrations.training.TrainingModule": "The training step's protocol",
     "prefect_ml.integrations.training.ModelParallelHooks": "Tensor and pipeline parallel",

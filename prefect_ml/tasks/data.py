@@ -12,9 +12,9 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ValidationError
 
-from prefect_ml.integrations import compute, problems, shards, storage, streaming, tabular_files
-from prefect_ml.integrations.catalog import DatasetArrays, load_dataset
+from prefect_ml.integrations import compute, datasets, problems, storage
 from prefect_ml.integrations.config.loop import Layout, Splits
+from prefect_ml.integrations.datasets import DatasetArrays, load_dataset
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.params import (
@@ -62,7 +62,7 @@ class PreparedData(Splits):
         target_mean, target_std: regression: the training split's target statistics the
             model trains on (0 and 1 when not standardised); the stored labels stay raw.
         layout: ``arrays`` (``.npy`` splits, read whole: small data) or ``parquet`` (Parquet
-            shards streamed by the workers); see :mod:`integrations.shards`.
+            shards streamed by the workers); see :mod:`integrations.datasets`.
         rows: rows per split (``train``, ``val``, ``test``).
         feature_names: the columns of a tabular dataset, else None.
         recipe: the data parameters the splits were prepared with.
@@ -78,9 +78,9 @@ class PreparedData(Splits):
     def problem(self) -> problems.Problem:
         return problems.problem(self.task)
 
-    def shard(self, split: str) -> shards.Shard:
+    def shard(self, split: str) -> datasets.Shard:
         """All the rows of ``split`` (``train``, ``val`` or ``test``), read as they are used."""
-        return shards.open_shard(self.splits_url, self.layout, split, tuple(self.sample_shape))
+        return datasets.open_shard(self.splits_url, self.layout, split, tuple(self.sample_shape))
 
 
 def fingerprint_dataset(arrays: DatasetArrays, data: DataParams) -> str:
@@ -100,7 +100,7 @@ def fingerprint_dataset(arrays: DatasetArrays, data: DataParams) -> str:
     return digest.hexdigest()[:20]
 
 
-def fingerprint_source(source: tabular_files.TabularSource, data: DataParams) -> str:
+def fingerprint_source(source: datasets.TabularSource, data: DataParams) -> str:
     """The identity of streamed files (names, sizes, versions: no bytes read) and of every
     parameter that changes their splits."""
     recipe = data.model_dump(
@@ -118,7 +118,7 @@ def fingerprint_source(source: tabular_files.TabularSource, data: DataParams) ->
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def choose_layout(data: DataParams) -> tuple[Layout, tabular_files.TabularSource | None]:
+def choose_layout(data: DataParams) -> tuple[Layout, datasets.TabularSource | None]:
     """How ``data`` is prepared (PREFECT_ML_DATA_LAYOUT): streamed as Parquet shards when it is a
     tabular dataset of at least PREFECT_ML_STREAM_MIN_MB, else as arrays; a tabular dataset's
     files are described (from metadata) either way."""
@@ -132,7 +132,7 @@ def choose_layout(data: DataParams) -> tuple[Layout, tabular_files.TabularSource
             )
         return "arrays", None
     assert data.url is not None and data.label_column is not None  # DataParams checks both
-    source = tabular_files.describe(data.url, data.label_column, data.task)
+    source = datasets.describe(data.url, data.label_column, data.task)
     big = source.total_bytes >= settings.stream_min_mb * 2**20
     if settings.data_layout == "parquet" or (settings.data_layout == "auto" and big):
         return "parquet", source
@@ -298,12 +298,12 @@ def preprocess_dataset(
 
 
 def preprocess_streamed(
-    data: DataParams, source: tabular_files.TabularSource, fingerprint: str, storage_url: str
+    data: DataParams, source: datasets.TabularSource, fingerprint: str, storage_url: str
 ) -> PreparedData:
     """Split, standardise and write ``source`` as Parquet shards with Ray Data, on the
-    cluster (see :mod:`integrations.streaming`)."""
+    cluster (see :mod:`integrations.datasets`)."""
     splits_url = storage.dataset_url(storage_url, fingerprint)
-    recipe = streaming.SplitRecipe(
+    recipe = datasets.SplitRecipe(
         features=source.feature_columns,
         label=source.label_column,
         task=data.task,
@@ -312,7 +312,7 @@ def preprocess_streamed(
         test_fraction=data.test_fraction,
     )
     with compute.ray_session(get_settings()):
-        written = streaming.prepare(
+        written = datasets.prepare(
             source,
             recipe,
             splits_url,
@@ -377,7 +377,7 @@ def preprocess(dataset: str = "digits", **options: Any) -> PreparedData:
     A tabular dataset of at least ``PREFECT_ML_STREAM_MIN_MB`` (or any, with
     ``PREFECT_ML_DATA_LAYOUT=parquet``) is never loaded here: Ray Data splits it per row by a
     seeded hash (not stratified), standardises it in a streaming pass and writes Parquet shards
-    that the workers stream (see :mod:`integrations.streaming`); its fingerprint covers the
+    that the workers stream (see :mod:`integrations.datasets`); its fingerprint covers the
     files' names, sizes and versions, not their bytes.
 
     The same data and recipe (one fingerprint) are prepared once per storage: a later call

@@ -7,7 +7,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import compute, shards, streaming, tracking, training
+from prefect_ml.integrations import compute, datasets, tracking, training
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.data import PreparedData
@@ -111,11 +111,9 @@ def _score_on_cluster(trained: TrainResult, scored: PreparedData) -> Scored:
         "target_std": trained.data.target_std,
         "epoch": trained.best_epoch,  # the checkpoint evaluated and registered
     }
-    files = shards.read_manifest(scored.splits_url)["test"]
+    files = datasets.read_manifest(scored.splits_url)["test"]
     with compute.ray_session(get_settings()):
-        sums, outputs = streaming.score_split(
-            scored.splits_url, files, trained.checkpoint_url, loop
-        )
+        sums, outputs = training.score_split(scored.splits_url, files, trained.checkpoint_url, loop)
     return sums, outputs, {}  # a test_step runs on in-memory splits only
 
 

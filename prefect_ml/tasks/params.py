@@ -19,7 +19,6 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from prefect_ml.integrations import problems, tracking
 from prefect_ml.integrations.campaign import first_draw, with_values
-from prefect_ml.integrations.catalog import BUILTIN_MODELS, resolve_model
 from prefect_ml.integrations.config import (
     DataParams,
     ModelParams,
@@ -38,6 +37,7 @@ from prefect_ml.integrations.config.sweep import (
     default_search_space,
     space_text,
 )
+from prefect_ml.integrations.datasets import BUILTIN_MODELS, resolve_model
 from prefect_ml.integrations.errors import ConfigurationError
 
 __all__ = [

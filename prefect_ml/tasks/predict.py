@@ -14,9 +14,9 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from prefect_ml.integrations import batch_scoring, storage, tabular_files, tracking
-from prefect_ml.integrations.batch_scoring import PredictionManifest
+from prefect_ml.integrations import datasets, serving, storage, tracking
 from prefect_ml.integrations.compute import ray_session
+from prefect_ml.integrations.serving import PredictionManifest
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.params import PredictParams, params_from_options, refuse_options_beside
 from prefect_ml.tasks.serve import resolve_served_model
@@ -85,12 +85,12 @@ def score_registered_version(params: PredictParams) -> PredictionResult:
     url = params.required_url()
     storage.prepare_storage(settings)
     served = resolve_served_model(params.model_name, params.alias, params.model_version)
-    files = tabular_files.describe_files(url, "url")
-    tabular_files.check_same_columns(files, "url")
-    columns = batch_scoring.scoring_columns(files[0], served)
-    key = batch_scoring.fingerprint(files, served)
+    files = datasets.describe_files(url, "url")
+    datasets.check_same_columns(files, "url")
+    columns = serving.scoring_columns(files[0], served)
+    key = serving.fingerprint(files, served)
     output = params.output or storage.predictions_url(storage.root_url(settings), key)
-    manifest = None if params.force else batch_scoring.completed(output, key)
+    manifest = None if params.force else serving.completed(output, key)
     reused = manifest is not None
     if manifest is not None:
         logger.info(
@@ -101,12 +101,12 @@ def score_registered_version(params: PredictParams) -> PredictionResult:
             served.version,
         )
     else:
-        batch_scoring.check_output(output)  # before Ray: a folder of other files is refused
+        serving.check_output(output)  # before Ray: a folder of other files is refused
         logger.info(
             "Scoring %d files at %s with %s v%s", len(files), url, served.name, served.version
         )
         with ray_session(settings):
-            manifest = batch_scoring.score(url, files, served, columns, output, params)
+            manifest = serving.score(url, files, served, columns, output, params)
         logger.info("%d rows in %.1f s, written to %s", manifest.rows, manifest.seconds, output)
     link = tracking.model_version_url(settings.resolved_tracking_uri, served.name, served.version)
     result = PredictionResult(manifest=manifest, reused=reused, model_version_url=link)

@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from prefect_ml.integrations import problems, services, storage, tracking, training
-from prefect_ml.integrations.catalog import taking_float64, with_standardizer, with_target_scale
+from prefect_ml.integrations.datasets import taking_float64, with_standardizer, with_target_scale
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.problems import Direction
 from prefect_ml.integrations.settings import get_settings

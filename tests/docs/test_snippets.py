@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from examples import gradient_checkpointing, wine
-from prefect_ml.integrations import catalog
+from prefect_ml.integrations import datasets
 from prefect_ml.integrations.campaign import tuned_values
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.tasks.params import TrainModelParams
@@ -212,14 +212,14 @@ def test_the_own_model_example_meets_the_contracts(monkeypatch: pytest.MonkeyPat
             "model": {"model": "examples.wine:build", "model_options": {"width": 128}},
         }
     )
-    dataset = catalog.load_dataset(params.data.dataset, params.data.dataset_options)
+    dataset = datasets.load_dataset(params.data.dataset, params.data.dataset_options)
     assert dataset.features.shape == (178, 13) and len(set(dataset.labels.tolist())) == 3
-    model = catalog.build_model(params.model.model, dataset.sample_shape, 3, {"width": 128})
+    model = datasets.build_model(params.model.model, dataset.sample_shape, 3, {"width": 128})
     logits = model(torch.from_numpy(dataset.features[:5]))
     assert logits.shape == (5, 3)
     hidden = list(model.children())[1]
     assert isinstance(hidden, torch.nn.Linear) and hidden.out_features == 128  # the option
-    assert catalog.resolve_model("examples.wine:build") is wine.build
+    assert datasets.resolve_model("examples.wine:build") is wine.build
 
 
 def test_the_alert_blocks_example_saves_blocks_that_deploy_accepts() -> None:
@@ -264,10 +264,10 @@ def test_the_gradient_checkpointing_example_trains_a_step_recomputing_its_blocks
     each block runs again in backward, and the step's gradients and weights are the same."""
     monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "examples")
     torch.manual_seed(0)
-    plain = catalog.build_model("examples.gradient_checkpointing:build", (8, 8), 10, {"blocks": 3})
+    plain = datasets.build_model("examples.gradient_checkpointing:build", (8, 8), 10, {"blocks": 3})
     assert isinstance(plain, gradient_checkpointing.Net)
     checkpointed = copy.deepcopy(plain)
-    assert catalog.enable_gradient_checkpointing(checkpointed) is checkpointed
+    assert datasets.enable_gradient_checkpointing(checkpointed) is checkpointed
     features, labels = torch.randn(32, 8, 8), torch.randint(0, 10, (32,))
     plain_calls, plain_gradients = _one_step(plain, features, labels)
     checkpointed_calls, checkpointed_gradients = _one_step(checkpointed, features, labels)

@@ -128,12 +128,12 @@ def test_a_csv_directory_is_scored_row_for_row_and_a_rerun_reuses_it(
 def test_one_parquet_file_is_read_as_the_blocks_asked_so_every_actor_gets_rows(
     registered: Registered, tmp_path: Path
 ) -> None:
-    from prefect_ml.integrations import streaming, tabular_files
+    from prefect_ml.integrations import datasets
 
     registered.rows.to_parquet(tmp_path / "digits.parquet", index=False)
-    files = tabular_files.describe_files(str(tmp_path), "url")
+    files = datasets.describe_files(str(tmp_path), "url")
     # Ray 2.60's default Parquet reader makes these rows one block, whatever the count asked.
-    read = streaming.read_files(files, "parquet", blocks=4, read_tasks=1).materialize()
+    read = datasets.read_files(files, "parquet", blocks=4, read_tasks=1).materialize()
     assert read.num_blocks() >= 4
     assert read.count() == len(registered.rows)
 

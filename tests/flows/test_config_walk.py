@@ -341,7 +341,7 @@ PREDICT = {
 def test_every_predict_field_reaches_the_scoring_task_and_the_actors_with_its_value() -> None:
     """From ``prefect-ml predict``'s flags to the section the scoring step reads, and to each
     scoring actor's constructor arguments (Ray Data pickles them)."""
-    from prefect_ml.integrations import batch_scoring
+    from prefect_ml.integrations import serving
     from prefect_ml.integrations.serving import ServedModel
     from prefect_ml.tasks.params import PredictParams
 
@@ -353,8 +353,8 @@ def test_every_predict_field_reaches_the_scoring_task_and_the_actors_with_its_va
     for name, value in PREDICT.items():
         assert getattr(params, name) == value, name
     served = ServedModel(name="walked", version="3", run_id="r", tracking_uri="", sample_shape=[4])
-    columns = batch_scoring.ScoringColumns(features=["a", "b", "c", "d"], passthrough=[])
-    arguments = batch_scoring.scorer_arguments(served, columns, params)
+    columns = serving.ScoringColumns(features=["a", "b", "c", "d"], passthrough=[])
+    arguments = serving.scorer_arguments(served, columns, params)
     received = cloudpickle.loads(cloudpickle.dumps(arguments))
     assert (received["gpus"], received["precision"], received["threads"]) == (1.0, "bf16", 2)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from prefect_ml.integrations import batch_scoring, storage
-from prefect_ml.integrations.batch_scoring import PendingWrite, PredictionManifest
+from prefect_ml.integrations import serving, storage
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.serving import PendingWrite, PredictionManifest
 
 
 def _write(folder: Path, files: dict[str, bytes]) -> None:
@@ -20,7 +20,7 @@ def _write(folder: Path, files: dict[str, bytes]) -> None:
 
 
 def _commit(output: Path, names: list[str], *, output_url: str | None = None) -> None:
-    """A manifest as :func:`batch_scoring.score` writes it, listing ``names`` in ``output``."""
+    """A manifest as :func:`serving.score` writes it, listing ``names`` in ``output``."""
     manifest = PredictionManifest(
         fingerprint="f" * 24,
         model_name="m",
@@ -44,7 +44,7 @@ def _commit(output: Path, names: list[str], *, output_url: str | None = None) ->
 def _refused(output: Path) -> ConfigurationError:
     before = sorted(p.name for p in output.iterdir())
     with pytest.raises(ConfigurationError, match="no batch scoring wrote there") as refused:
-        batch_scoring.clear_output(str(output))
+        serving.clear_output(str(output))
     assert sorted(p.name for p in output.iterdir()) == before  # nothing deleted
     assert refused.value.field == "output"
     return refused.value
@@ -56,7 +56,7 @@ def test_a_spark_output_folder_with_an_empty_success_file_is_never_deleted(
     output = tmp_path / "spark-job"
     _write(output, {"part-00000.parquet": b"PAR1 data", "_SUCCESS": b""})
     assert "part-00000.parquet" in _refused(output).message
-    assert batch_scoring.completed(str(output), "f" * 24) is None
+    assert serving.completed(str(output), "f" * 24) is None
 
 
 def test_another_scoring_s_manifest_or_a_stranger_s_file_is_not_a_licence_to_delete(
@@ -79,7 +79,7 @@ def test_the_files_a_manifest_lists_are_cleared_and_only_they(tmp_path: Path) ->
     _write(output, {"a.parquet": b"one", "b.parquet": b"two"})
     _commit(output, ["a.parquet", "b.parquet"])
     (output / "b.parquet").unlink()  # an interrupted clear removed it already
-    batch_scoring.clear_output(str(output))
+    serving.clear_output(str(output))
     assert list(output.iterdir()) == []
 
 
@@ -93,7 +93,7 @@ def test_a_crashed_write_is_cleared_by_its_id_and_nothing_else(tmp_path: Path) -
     _write(output, {"part-00000.parquet": b"someone's"})
     _refused(output)
     (output / "part-00000.parquet").unlink()
-    batch_scoring.clear_output(str(output))
+    serving.clear_output(str(output))
     assert list(output.iterdir()) == []
     _write(output, {"_PENDING": b'"an old or planted marker"', "x.parquet": b"someone's"})
     _refused(output)

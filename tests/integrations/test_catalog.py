@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from prefect_ml.integrations.catalog import (
+from prefect_ml.integrations.datasets import (
     build_model,
     load_dataset,
     resolve_dataset,

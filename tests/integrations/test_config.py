@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from prefect_ml.integrations import batch_scoring, serving, training
+from prefect_ml.integrations import serving, training
 from prefect_ml.integrations.campaign import TrialSpec
 from prefect_ml.integrations.config import (
     DataParams,
@@ -55,8 +55,8 @@ RECEIVERS: list[Any] = [
     serving.deploy,
     serve.replica_options,
     serve.deploy_or_roll_back,
-    batch_scoring.scorer_arguments,
-    batch_scoring.score,
+    serving.scorer_arguments,
+    serving.score,
 ]
 
 

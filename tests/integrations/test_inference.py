@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefect_ml.integrations.catalog import build_model
+from prefect_ml.integrations.datasets import build_model
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.serving import Predictor, serving_device
 
@@ -48,7 +48,7 @@ def test_cpu_predictor_returns_the_models_softmax_in_its_sample_shape() -> None:
 
 def test_a_regression_predictor_returns_values_and_feeds_a_float64_model_float64() -> None:
     """A tabular model is logged behind a float64-to-float32 cast (``taking_float64``)."""
-    from prefect_ml.integrations.catalog import taking_float64, with_target_scale
+    from prefect_ml.integrations.datasets import taking_float64, with_target_scale
 
     torch.manual_seed(0)
     network = build_model("mlp", [5], 1, {"hidden": 8}).eval()

@@ -200,7 +200,7 @@ def test_the_driver_refuses_a_model_it_cannot_split_before_any_worker_starts() -
 def test_pipeline_stages_balance_parameters_and_keep_the_full_models_names() -> None:
     assert training.balanced_stages([10, 1, 1, 10], 2) == [0, 2]
     assert training.balanced_stages([1, 1, 1, 1], 4) == [0, 1, 2, 3]
-    from prefect_ml.integrations.catalog import build_mlp
+    from prefect_ml.integrations.datasets import build_mlp
 
     full = build_mlp([6], 3, hidden=16, depth=2, dropout=0.0)
     names = set(full.state_dict())

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from prefect_ml.integrations import catalog, training
+from prefect_ml.integrations import datasets, training
 from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.datasets import ArrayShard, shard_bounds
 from prefect_ml.integrations.errors import ConfigurationError
-from prefect_ml.integrations.shards import ArrayShard, shard_bounds
 from prefect_ml.integrations.training import (
     EpochCommitter,
     EpochTrainer,
@@ -247,8 +247,8 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(
     model: str, shape: tuple[int, ...], options: dict[str, Any]
 ) -> None:
     torch.manual_seed(0)
-    plain = catalog.build_model(model, shape, 3, options)
-    checkpointed = catalog.enable_gradient_checkpointing(copy.deepcopy(plain))
+    plain = datasets.build_model(model, shape, 3, options)
+    checkpointed = datasets.enable_gradient_checkpointing(copy.deepcopy(plain))
     features, labels = torch.randn(16, *shape), torch.randint(0, 3, (16,))
     losses = []
     for network in (plain, checkpointed):
@@ -267,11 +267,11 @@ def test_gradient_checkpointing_calls_a_user_models_hook_and_refuses_a_model_wit
     from tests.fixtures.user_code import SlowLinear
 
     hooked = SlowLinear(4, 2, delay=0.0)
-    catalog.enable_gradient_checkpointing(hooked)
+    datasets.enable_gradient_checkpointing(hooked)
     assert hooked.checkpointing
     plain = torch.nn.Linear(4, 2)
     with pytest.raises(ConfigurationError, match="training.gradient_checkpointing.*"):
-        catalog.enable_gradient_checkpointing(plain)
+        datasets.enable_gradient_checkpointing(plain)
 
 
 @pytest.mark.gpu

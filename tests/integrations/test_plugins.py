@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prefect_ml.integrations import plugins
-from prefect_ml.integrations.catalog import load_dataset, resolve_dataset, resolve_model
+from prefect_ml.integrations.datasets import load_dataset, resolve_dataset, resolve_model
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.storage import check_data_url
 

@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing import ProcessRaisedException
 
-from prefect_ml.integrations import shards
+from prefect_ml.integrations import datasets
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.storage import CheckpointPosition, CheckpointStore
 from prefect_ml.integrations.training import (
@@ -235,7 +235,7 @@ def test_retention_counts_mid_epoch_checkpoints_and_leaves_no_folders_of_them(
     assert latest is not None and latest.position == CheckpointPosition(3)
 
 
-def _streamed_shard(folder: Path) -> shards.StreamedShard:
+def _streamed_shard(folder: Path) -> datasets.StreamedShard:
     """Two Parquet files of row groups of 7 rows whose labels are the row ids; shuffle windows
     of about 16 rows, so windows carry rows over to the next at a batch size of 8."""
     import pyarrow as pa
@@ -248,14 +248,14 @@ def _streamed_shard(folder: Path) -> shards.StreamedShard:
         values = pa.array(np.repeat(ids, 4).astype(np.float32))
         table = pa.table(
             {
-                shards.FEATURES: pa.FixedSizeListArray.from_arrays(values, 4),
-                shards.LABEL: pa.array(ids, pa.int64()),
+                datasets.FEATURES: pa.FixedSizeListArray.from_arrays(values, 4),
+                datasets.LABEL: pa.array(ids, pa.int64()),
             }
         )
         pq.write_table(table, folder / f"part-{index}.parquet", row_group_size=7)
         groups = tuple(min(7, stop - start - g) for g in range(0, stop - start, 7))
-        listed.append(shards.ShardFile(f"part-{index}.parquet", groups))
-    shard = shards.StreamedShard(folder.as_uri(), listed, (4,))
+        listed.append(datasets.ShardFile(f"part-{index}.parquet", groups))
+    shard = datasets.StreamedShard(folder.as_uri(), listed, (4,))
     shard.window_rows = 16
     return shard
 
@@ -265,8 +265,8 @@ def test_a_shard_leaves_out_the_batches_a_resumed_epoch_already_trained(tmp_path
         return torch.from_numpy(features), torch.from_numpy(labels)
 
     ids = np.arange(61)
-    arrays = shards.ArrayShard(np.repeat(ids, 4).reshape(61, 4).astype(np.float32), ids)
-    order = shards.EpochOrder(seed=1, epoch=2, rank=0)
+    arrays = datasets.ArrayShard(np.repeat(ids, 4).reshape(61, 4).astype(np.float32), ids)
+    order = datasets.EpochOrder(seed=1, epoch=2, rank=0)
     for shard in (arrays, _streamed_shard(tmp_path / "streamed")):
         whole = [labels for _, labels in shard.batches(8, order, place)]
         resumed = [labels for _, labels in shard.batches(8, order, place, skip=3)]

@@ -17,8 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from prefect_ml.integrations import shards, storage, streaming, tabular_files
+from prefect_ml.integrations import datasets, storage
 from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.datasets import _streaming
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.training import (
     EpochCommitter,
@@ -64,7 +65,7 @@ def data_params(url: str) -> DataParams:
 
 def prepare(source_url: str, storage_url: str) -> PreparedData:
     data = data_params(source_url)
-    source = tabular_files.describe(source_url, "kind")
+    source = datasets.describe(source_url, "kind")
     return preprocess_streamed(data, source, fingerprint_source(source, data), storage_url)
 
 
@@ -92,8 +93,8 @@ def row_ids(data: PreparedData, features: np.ndarray) -> np.ndarray:
     return np.rint(features[:, 0] * std[0] + mean[0]).astype(np.int64)
 
 
-def epoch_rows(shard: shards.Shard, data: PreparedData, epoch: int | None) -> list[int]:
-    order = shards.EpochOrder(seed=7, epoch=epoch, rank=0) if epoch else None
+def epoch_rows(shard: datasets.Shard, data: PreparedData, epoch: int | None) -> list[int]:
+    order = datasets.EpochOrder(seed=7, epoch=epoch, rank=0) if epoch else None
     return [int(i) for f, _ in shard.batches(50, order, place) for i in row_ids(data, f.numpy())]
 
 
@@ -104,15 +105,15 @@ def test_files_are_described_from_footers_and_their_identity_follows_each_file(
     tmp_path: Path,
 ) -> None:
     write_parquet_files(tmp_path / "data")
-    source = tabular_files.describe(str(tmp_path / "data"), "kind")
+    source = datasets.describe(str(tmp_path / "data"), "kind")
     assert [Path(f.url).name for f in source.files] == [f"part-{i}.parquet" for i in range(3)]
     assert source.rows == 3 * ROWS_PER_FILE
     assert source.feature_columns == [f"f{j}" for j in range(FEATURES)]
-    glob = tabular_files.describe(str(tmp_path / "data" / "part-[01].parquet"), "kind")
+    glob = datasets.describe(str(tmp_path / "data" / "part-[01].parquet"), "kind")
     assert glob.rows == 2 * ROWS_PER_FILE
     before = source.identity()
     write_parquet_files(tmp_path / "data", files=1, seed=1)  # part-0 rewritten: other bytes
-    assert tabular_files.describe(str(tmp_path / "data"), "kind").identity() != before
+    assert datasets.describe(str(tmp_path / "data"), "kind").identity() != before
 
 
 def test_csv_files_are_counted_without_loading_them(tmp_path: Path) -> None:
@@ -121,7 +122,7 @@ def test_csv_files_are_counted_without_loading_them(tmp_path: Path) -> None:
         frame = pd.DataFrame({"a": [1.0, 2.0, 3.0], "kind": ["x", "y", "x"]})
         text = frame.to_csv(index=False)
         (tmp_path / "csv" / f"{index}.csv").write_text(text if index else text.rstrip("\n"))
-    source = tabular_files.describe(str(tmp_path / "csv"), "kind")
+    source = datasets.describe(str(tmp_path / "csv"), "kind")
     assert source.format == "csv" and source.rows == 6 and source.feature_columns == ["a"]
 
 
@@ -130,7 +131,7 @@ def test_a_url_matching_no_file_is_refused_naming_it(tmp_path: Path) -> None:
     (tmp_path / "empty" / "notes.txt").write_text("not data")
     for url in (str(tmp_path / "empty"), str(tmp_path / "missing" / "*.parquet")):
         with pytest.raises(ConfigurationError, match="matches no CSV or Parquet file") as refused:
-            tabular_files.describe(url, "kind")
+            datasets.describe(url, "kind")
         assert refused.value.field == "data.url" and url in str(refused.value)
 
 
@@ -169,9 +170,9 @@ def test_streaming_statistics_combine_batches_exactly_even_far_from_zero() -> No
     """Chan's update of per-batch moments: a column around 1e9 keeps its unit deviation (sums
     of squares in float64 would lose it)."""
     values = 1e9 + np.random.default_rng(3).standard_normal((10_000, 2))
-    combined = streaming.Moments()
+    combined = datasets.Moments()
     for batch in np.array_split(values, 7):
-        part = streaming.Moments.of(batch)
+        part = datasets.Moments.of(batch)
         combined.add(part.count, part.mean, part.m2)
     np.testing.assert_allclose(combined.mean, values.mean(axis=0), rtol=1e-13)
     np.testing.assert_allclose(combined.std(), values.std(axis=0), rtol=1e-6)
@@ -179,7 +180,7 @@ def test_streaming_statistics_combine_batches_exactly_even_far_from_zero() -> No
 
 def test_a_rows_split_depends_on_its_values_only_not_on_its_batch_or_position() -> None:
     frame = learnable_rows()
-    recipe = streaming.SplitRecipe(
+    recipe = datasets.SplitRecipe(
         features=[f"f{j}" for j in range(FEATURES)],
         label="kind",
         task="classification",
@@ -192,7 +193,7 @@ def test_a_rows_split_depends_on_its_values_only_not_on_its_batch_or_position() 
     assert np.array_equal(np.concatenate([recipe.splits(part) for part in parts]), whole)
     shuffled = frame.sample(frac=1.0, random_state=1)
     assert np.array_equal(recipe.splits(shuffled), whole[shuffled.index.to_numpy()])
-    other_seed = streaming.SplitRecipe(**{**recipe.__dict__, "seed": 5})
+    other_seed = datasets.SplitRecipe(**{**recipe.__dict__, "seed": 5})
     assert not np.array_equal(other_seed.splits(frame), whole)
 
 
@@ -220,7 +221,7 @@ def test_a_streamed_regression_target_is_standardised_by_its_training_rows(
     data = DataParams(
         dataset="tabular", url=str(tmp_path / "source"), label_column="price", task="regression"
     )
-    source = tabular_files.describe(data.url or "", "price", "regression")
+    source = datasets.describe(data.url or "", "price", "regression")
     prepared = preprocess_streamed(
         data, source, fingerprint_source(source, data), (tmp_path / "storage").as_uri()
     )
@@ -257,11 +258,11 @@ def test_a_worker_streams_its_equal_share_in_a_repeatable_seeded_order(
     streamed: PreparedData,
 ) -> None:
     world = [
-        shards.open_shard(streamed.splits_url, "parquet", "train", (FEATURES,), rank, 2)
+        datasets.open_shard(streamed.splits_url, "parquet", "train", (FEATURES,), rank, 2)
         for rank in range(2)
     ]
     for shard in world:
-        assert isinstance(shard, shards.StreamedShard)
+        assert isinstance(shard, datasets.StreamedShard)
         shard.window_rows = 300  # several shuffle windows per epoch
     orders = [epoch_rows(world[0], streamed, 1), epoch_rows(world[1], streamed, 1)]
     assert len(orders[0]) == len(orders[1]) == streamed.rows["train"] // 2
@@ -286,13 +287,13 @@ def test_sorted_source_files_still_give_mixed_batches(
     half = len(frame) // 2
     for index, part in enumerate((ordered.iloc[:half], ordered.iloc[half:])):
         part.to_parquet(tmp_path / "source" / f"part-{index}.parquet", index=False)
-    monkeypatch.setattr(streaming, "ROW_GROUP_BYTES", 4096)  # row groups of 1024 rows
+    monkeypatch.setattr(_streaming, "ROW_GROUP_BYTES", 4096)  # row groups of 1024 rows
     data = prepare(str(tmp_path / "source"), (tmp_path / "storage").as_uri())
     shard = data.shard("train")
-    assert isinstance(shard, shards.StreamedShard)
+    assert isinstance(shard, datasets.StreamedShard)
     assert sum(len(f.groups) for f in shard.files) >= 4
     shard.window_rows = 2048  # two row groups per window
-    batches = [labels for _, labels in shard.batches(64, shards.EpochOrder(1, 1, 0), place)]
+    batches = [labels for _, labels in shard.batches(64, datasets.EpochOrder(1, 1, 0), place)]
     mixed = [len(torch.unique(labels)) > 1 for labels in batches]
     assert sum(mixed) / len(mixed) > 0.6, "most batches hold more than one class"
 
@@ -300,7 +301,7 @@ def test_sorted_source_files_still_give_mixed_batches(
 def test_a_shard_file_that_changed_under_the_run_is_refused(
     streamed: PreparedData, tmp_path: Path
 ) -> None:
-    listed = shards.read_manifest(streamed.splits_url)["val"]
+    listed = datasets.read_manifest(streamed.splits_url)["val"]
     copy = tmp_path / "splits"
     source = Path(streamed.splits_url.removeprefix("file://"))
     for file in listed:
@@ -308,9 +309,9 @@ def test_a_shard_file_that_changed_under_the_run_is_refused(
         target.parent.mkdir(parents=True, exist_ok=True)
         table = pq.read_table(source / file.name)
         pq.write_table(table.slice(0, table.num_rows - 5), target)  # truncated by 5 rows
-    shards.write_manifest(copy.as_uri(), {"val": listed})
-    shard = shards.open_shard(copy.as_uri(), "parquet", "val", (FEATURES,))
-    with pytest.raises(shards.ShardReadError, match="where its manifest says"):
+    datasets.write_manifest(copy.as_uri(), {"val": listed})
+    shard = datasets.open_shard(copy.as_uri(), "parquet", "val", (FEATURES,))
+    with pytest.raises(datasets.ShardReadError, match="where its manifest says"):
         list(shard.batches(64, None, place))
 
 
@@ -322,11 +323,11 @@ def test_a_shard_whose_columns_are_not_plain_floats_is_refused_before_decoding(
     table = pa.table({"features": pa.array([b"\x80\x04K\x01."] * 3), "label": pa.array([0, 1, 2])})
     (tmp_path / "parquet").mkdir()
     pq.write_table(table, tmp_path / "parquet" / "planted.parquet")
-    shards.write_manifest(
-        tmp_path.as_uri(), {"train": [shards.ShardFile("parquet/planted.parquet", (3,))]}
+    datasets.write_manifest(
+        tmp_path.as_uri(), {"train": [datasets.ShardFile("parquet/planted.parquet", (3,))]}
     )
-    shard = shards.open_shard(tmp_path.as_uri(), "parquet", "train", (FEATURES,))
-    with pytest.raises(shards.ShardReadError, match="not the fixed-size float32 lists"):
+    shard = datasets.open_shard(tmp_path.as_uri(), "parquet", "train", (FEATURES,))
+    with pytest.raises(datasets.ShardReadError, match="not the fixed-size float32 lists"):
         list(shard.batches(2, None, place))
 
 
@@ -335,7 +336,7 @@ def test_a_label_column_of_objects_is_refused(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     pq.write_table(table, tmp_path / "data" / "part-0.parquet")
     with pytest.raises(ConfigurationError, match="a label must be a number") as refused:
-        tabular_files.describe(str(tmp_path / "data"), "kind")
+        datasets.describe(str(tmp_path / "data"), "kind")
     assert refused.value.field == "data.label_column" and "part-0.parquet" in str(refused.value)
 
 
@@ -345,17 +346,17 @@ def test_a_label_column_of_objects_is_refused(tmp_path: Path) -> None:
 def _put_shards(bucket: str, data: PreparedData) -> str:
     """The training split's shards copied to S3 (past any proxy), with their manifest."""
     target = storage.join(bucket, "splits")
-    listed = shards.read_manifest(data.splits_url)["train"]
+    listed = datasets.read_manifest(data.splits_url)["train"]
     for file in listed:
         payload = storage.read_bytes(storage.join(data.splits_url, file.name))
         storage.write_bytes(storage.join(target, file.name), payload)
-    shards.write_manifest(target, {"train": listed})
+    datasets.write_manifest(target, {"train": listed})
     return target
 
 
-def _small_windows(splits_url: str) -> shards.StreamedShard:
-    shard = shards.open_shard(splits_url, "parquet", "train", (FEATURES,))
-    assert isinstance(shard, shards.StreamedShard)
+def _small_windows(splits_url: str) -> datasets.StreamedShard:
+    shard = datasets.open_shard(splits_url, "parquet", "train", (FEATURES,))
+    assert isinstance(shard, datasets.StreamedShard)
     shard.window_rows = 300  # several shuffle windows per epoch
     return shard
 
@@ -424,7 +425,7 @@ def _train(config: TrainLoop, die_in_epoch: int, log: str) -> None:
     """A worker process: train from the last checkpoint, logging each batch's first row id;
     with ``die_in_epoch``, killed (no clean-up at all) after 3 batches of that epoch."""
     trainer = EpochTrainer(config)
-    assert isinstance(trainer.train, shards.StreamedShard)
+    assert isinstance(trainer.train, datasets.StreamedShard)
     trainer.train.window_rows = 400
     committer = EpochCommitter(trainer.store)
     epoch, batches = 0, 0
@@ -493,8 +494,8 @@ def test_a_worker_killed_mid_epoch_resumes_on_the_same_rows_in_the_same_order(
 
 
 def test_a_streamed_table_holds_fixed_size_feature_lists(streamed: PreparedData) -> None:
-    """The shard format Ray Data writes and workers read (``integrations.shards``)."""
-    first = shards.read_manifest(streamed.splits_url)["train"][0]
+    """The shard format Ray Data writes and workers read (``integrations.datasets``)."""
+    first = datasets.read_manifest(streamed.splits_url)["train"][0]
     schema = pq.read_schema(Path(streamed.splits_url.removeprefix("file://")) / first.name)
-    assert schema.field(shards.FEATURES).type == pa.list_(pa.float32(), FEATURES)
-    assert schema.field(shards.LABEL).type == pa.int64()
+    assert schema.field(datasets.FEATURES).type == pa.list_(pa.float32(), FEATURES)
+    assert schema.field(datasets.LABEL).type == pa.int64()

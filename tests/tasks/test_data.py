@@ -7,7 +7,7 @@ import pytest
 from prefect import flow
 
 from prefect_ml.integrations import storage
-from prefect_ml.integrations.catalog import load_dataset
+from prefect_ml.integrations.datasets import load_dataset
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.data import (

@@ -320,7 +320,7 @@ def test_the_docs_example_and_its_declared_equivalent_tune_the_example_model(
     import torch
     import yaml
 
-    from prefect_ml.integrations import catalog
+    from prefect_ml.integrations import datasets
 
     monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "examples")
     declared = yaml.safe_load((REPO_ROOT / "examples/search_space.yaml").read_text())
@@ -337,7 +337,7 @@ def test_the_docs_example_and_its_declared_equivalent_tune_the_example_model(
             tuned = with_trial_values(params, values)
             assert ("weight_decay" in values) == (tuned.training.optimizer == "sgd")
             options = tuned.model.factory_options()
-            model = catalog.build_model(tuned.model.model, (1, 8, 8), 10, options)
+            model = datasets.build_model(tuned.model.model, (1, 8, 8), 10, options)
             assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
             study.tell(trial, 0.5)
 

@@ -23,7 +23,6 @@ from typing import Any, Protocol
 
 from prefect_ml.integrations import plugins
 from prefect_ml.integrations.campaign._studies import draw_once
-from prefect_ml.integrations.catalog import import_callable
 from prefect_ml.integrations.config.sweep import (
     SearchDimension,
     check_tunable,
@@ -31,6 +30,7 @@ from prefect_ml.integrations.config.sweep import (
     section_of,
     space_text,
 )
+from prefect_ml.integrations.datasets import import_callable
 from prefect_ml.integrations.errors import ConfigurationError
 
 FIELD = "sweep.search_space"
@@ -107,7 +107,7 @@ def resolve_space(space: dict[str, SearchDimension] | str | Callable[..., Any]) 
 
     Raises:
         ConfigurationError: naming ``sweep.search_space``: not allowed, not importable, not
-            callable (see :func:`integrations.catalog.import_callable`).
+            callable (see :func:`integrations.datasets.import_callable`).
     """
     if isinstance(space, dict):
         return DeclaredSpace(space)

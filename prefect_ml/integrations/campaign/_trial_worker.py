@@ -21,6 +21,7 @@ from pathlib import Path
 from prefect_ml.integrations import storage, training
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.config.resources import Resources
+from prefect_ml.integrations.datasets import Shard, open_shard
 from prefect_ml.integrations.errors import (
     DETERMINISTIC_ERRORS,
     CheckpointError,
@@ -28,7 +29,6 @@ from prefect_ml.integrations.errors import (
     TrainingCodeError,
     fix_for,
 )
-from prefect_ml.integrations.shards import Shard, open_shard
 from prefect_ml.integrations.storage import CheckpointStore
 from prefect_ml.integrations.training import (
     METRICS_FILE,

@@ -7,8 +7,8 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from prefect_ml.integrations import problems, storage
-from prefect_ml.integrations.catalog import resolve_dataset
 from prefect_ml.integrations.config._base import Section
+from prefect_ml.integrations.datasets import resolve_dataset
 
 
 class DataParams(Section):

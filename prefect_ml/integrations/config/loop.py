@@ -13,7 +13,7 @@ from prefect_ml.integrations import problems
 from prefect_ml.integrations.config.model import ModelParams
 from prefect_ml.integrations.config.training import TrainingParams
 
-Layout = Literal["arrays", "parquet"]  # how splits are stored: integrations.shards.LAYOUTS
+Layout = Literal["arrays", "parquet"]  # how splits are stored: integrations.datasets.LAYOUTS
 
 
 class Splits(BaseModel):

@@ -6,8 +6,8 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from prefect_ml.integrations.catalog import explicit_parameters, resolve_model
 from prefect_ml.integrations.config._base import Role, Section
+from prefect_ml.integrations.datasets import explicit_parameters, resolve_model
 
 
 class ModelParams(Section):

@@ -1,6 +1,7 @@
 """Serving a registered model version: the Ray Serve application that answers predictions over
-HTTP, the wire protocols it speaks, canary rollouts, several versions on one endpoint, and the
-loaded model that the replicas and the batch scorers run.
+HTTP, the wire protocols it speaks, canary rollouts, several versions on one endpoint, the
+loaded model that the replicas and the batch scorers run, and batch scoring itself (a dataset's
+files scored by Ray Data actors, written next to them once).
 
 The driver resolves ``models:/<name>@<alias>`` to a version (:class:`ServedModel`) and deploys
 :class:`ModelServer` with it (:func:`deploy`); every replica loads it through the one pt2 loader
@@ -17,8 +18,9 @@ Behind this face: ``_models`` (a registered version: identity, schema, the loade
 (the rollout's control actor, each replica's route, the verdict), ``_versions`` (other versions
 selected per request), ``_replica`` (what a replica is constructed with and the versions it
 holds), ``_openapi`` (what /openapi.json says of the routes), ``_app`` (the FastAPI app and the
-:class:`ModelServer` deployment) and ``_deploy`` (the driver's side: the proxy, deploying or
-rolling, what runs).
+:class:`ModelServer` deployment), ``_deploy`` (the driver's side: the proxy, deploying or
+rolling, what runs) and ``_batch_scoring`` (the files' columns, Ray Data's scoring actors,
+the output written all-or-nothing and found again by its fingerprint).
 
 Names load on first use (as ``prefect_ml``'s own do): the app's module builds the FastAPI app
 and Serve's deployment when it is imported, and a batch scoring actor, the flows and the GPU
@@ -71,6 +73,16 @@ _EXPORTS = {
     "replica_arguments": "_deploy",
     "running_replicas": "_deploy",
     "start_http": "_deploy",
+    "PendingWrite": "_batch_scoring",
+    "PredictionManifest": "_batch_scoring",
+    "ScoringColumns": "_batch_scoring",
+    "check_output": "_batch_scoring",
+    "clear_output": "_batch_scoring",
+    "completed": "_batch_scoring",
+    "fingerprint": "_batch_scoring",
+    "score": "_batch_scoring",
+    "scorer_arguments": "_batch_scoring",
+    "scoring_columns": "_batch_scoring",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -80,6 +92,18 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
         ModelServer as ModelServer,
     )
     from prefect_ml.integrations.serving._app import api as api
+    from prefect_ml.integrations.serving._batch_scoring import PendingWrite as PendingWrite
+    from prefect_ml.integrations.serving._batch_scoring import (
+        PredictionManifest as PredictionManifest,
+    )
+    from prefect_ml.integrations.serving._batch_scoring import ScoringColumns as ScoringColumns
+    from prefect_ml.integrations.serving._batch_scoring import check_output as check_output
+    from prefect_ml.integrations.serving._batch_scoring import clear_output as clear_output
+    from prefect_ml.integrations.serving._batch_scoring import completed as completed
+    from prefect_ml.integrations.serving._batch_scoring import fingerprint as fingerprint
+    from prefect_ml.integrations.serving._batch_scoring import score as score
+    from prefect_ml.integrations.serving._batch_scoring import scorer_arguments as scorer_arguments
+    from prefect_ml.integrations.serving._batch_scoring import scoring_columns as scoring_columns
     from prefect_ml.integrations.serving._batching import (
         AdaptiveBatcher as AdaptiveBatcher,
     )

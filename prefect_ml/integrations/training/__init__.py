@@ -34,8 +34,9 @@ the worker's, ``_step`` (one optimiser step: precision, the loss or the model's
 (snapshots, the background committer, the checkpoint budget, retention),
 ``_distributed_checkpoint`` (DCP's files, gathered or sharded), ``_resume`` (restoring a
 checkpoint, mid-epoch resume points, how a run ended, a trained model), ``_trainer``
-(:class:`EpochTrainer`, one worker's epochs) and ``_loop`` (:func:`train_epochs`, a worker
-group's); the driver's, ``_ray_training`` (Ray Train's TorchTrainer: scaling, run config,
+(:class:`EpochTrainer`, one worker's epochs), ``_loop`` (:func:`train_epochs`, a worker
+group's) and ``_test_scoring`` (the trained model scoring a streamed test split on Ray Data
+actors); the driver's, ``_ray_training`` (Ray Train's TorchTrainer: scaling, run config,
 :func:`fit`) and ``_train_failures`` (a worker's failure, deterministic or not, and
 fail-fast).
 
@@ -104,6 +105,7 @@ _EXPORTS = {
     "EpochOutcome": "_trainer",
     "EpochTrainer": "_trainer",
     "train_epochs": "_loop",
+    "score_split": "_test_scoring",
     "PEAK_MEMORY_TAG": "_ray_training",
     "STARTED_AT_TAG": "_ray_training",
     "WORKER_GROUP_READY_TAG": "_ray_training",
@@ -200,6 +202,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.integrations.training._step_log import StepLog as StepLog
     from prefect_ml.integrations.training._step_log import combine as combine
     from prefect_ml.integrations.training._step_log import metric_name as metric_name
+    from prefect_ml.integrations.training._test_scoring import score_split as score_split
     from prefect_ml.integrations.training._train_failures import FailFast as FailFast
     from prefect_ml.integrations.training._train_failures import WorkerFailure as WorkerFailure
     from prefect_ml.integrations.training._train_failures import (

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prefect_ml.integrations.catalog import build_model
+from prefect_ml.integrations.datasets import build_model
 from prefect_ml.integrations.early_stopping import EarlyStopping, StopDecision
 from prefect_ml.integrations.errors import CheckpointError
 from prefect_ml.integrations.storage import CheckpointStore, VerifiedCheckpoint

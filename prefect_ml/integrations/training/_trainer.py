@@ -15,10 +15,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from prefect_ml.integrations import problems, storage
-from prefect_ml.integrations.catalog import build_model, enable_gradient_checkpointing
 from prefect_ml.integrations.config.loop import TrainLoop
+from prefect_ml.integrations.datasets import (
+    EpochOrder,
+    Shard,
+    build_model,
+    enable_gradient_checkpointing,
+    epoch_seed,
+    open_shard,
+)
 from prefect_ml.integrations.errors import ModelStepError
-from prefect_ml.integrations.shards import EpochOrder, Shard, epoch_seed, open_shard
 from prefect_ml.integrations.storage import CheckpointStore
 from prefect_ml.integrations.training import (
     _collectives,

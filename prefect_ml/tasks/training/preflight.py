@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from prefect_ml.integrations import catalog, training
+from prefect_ml.integrations import datasets, training
 from prefect_ml.integrations.errors import PrefectMLError, TrainingCodeError
 from prefect_ml.tasks.data import PreparedData
 from prefect_ml.tasks.params import TrainingSections
@@ -33,7 +33,9 @@ def check_model(params: TrainingSections, data: PreparedData) -> training.Probe 
 
     def build() -> torch.nn.Module:
         options = params.model.factory_options()
-        return catalog.build_model(params.model.model, data.sample_shape, data.num_classes, options)
+        return datasets.build_model(
+            params.model.model, data.sample_shape, data.num_classes, options
+        )
 
     try:
         with torch.device("meta"):
@@ -41,7 +43,7 @@ def check_model(params: TrainingSections, data: PreparedData) -> training.Probe 
     except Exception:  # the meta device is only an optimisation: build it for real
         model = _users_code(build, params, "its factory")
     if params.training.gradient_checkpointing:
-        catalog.check_gradient_checkpointing(model)
+        datasets.check_gradient_checkpointing(model)
     section = params.training
     if section.strategy in training.SIZE_FIELDS and isinstance(section.workers, int):
         size = getattr(section, training.SIZE_FIELDS[section.strategy]) or section.workers

@@ -4,7 +4,7 @@ A prepared dataset has one of two layouts (:mod:`integrations.storage` names the
 
 * ``arrays``: one ``.npy`` pair per split. A worker reads its row range once and keeps it on its
   device: the fastest for data that fits (the built-in datasets, small files).
-* ``parquet``: Parquet shards written by Ray Data (:mod:`integrations.streaming`), listed with
+* ``parquet``: Parquet shards written by Ray Data (:mod:`integrations.datasets`), listed with
   their row counts in a manifest. A worker streams its share: a background thread reads up to
   two shuffle windows of row groups ahead of the step that needs them and a seeded window
   shuffle mixes them, so a worker holds a few windows of rows, never its whole shard.

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 from pydantic import BaseModel, Field, ValidationError
 
-from prefect_ml.integrations import serving, storage, streaming, tabular_files
+from prefect_ml.integrations import datasets, storage
 from prefect_ml.integrations.config import PredictParams
 from prefect_ml.integrations.errors import ConfigurationError
+from prefect_ml.integrations.serving import _inference, _models
 
 if TYPE_CHECKING:
     import pyarrow
@@ -81,7 +82,7 @@ class PredictionManifest(BaseModel):
         return self.rows / self.seconds if self.seconds > 0 else 0.0
 
 
-def scoring_columns(file: tabular_files.SourceFile, served: serving.ServedModel) -> ScoringColumns:
+def scoring_columns(file: datasets.SourceFile, served: _models.ServedModel) -> ScoringColumns:
     """The feature and passthrough columns of ``file`` for ``served``.
 
     Raises:
@@ -89,7 +90,7 @@ def scoring_columns(file: tabular_files.SourceFile, served: serving.ServedModel)
             numeric, the numeric columns do not match an unnamed model's width, or a column
             would be overwritten by an output column.
     """
-    types = tabular_files.column_types(file)
+    types = datasets.column_types(file)
     what = f"{served.name} v{served.version}"
     if served.feature_names:
         missing = [name for name in served.feature_names if name not in types]
@@ -101,7 +102,7 @@ def scoring_columns(file: tabular_files.SourceFile, served: serving.ServedModel)
             )
         features = list(served.feature_names)
     else:
-        features = [c for c, t in types.items() if t.startswith(tabular_files.NUMERIC_TYPES)]
+        features = [c for c, t in types.items() if t.startswith(datasets.NUMERIC_TYPES)]
         if len(features) != served.width:
             raise ConfigurationError(
                 "url",
@@ -109,7 +110,7 @@ def scoring_columns(file: tabular_files.SourceFile, served: serving.ServedModel)
                 f"{served.width} features (it names none, so every numeric column is one, in "
                 "order); drop or encode columns until they match",
             )
-    text = [c for c in features if not types[c].startswith((*tabular_files.NUMERIC_TYPES, "null"))]
+    text = [c for c in features if not types[c].startswith((*datasets.NUMERIC_TYPES, "null"))]
     if text:
         raise ConfigurationError(
             "url", f"feature columns {text} of {file.url} are not numeric; encode them"
@@ -123,10 +124,10 @@ def scoring_columns(file: tabular_files.SourceFile, served: serving.ServedModel)
     return ScoringColumns(features, passthrough)
 
 
-def fingerprint(files: list[tabular_files.SourceFile], served: serving.ServedModel) -> str:
+def fingerprint(files: list[datasets.SourceFile], served: _models.ServedModel) -> str:
     """The identity of a scoring: the input files (URL, size, version) and the model version."""
     identity = {
-        "files": tabular_files.files_digest(files),
+        "files": datasets.files_digest(files),
         "model": served.name,
         "version": served.version,
     }
@@ -154,7 +155,7 @@ def scored_table(
     import pyarrow as pa
 
     columns: dict[str, Any] = {name: batch.column(name) for name in passthrough}
-    columns[PREDICTION] = pa.array(serving.labelled_outputs(outputs, class_names, task))
+    columns[PREDICTION] = pa.array(_models.labelled_outputs(outputs, class_names, task))
     if task != "regression":
         flat = pa.array(outputs.astype(np.float32).reshape(-1))
         fixed = pa.FixedSizeListArray.from_arrays(flat, outputs.shape[1])
@@ -170,19 +171,19 @@ class BatchScorer:
         served: dict[str, Any],
         columns: dict[str, Any],
         gpus: float,
-        precision: serving.InferencePrecision,
+        precision: _inference.InferencePrecision,
         threads: int,
     ) -> None:
         import torch
 
         torch.set_num_threads(threads)
-        self.served = serving.ServedModel.model_validate(served)
+        self.served = _models.ServedModel.model_validate(served)
         self.columns = ScoringColumns(**columns)
-        self.predictor, _ = serving.load_predictor(self.served, gpus, precision)
+        self.predictor, _ = _models.load_predictor(self.served, gpus, precision)
 
     def __call__(self, batch: pyarrow.Table) -> pyarrow.Table:
         matrix = feature_matrix(batch, self.columns.features)
-        bad = serving.non_finite_rows(matrix)
+        bad = _models.non_finite_rows(matrix)
         if bad:
             row = {name: batch.column(name)[bad[0]].as_py() for name in self.columns.features}
             raise ConfigurationError(
@@ -191,7 +192,7 @@ class BatchScorer:
                 "fill or drop them",
             )
         outputs = self.predictor.outputs(matrix)
-        if bad := serving.non_finite_rows(outputs):
+        if bad := _models.non_finite_rows(outputs):
             raise ConfigurationError(
                 "model_version",
                 f"{self.served.name} v{self.served.version} returned non-finite outputs for "
@@ -285,7 +286,7 @@ def clear_output(output_url: str) -> None:
 
 
 def scorer_arguments(
-    served: serving.ServedModel, columns: ScoringColumns, options: PredictParams
+    served: _models.ServedModel, columns: ScoringColumns, options: PredictParams
 ) -> dict[str, Any]:
     """Each scoring actor's constructor arguments, as Ray Data records and pickles them: the
     version, the columns, and the device, precision and threads the predict section sets."""
@@ -300,8 +301,8 @@ def scorer_arguments(
 
 def score(
     input_url: str,
-    files: list[tabular_files.SourceFile],
-    served: serving.ServedModel,
+    files: list[datasets.SourceFile],
+    served: _models.ServedModel,
     columns: ScoringColumns,
     output_url: str,
     options: PredictParams,
@@ -310,7 +311,7 @@ def score(
     Parquet under ``output_url`` (cleared first), then write the manifest; returns it. The
     predict section says how the actors run: rows per batch, how many, what each reserves."""
     key = fingerprint(files, served)
-    fmt = tabular_files.file_format(files[0].url) or "csv"
+    fmt = datasets.file_format(files[0].url) or "csv"
     clear_output(output_url)
     pending = PendingWrite(fingerprint=key, write_id=uuid.uuid4().hex)
     storage.write_bytes(
@@ -346,7 +347,7 @@ def score(
 
 
 def _write_scored(
-    files: list[tabular_files.SourceFile],
+    files: list[datasets.SourceFile],
     fmt: str,
     scorer_options: dict[str, Any],
     output_url: str,
@@ -365,8 +366,8 @@ def _write_scored(
         len(files), min(BLOCKS_PER_ACTOR * options.concurrency, -(-rows // options.batch_size))
     )
     io_tasks = -(-options.concurrency // ACTORS_PER_IO_TASK)
-    with streaming.user_errors():
-        read = streaming.read_files(
+    with datasets.user_errors():
+        read = datasets.read_files(
             files, fmt, read_cpus=IO_CPUS, blocks=blocks, read_tasks=io_tasks
         )
         read.map_batches(
@@ -386,9 +387,9 @@ def _write_scored(
         )
 
 
-def _written(output_url: str) -> list[tabular_files.SourceFile]:
+def _written(output_url: str) -> list[datasets.SourceFile]:
     """The Parquet files the write left under ``output_url`` (none for an empty input)."""
     try:
-        return tabular_files.describe_files(output_url, "output")
+        return datasets.describe_files(output_url, "output")
     except ConfigurationError:
         return []

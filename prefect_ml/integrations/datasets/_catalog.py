@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prefect_ml.integrations import plugins, storage, tabular_files
+from prefect_ml.integrations import plugins, storage
+from prefect_ml.integrations.datasets import _tabular_files
 from prefect_ml.integrations.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def load_tabular_dataset(url: str, label_column: str) -> DatasetArrays:
     ``tasks.data``)."""
     import pandas as pd
 
-    source = tabular_files.describe(url, label_column)
+    source = _tabular_files.describe(url, label_column)
     frames = []
     for file in source.files:
         with storage.open_file(file.url) as handle:

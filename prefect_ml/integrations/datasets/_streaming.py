@@ -1,5 +1,6 @@
 """Ray Data pipelines over a tabular dataset's files, run on the cluster: preparing streamed
-splits, and scoring a streamed test split. The driver receives statistics, never rows.
+splits (a trained model scores a streamed test split in ``training``'s ``_test_scoring``). The
+driver receives statistics, never rows.
 
 Preparing takes two streaming passes over the source files:
 
@@ -27,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prefect_ml.integrations import problems, shards, storage, tabular_files
+from prefect_ml.integrations import storage
+from prefect_ml.integrations.datasets import _shards, _tabular_files
 from prefect_ml.integrations.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -184,20 +186,20 @@ def _batch_rows(
     flat = pa.array(features.reshape(-1))
     return pa.table(
         {
-            shards.FEATURES: pa.FixedSizeListArray.from_arrays(flat, features.shape[1]),
-            shards.LABEL: labels,
+            _shards.FEATURES: pa.FixedSizeListArray.from_arrays(flat, features.shape[1]),
+            _shards.LABEL: labels,
             "split": pa.array(names),
         }
     )
 
 
-def read_source(source: tabular_files.TabularSource, with_paths: bool = False) -> ray.data.Dataset:
+def read_source(source: _tabular_files.TabularSource, with_paths: bool = False) -> ray.data.Dataset:
     """The source files as a Ray Data dataset (see :func:`read_files`)."""
     return read_files(source.files, source.format, with_paths)
 
 
 def read_files(
-    files: list[tabular_files.SourceFile],
+    files: list[_tabular_files.SourceFile],
     fmt: str,
     with_paths: bool = False,
     *,
@@ -264,7 +266,7 @@ def user_errors() -> Iterator[None]:
 class StreamedSplits:
     """What preparing wrote: per split its files and rows; the classes and target scale."""
 
-    files: dict[str, list[shards.ShardFile]]
+    files: dict[str, list[_shards.ShardFile]]
     class_names: list[str]
     target_mean: float
     target_std: float
@@ -275,7 +277,7 @@ class StreamedSplits:
 
 
 def prepare(
-    source: tabular_files.TabularSource,
+    source: _tabular_files.TabularSource,
     recipe: SplitRecipe,
     splits_url: str,
     *,
@@ -328,86 +330,21 @@ def prepare(
                 f"the {split} split of {source.url} is empty ({source.rows} rows); raise its "
                 "fraction or give more rows",
             )
-    shards.write_manifest(splits_url, files)
+    _shards.write_manifest(splits_url, files)
     storage.write_array(storage.statistic_url(splits_url, "mean"), mean)
     storage.write_array(storage.statistic_url(splits_url, "std"), std)
     return StreamedSplits(files, [str(c) for c in classes], target_mean, target_std)
 
 
-def _written(splits_url: str, split: str) -> list[shards.ShardFile]:
+def _written(splits_url: str, split: str) -> list[_shards.ShardFile]:
     """The files the write pass left in ``split``'s folder, with their rows (from footers)."""
     folder = storage.join(storage.split_parquet_url(splits_url), f"split={split}")
     try:
-        written = tabular_files.describe_files(folder)
+        written = _tabular_files.describe_files(folder)
     except ConfigurationError:  # no file: an empty split
         return []
     base = storage.filesystem(splits_url)[1].rstrip("/") + "/"
     return [
-        shards.ShardFile(storage.filesystem(f.url)[1].removeprefix(base), f.row_groups)
+        _shards.ShardFile(storage.filesystem(f.url)[1].removeprefix(base), f.row_groups)
         for f in written
     ]
-
-
-class _TestScorer:
-    """A Ray Data actor: the checkpoint's model, loaded once, scoring batches of test rows."""
-
-    def __init__(self, checkpoint_url: str, loop: dict[str, Any]) -> None:
-        from prefect_ml.integrations.training import load_trained_model
-
-        self.loop = loop
-        self.model, _ = load_trained_model(
-            checkpoint_url,
-            loop["model"],
-            loop["input_shape"],
-            loop["num_classes"],
-            loop["model_options"],
-            epoch=loop.get("epoch"),  # None: the newest verified checkpoint
-        )
-        self.problem = problems.problem(loop["task"])
-
-    def __call__(self, batch: pyarrow.Table) -> dict[str, np.ndarray]:
-        import torch
-
-        features, labels = shards.table_arrays(batch, tuple(self.loop["input_shape"]))
-        with torch.no_grad():
-            outputs = self.model(torch.from_numpy(features)).float().numpy()
-        if self.problem.name == "regression":
-            outputs = outputs * self.loop["target_std"] + self.loop["target_mean"]
-        sums = self.problem.test_sums(outputs, labels, self.loop["num_classes"])
-        sample = [outputs.reshape(-1)[:SAMPLE_ROWS].tolist(), labels[:SAMPLE_ROWS].tolist()]
-        return {"sums": sums[None], "sample": np.array([json.dumps(sample)])}
-
-
-SAMPLE_ROWS = 64  # per batch, for a regression's predicted-against-actual figure
-
-
-def score_split(
-    splits_url: str, files: list[shards.ShardFile], checkpoint_url: str, loop: dict[str, Any]
-) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    """The summed test statistics (``Problem.test_sums``) of the checkpoint's model over
-    ``files``, scored by Ray Data actors, and a sample of (predicted, actual) pairs."""
-    import ray.data
-
-    located = [storage.ray_storage(storage.join(splits_url, f.name)) for f in files]
-    dataset = ray.data.read_parquet(
-        [path for path, _ in located], filesystem=located[0][1], partitioning=None
-    )
-    scored = dataset.map_batches(
-        _TestScorer,
-        fn_constructor_kwargs={"checkpoint_url": checkpoint_url, "loop": loop},
-        batch_format="pyarrow",
-        batch_size=BATCH_ROWS,
-        concurrency=(1, 2),
-    )
-    total: np.ndarray | None = None
-    predicted: list[float] = []
-    actual: list[float] = []
-    for batch in scored.iter_batches(batch_size=None, batch_format="numpy"):
-        sums = batch["sums"].sum(axis=0)
-        total = sums if total is None else total + sums
-        for listed in batch["sample"]:
-            guess, truth = json.loads(str(listed))
-            predicted += guess
-            actual += truth
-    assert total is not None, "a prepared test split is never empty"
-    return total, (np.array(predicted), np.array(actual))
