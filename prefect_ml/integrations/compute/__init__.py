@@ -13,92 +13,100 @@ Behind this face: ``_ray_cluster`` (connecting, or a local Ray owned here), ``_c
 ``_node_report`` (what ``prefect-ml doctor`` measures on each node), ``_devices`` (the
 accelerator, its collective backend, peak memory) and ``_resources`` (the fit check and where
 a request could be placed).
+
+Names load on first use: the GPU check's torch-only machine imports the accelerator's
+functions (``_devices``) without Ray, and the flows pay for Ray only when they reach it.
 """
 
-from prefect_ml.integrations.compute._code_shipping import (
-    EXCLUDES,
-    decide_shipping,
-    needs_probe,
-    plan_code,
-)
-from prefect_ml.integrations.compute._devices import (
-    collective_backend,
-    describe,
-    detect_runtime,
-    mismatch_warnings,
-    peak_memory_bytes,
-    peak_memory_kind,
-    reset_peak_memory,
-    training_device,
-)
-from prefect_ml.integrations.compute._node_probe import code_on_node
-from prefect_ml.integrations.compute._node_report import (
-    NodeReport,
-    imported_versions,
-    probe_nodes,
-    version_differences,
-)
-from prefect_ml.integrations.compute._ray_cluster import (
-    on_each_node,
-    ray_session,
-    shipped_code,
-    ships_project,
-)
-from prefect_ml.integrations.compute._resources import (
-    PLACEMENT_NOTICE_S,
-    PLACEMENT_REPEAT_S,
-    check_fits,
-    cluster_nodes,
-    describe_placement,
-    flag_of,
-    free_per_node,
-    mixed_gpu_types,
-    placeable,
-)
-from prefect_ml.integrations.compute._worker_setup import (
-    CodeMismatchError,
-    ExpectedCode,
-    content_hash,
-    project_difference,
-    setup_hook,
-    use_shipped_code,
-)
+from __future__ import annotations
 
-__all__ = [
-    "EXCLUDES",
-    "PLACEMENT_NOTICE_S",
-    "PLACEMENT_REPEAT_S",
-    "CodeMismatchError",
-    "ExpectedCode",
-    "NodeReport",
-    "check_fits",
-    "cluster_nodes",
-    "code_on_node",
-    "collective_backend",
-    "content_hash",
-    "decide_shipping",
-    "describe",
-    "describe_placement",
-    "detect_runtime",
-    "flag_of",
-    "free_per_node",
-    "imported_versions",
-    "mismatch_warnings",
-    "mixed_gpu_types",
-    "needs_probe",
-    "on_each_node",
-    "peak_memory_bytes",
-    "peak_memory_kind",
-    "placeable",
-    "plan_code",
-    "probe_nodes",
-    "project_difference",
-    "ray_session",
-    "reset_peak_memory",
-    "setup_hook",
-    "shipped_code",
-    "ships_project",
-    "training_device",
-    "use_shipped_code",
-    "version_differences",
-]
+from typing import TYPE_CHECKING
+
+from prefect_ml.integrations.libraries import lazy_exports
+
+# Public name -> the private module that defines it.
+_EXPORTS = {
+    "EXCLUDES": "_code_shipping",
+    "decide_shipping": "_code_shipping",
+    "needs_probe": "_code_shipping",
+    "plan_code": "_code_shipping",
+    "collective_backend": "_devices",
+    "describe": "_devices",
+    "detect_runtime": "_devices",
+    "mismatch_warnings": "_devices",
+    "peak_memory_bytes": "_devices",
+    "peak_memory_kind": "_devices",
+    "reset_peak_memory": "_devices",
+    "training_device": "_devices",
+    "code_on_node": "_node_probe",
+    "NodeReport": "_node_report",
+    "imported_versions": "_node_report",
+    "probe_nodes": "_node_report",
+    "version_differences": "_node_report",
+    "on_each_node": "_ray_cluster",
+    "ray_session": "_ray_cluster",
+    "shipped_code": "_ray_cluster",
+    "ships_project": "_ray_cluster",
+    "PLACEMENT_NOTICE_S": "_resources",
+    "PLACEMENT_REPEAT_S": "_resources",
+    "check_fits": "_resources",
+    "cluster_nodes": "_resources",
+    "describe_placement": "_resources",
+    "flag_of": "_resources",
+    "free_per_node": "_resources",
+    "mixed_gpu_types": "_resources",
+    "placeable": "_resources",
+    "CodeMismatchError": "_worker_setup",
+    "ExpectedCode": "_worker_setup",
+    "content_hash": "_worker_setup",
+    "project_difference": "_worker_setup",
+    "setup_hook": "_worker_setup",
+    "use_shipped_code": "_worker_setup",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ loads them
+    from prefect_ml.integrations.compute._code_shipping import EXCLUDES as EXCLUDES
+    from prefect_ml.integrations.compute._code_shipping import decide_shipping as decide_shipping
+    from prefect_ml.integrations.compute._code_shipping import needs_probe as needs_probe
+    from prefect_ml.integrations.compute._code_shipping import plan_code as plan_code
+    from prefect_ml.integrations.compute._devices import collective_backend as collective_backend
+    from prefect_ml.integrations.compute._devices import describe as describe
+    from prefect_ml.integrations.compute._devices import detect_runtime as detect_runtime
+    from prefect_ml.integrations.compute._devices import mismatch_warnings as mismatch_warnings
+    from prefect_ml.integrations.compute._devices import peak_memory_bytes as peak_memory_bytes
+    from prefect_ml.integrations.compute._devices import peak_memory_kind as peak_memory_kind
+    from prefect_ml.integrations.compute._devices import reset_peak_memory as reset_peak_memory
+    from prefect_ml.integrations.compute._devices import training_device as training_device
+    from prefect_ml.integrations.compute._node_probe import code_on_node as code_on_node
+    from prefect_ml.integrations.compute._node_report import NodeReport as NodeReport
+    from prefect_ml.integrations.compute._node_report import imported_versions as imported_versions
+    from prefect_ml.integrations.compute._node_report import probe_nodes as probe_nodes
+    from prefect_ml.integrations.compute._node_report import (
+        version_differences as version_differences,
+    )
+    from prefect_ml.integrations.compute._ray_cluster import on_each_node as on_each_node
+    from prefect_ml.integrations.compute._ray_cluster import ray_session as ray_session
+    from prefect_ml.integrations.compute._ray_cluster import shipped_code as shipped_code
+    from prefect_ml.integrations.compute._ray_cluster import ships_project as ships_project
+    from prefect_ml.integrations.compute._resources import PLACEMENT_NOTICE_S as PLACEMENT_NOTICE_S
+    from prefect_ml.integrations.compute._resources import PLACEMENT_REPEAT_S as PLACEMENT_REPEAT_S
+    from prefect_ml.integrations.compute._resources import check_fits as check_fits
+    from prefect_ml.integrations.compute._resources import cluster_nodes as cluster_nodes
+    from prefect_ml.integrations.compute._resources import describe_placement as describe_placement
+    from prefect_ml.integrations.compute._resources import flag_of as flag_of
+    from prefect_ml.integrations.compute._resources import free_per_node as free_per_node
+    from prefect_ml.integrations.compute._resources import mixed_gpu_types as mixed_gpu_types
+    from prefect_ml.integrations.compute._resources import placeable as placeable
+    from prefect_ml.integrations.compute._worker_setup import CodeMismatchError as CodeMismatchError
+    from prefect_ml.integrations.compute._worker_setup import ExpectedCode as ExpectedCode
+    from prefect_ml.integrations.compute._worker_setup import content_hash as content_hash
+    from prefect_ml.integrations.compute._worker_setup import (
+        project_difference as project_difference,
+    )
+    from prefect_ml.integrations.compute._worker_setup import setup_hook as setup_hook
+    from prefect_ml.integrations.compute._worker_setup import use_shipped_code as use_shipped_code
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
