@@ -11,8 +11,10 @@ What this module exports (``__all__``) is the public, versioned API; ``prefect_m
 
 from __future__ import annotations
 
-from importlib import import_module, metadata
+from importlib import import_module
 from typing import TYPE_CHECKING, Any
+
+from prefect_ml.integrations.libraries import installed_version
 
 # Public name -> the module that defines it.
 _EXPORTS = {
@@ -43,10 +45,7 @@ _EXPORTS = {
 
 __all__ = sorted([*_EXPORTS, "__version__"])
 
-try:
-    __version__ = metadata.version("prefect-ml")
-except metadata.PackageNotFoundError:  # a checkout that is not installed
-    __version__ = "0+unknown"
+__version__ = installed_version()
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ loads them
     from prefect_ml.flows.pipeline import ml_pipeline as ml_pipeline

@@ -94,6 +94,16 @@ def _import(name: str) -> ModuleType:
         ) from exc
 
 
+def installed_version() -> str:
+    """The version of prefect-ml installed here (``0+unknown`` for a checkout that is not
+    installed): ``prefect_ml.__version__``, and what a node reports, read without importing
+    the package's public face."""
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:  # a checkout that is not installed
+        return "0+unknown"
+
+
 def install_hint(library: str) -> str:
     """The pip command that installs ``library`` (an import name) as prefect-ml declares it:
     with prefect-ml's own dependencies, or with the extra that lists it."""

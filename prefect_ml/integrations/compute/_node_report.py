@@ -23,27 +23,27 @@ from prefect_ml.integrations import storage
 from prefect_ml.integrations.compute import _devices
 from prefect_ml.integrations.compute._code_shipping import EXCLUDES
 from prefect_ml.integrations.compute._worker_setup import content_hash
+from prefect_ml.integrations.libraries import installed_version
 
 # Compared between the driver and each node, in this order.
+# The prefect_ml this process imports (the folder of this module's package, three levels up).
+PACKAGE_FOLDER = Path(__file__).parents[2]
 COMPARED = ("python", "ray", "torch", "prefect-ml", "prefect-ml content")
 
 
 def imported_versions() -> dict[str, str]:
     """The Python of this process, the versions of ray, torch and prefect-ml it imports, and
-    the content hash of that prefect_ml (:func:`worker_setup.content_hash`, 12 digits): the
+    the content hash of that prefect_ml (:func:`content_hash`, 12 digits): the
     same version may be other code (a checkout, a partial copy)."""
     import ray
     import torch
 
-    import prefect_ml
-
-    folder = Path(prefect_ml.__file__).parent
     return {
         "python": platform.python_version(),
         "ray": ray.__version__,
         "torch": torch.__version__,
-        "prefect-ml": prefect_ml.__version__,
-        "prefect-ml content": content_hash(folder, EXCLUDES)[:12],
+        "prefect-ml": installed_version(),
+        "prefect-ml content": content_hash(PACKAGE_FOLDER, EXCLUDES)[:12],
     }
 
 
@@ -65,15 +65,13 @@ def probe_node(root_url: str, driver_object: tuple[str, bytes] | None) -> NodeRe
     and content of an object the driver wrote (None when it could not write one)."""
     import ray
 
-    import prefect_ml
-
     runtime = _devices.detect_runtime()
     node_id = ray.get_runtime_context().get_node_id()
     storage_ok, outcome = _storage_access(root_url, node_id, driver_object)
     return NodeReport(
         host=socket.gethostname(),
         versions=imported_versions(),
-        prefect_ml_from=str(Path(prefect_ml.__file__).parent),
+        prefect_ml_from=str(PACKAGE_FOLDER),
         devices=_devices.describe(runtime),
         device_warnings=list(runtime.warnings),
         storage_ok=storage_ok,

@@ -14,6 +14,7 @@ from prefect_ml.integrations import services
 from prefect_ml.integrations.compute import _code_shipping, _node_probe
 from prefect_ml.integrations.compute._worker_setup import setup_hook
 from prefect_ml.integrations.errors import ConfigurationError, EnvironmentCheckError
+from prefect_ml.integrations.libraries import installed_version
 from prefect_ml.integrations.services import run_logger
 from prefect_ml.integrations.settings import PrefectMLSettings, worker_environment
 
@@ -135,9 +136,7 @@ def ships_project() -> bool | None:
 
 
 def _driver_version() -> str:
-    import prefect_ml
-
-    return str(prefect_ml.__version__)
+    return installed_version()
 
 
 def _use_cluster_token() -> None:
