@@ -35,8 +35,8 @@ _EXPORTS = {
     "train_model": "prefect_ml.flows.train",
     "hpo_campaign": "prefect_ml.flows.sweep",
     "serve_model": "prefect_ml.flows.serve",
-    "TrainingModule": "prefect_ml.integrations.training",
-    "SearchSpace": "prefect_ml.integrations.campaign",
+    "TrainingModule": "prefect_ml.integrations.contracts",
+    "SearchSpace": "prefect_ml.integrations.contracts",
     "PrefectMLSettings": "prefect_ml.integrations.settings",
     "get_settings": "prefect_ml.integrations.settings",
     "PrefectMLError": "prefect_ml.integrations.errors",
@@ -52,7 +52,8 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.flows.serve import serve_model as serve_model
     from prefect_ml.flows.sweep import hpo_campaign as hpo_campaign
     from prefect_ml.flows.train import train_model as train_model
-    from prefect_ml.integrations.campaign import SearchSpace as SearchSpace
+    from prefect_ml.integrations.contracts import SearchSpace as SearchSpace
+    from prefect_ml.integrations.contracts import TrainingModule as TrainingModule
     from prefect_ml.integrations.errors import (
         ConfigurationError as ConfigurationError,
     )
@@ -65,7 +66,6 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.integrations.settings import (
         get_settings as get_settings,
     )
-    from prefect_ml.integrations.training import TrainingModule as TrainingModule
     from prefect_ml.tasks.data import PreparedData as PreparedData
     from prefect_ml.tasks.data import preprocess as preprocess
     from prefect_ml.tasks.evaluate import Evaluation as Evaluation

@@ -26,11 +26,12 @@ log = logging.getLogger("mkdocs.hooks.reference")
 
 # The user contracts beside ``prefect_ml.__all__``: the functions and modules users write.
 CONTRACTS = {
-    "prefect_ml.integrations.datasets._catalog": "Dataset loaders and model factories",
-    "prefect_ml.integrations.training._hooks": "Your own training step",
-    "prefect_ml.integrations.training.TrainingModule": "The training step's protocol",
-    "prefect_ml.integrations.training.ModelParallelHooks": "Tensor and pipeline parallel",
-    "prefect_ml.integrations.campaign.SearchSpace": "A campaign's search space",
+    "prefect_ml.integrations.contracts": "What your own code implements",
+    "prefect_ml.integrations.contracts.DatasetLoader": "A dataset loader",
+    "prefect_ml.integrations.contracts.ModelFactory": "A model factory",
+    "prefect_ml.integrations.contracts.TrainingModule": "Your own training step",
+    "prefect_ml.integrations.contracts.ModelParallelHooks": "Tensor and pipeline parallel",
+    "prefect_ml.integrations.contracts.SearchSpace": "A campaign's search space",
 }
 
 DEFAULT_IN_HELP = re.compile(r"\s*\[default: ([^\]]*)\]")

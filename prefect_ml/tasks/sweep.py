@@ -77,7 +77,7 @@ def campaign(
             ``concurrency``, ...) and the fixed values of every trial (model and training
             fields, as for :func:`~prefect_ml.train`). ``search_space`` may be the
             define-by-run function itself (``space(trial) -> dict``, see
-            :class:`~prefect_ml.integrations.campaign.SearchSpace`).
+            :class:`~prefect_ml.integrations.contracts.SearchSpace`).
 
     Returns:
         The campaign's counts, its best trial(s) with their parameters (``best_params``) and

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from prefect_ml.integrations import training
+from prefect_ml.integrations.contracts import TrainingModule
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.integrations.storage import CheckpointStore
@@ -28,7 +29,7 @@ SMOOTHED = "tests.fixtures.user_code:smoothed_model"
 
 
 def test_the_fixture_fits_the_protocol_by_duck_typing() -> None:
-    assert isinstance(StepsModule(4, 3), training.TrainingModule)
+    assert isinstance(StepsModule(4, 3), TrainingModule)
     assert training.is_hooked(StepsModule(4, 3))
     assert not training.is_hooked(torch.nn.Linear(4, 3))
 

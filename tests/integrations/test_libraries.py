@@ -51,9 +51,9 @@ import sys
 from prefect_ml.integrations import training
 WATCHED = ("torch", "ray", "prefect_ml.integrations.training._hooks")
 before = sorted(m for m in WATCHED if m in sys.modules)
-protocol = training.TrainingModule
+check = training.check_contract
 after = sorted(m for m in WATCHED if m in sys.modules)
-assert training.TrainingModule is protocol is vars(training)["TrainingModule"]
+assert training.check_contract is check is vars(training)["check_contract"]
 try:
     training.no_such_name
 except AttributeError as exc:
@@ -62,8 +62,8 @@ except AttributeError as exc:
 
 
 def test_a_package_face_loads_each_name_s_module_on_first_use() -> None:
-    """The training face (``lazy_exports``) loads the user contract's module when it is asked
-    for, and not torch or Ray, which its worker and launcher modules import."""
+    """The training face (``lazy_exports``) loads the contract checks' module when a name of it
+    is asked for, and not torch or Ray, which its worker and launcher modules import."""
     run = subprocess.run(
         [sys.executable, "-c", _FACE_PROBE], cwd=REPO_ROOT, capture_output=True, text=True
     )

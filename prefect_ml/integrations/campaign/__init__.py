@@ -17,7 +17,6 @@ outcomes over Ray actors).
 """
 
 from prefect_ml.integrations.campaign._search_spaces import (
-    SearchSpace,
     first_draw,
     resolve_space,
     tuned_values,
@@ -75,7 +74,6 @@ __all__ = [
     "Epochs",
     "Outcome",
     "RayTrialPool",
-    "SearchSpace",
     "StudyClaim",
     "TrialError",
     "TrialPool",

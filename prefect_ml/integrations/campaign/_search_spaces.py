@@ -2,10 +2,10 @@
 
 Optuna's own idiom is define-by-run: ``trial.suggest_*`` calls inside any ``if`` and ``for``
 (Ray Tune's ``OptunaSearch(space=fn)`` takes the same function). A campaign's space is always
-such a function here: the user's own (:class:`SearchSpace`, named ``package.module:function``
-or by a ``prefect_ml.search_spaces`` plug-in, or passed as the function in Python), or the
-declarative dict of the sweep section turned into one (:class:`DeclaredSpace`, whose
-conditions are its ``if``).
+such a function here: the user's own (:class:`SearchSpace` of :mod:`integrations.contracts`,
+named ``package.module:function`` or by a ``prefect_ml.search_spaces`` plug-in, or passed as the
+function in Python), or the declarative dict of the sweep section turned into one
+(:class:`DeclaredSpace`, whose conditions are its ``if``).
 
 What a space returns names what each trial sets: model and training fields (``lr``,
 ``training.lr``), and the options of the user's own model and dataset loader
@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from prefect_ml.integrations import plugins
 from prefect_ml.integrations.campaign._studies import draw_once
@@ -30,6 +30,7 @@ from prefect_ml.integrations.config.sweep import (
     section_of,
     space_text,
 )
+from prefect_ml.integrations.contracts import SearchSpace
 from prefect_ml.integrations.datasets import import_callable
 from prefect_ml.integrations.errors import ConfigurationError
 
@@ -39,32 +40,6 @@ CONTAINERS = {"model", "training", "data", "model_options", "dataset_options"}
 SECTIONS = ("model", "training", "data")
 # The section that holds each kind of the user's own options.
 OPTION_SECTIONS = {"model_options": "model", "dataset_options": "data"}
-
-
-class SearchSpace(Protocol):
-    """A define-by-run search space: called once per trial, on the campaign's coordinator.
-
-    It draws with ``trial`` (an ``optuna.Trial``: ``suggest_float``, ``suggest_int``,
-    ``suggest_categorical``) under any control flow, and returns what the trial sets::
-
-        def space(trial):
-            blocks = trial.suggest_int("blocks", 1, 4)
-            values = {
-                "lr": trial.suggest_float("lr", 1e-4, 1e-1, log=True),
-                "model_options.widths": [
-                    trial.suggest_int(f"width_{i}", 16, 256, log=True) for i in range(blocks)
-                ],
-            }
-            if trial.suggest_categorical("optimizer", ["adam", "sgd"]) == "sgd":
-                values["optimizer"] = "sgd"
-                values["model_options.momentum"] = trial.suggest_float("momentum", 0.5, 0.99)
-            return values
-
-    It must draw the same values again for the same parameters (a retried trial is given its
-    first attempt's), so it draws nothing but through ``trial``.
-    """
-
-    def __call__(self, trial: Any) -> Mapping[str, Any]: ...
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,7 @@
 """Datasets and models by short name or by ``package.module:factory`` import path.
 
-Contracts for user code:
-
-* a dataset loader is ``loader(**options) -> (features, labels)`` returning NumPy arrays:
-  ``features`` shaped ``(n, *sample_shape)``, ``labels`` shaped ``(n,)``: class labels, or
-  numbers for ``--task regression``;
-* a model factory is ``factory(input_shape, num_classes, **options) -> torch.nn.Module``
-  returning ``(batch, num_classes)`` logits; for regression ``num_classes`` is 1 and the output
-  ``(batch, 1)`` is the prediction;
-* gradient checkpointing (``--gradient-checkpointing``) works on any ``nn.Sequential`` model; any
-  other user model opts in by defining ``gradient_checkpointing_enable()`` (the name Hugging Face
-  models use), which must make its forward recompute activations in backward instead of keeping
-  them, for example by wrapping each block in ``torch.utils.checkpoint.checkpoint(...,
-  use_reentrant=False)``.
+What user code implements, a dataset loader and a model factory, is stated in
+:mod:`integrations.contracts` (:class:`DatasetLoader`, :class:`ModelFactory`).
 
 Both are resolved and checked (allowed, importable, callable, right signature) while parameters
 are parsed, before any compute starts. User code is allowed by :mod:`integrations.plugins`: a
@@ -30,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from prefect_ml.integrations import plugins, storage
+from prefect_ml.integrations.contracts import DatasetLoader, ModelFactory
 from prefect_ml.integrations.datasets import _tabular_files
 from prefect_ml.integrations.errors import ConfigurationError
 
@@ -213,7 +203,7 @@ def _check_no_other_required(
         )
 
 
-def resolve_dataset(name: str, options: dict[str, Any] | None = None) -> Callable[..., Any]:
+def resolve_dataset(name: str, options: dict[str, Any] | None = None) -> DatasetLoader:
     """The dataset loader for a built-in name, a plug-in or an allowed import path, checked
     against ``options``."""
     options = options or {}
@@ -232,7 +222,7 @@ def resolve_dataset(name: str, options: dict[str, Any] | None = None) -> Callabl
     return loader
 
 
-def resolve_model(name: str, user_options: Sequence[str] = ()) -> Callable[..., Any]:
+def resolve_model(name: str, user_options: Sequence[str] = ()) -> ModelFactory:
     """The model factory for a built-in name, a plug-in or an allowed import path, with its
     signature checked.
 

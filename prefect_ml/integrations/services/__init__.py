@@ -12,7 +12,6 @@ prefect.yaml), ``_alerts`` (the automations and the promotion event), ``_serve_i
 with it; orphans ended later) and ``_timeline`` (named moments of a flow run).
 """
 
-
 from prefect_ml.integrations.services._alerts import (
     CHAMPION_AUTOMATION,
     FAILED_RUN_AUTOMATION,

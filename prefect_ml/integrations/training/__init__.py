@@ -3,9 +3,9 @@ workers, campaign trials in one warm process and the GPU check run, the launch o
 group on Ray Train, and what the driver reads back from its checkpoints.
 
 A model trains through the built-in loss and metrics of its task, or through its own steps
-(:class:`TrainingModule`: ``training_step``, ``validation_step``, ``configure_optimizers``,
-Lightning's ``self.log``), checked on the driver before any worker starts. Tensor and pipeline
-parallel models describe their split with :class:`ModelParallelHooks`.
+(``TrainingModule`` of :mod:`integrations.contracts`: ``training_step``, ``validation_step``,
+``configure_optimizers``, Lightning's ``self.log``), checked on the driver before any worker
+starts. Tensor and pipeline parallel models describe their split with ``ModelParallelHooks``.
 
 The loop owns checkpointing through :class:`~integrations.storage.CheckpointStore`
 (atomic, verified) instead of Ray Train's checkpoints, so that a restarted worker group, a
@@ -25,8 +25,8 @@ ever holds the whole model. Loading goes through DCP into the current layout, so
 written by 2 FSDP workers restores into 3 DDP workers, into one campaign trial, or into a
 plain model for evaluation.
 
-Behind this face: the user's side, ``_hooks`` (the :class:`TrainingModule` contract and its
-checks), ``_optimization`` (``configure_optimizers`` and its schedulers), ``_step_log``
+Behind this face: the user's side, ``_hooks`` (the checks and calls of the ``TrainingModule``
+contract), ``_optimization`` (``configure_optimizers`` and its schedulers), ``_step_log``
 (Lightning's ``self.log``) and ``_model_parallel`` (TP and PP plans, the pipeline's stages);
 the worker's, ``_step`` (one optimiser step: precision, the loss or the model's
 ``training_step``, the scaler), ``_strategy`` (DDP, FSDP2, TP, PP wrapping), ``_collectives``
@@ -54,7 +54,6 @@ from prefect_ml.integrations.libraries import lazy_exports
 # Public name -> the private module that defines it.
 _EXPORTS = {
     "Probe": "_hooks",
-    "TrainingModule": "_hooks",
     "check_contract": "_hooks",
     "check_loss": "_hooks",
     "checked_metrics": "_hooks",
@@ -71,7 +70,6 @@ _EXPORTS = {
     "metric_name": "_step_log",
     "SIZE_FIELDS": "_model_parallel",
     "MeshLayout": "_model_parallel",
-    "ModelParallelHooks": "_model_parallel",
     "balanced_stages": "_model_parallel",
     "check_precision": "_model_parallel",
     "check_split": "_model_parallel",
@@ -154,7 +152,6 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.integrations.training._distributed_checkpoint import shard_files as shard_files
     from prefect_ml.integrations.training._distributed_checkpoint import to_files as to_files
     from prefect_ml.integrations.training._hooks import Probe as Probe
-    from prefect_ml.integrations.training._hooks import TrainingModule as TrainingModule
     from prefect_ml.integrations.training._hooks import check_contract as check_contract
     from prefect_ml.integrations.training._hooks import check_loss as check_loss
     from prefect_ml.integrations.training._hooks import checked_metrics as checked_metrics
@@ -168,9 +165,6 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.integrations.training._loop import train_epochs as train_epochs
     from prefect_ml.integrations.training._model_parallel import SIZE_FIELDS as SIZE_FIELDS
     from prefect_ml.integrations.training._model_parallel import MeshLayout as MeshLayout
-    from prefect_ml.integrations.training._model_parallel import (
-        ModelParallelHooks as ModelParallelHooks,
-    )
     from prefect_ml.integrations.training._model_parallel import balanced_stages as balanced_stages
     from prefect_ml.integrations.training._model_parallel import check_precision as check_precision
     from prefect_ml.integrations.training._model_parallel import check_split as check_split

@@ -1,66 +1,14 @@
-"""The training contract for user code: a model that brings its own training and validation
-steps, shaped like a Lightning ``LightningModule`` and accepted by duck typing.
-
-A model factory (``--model my_pkg.models:build``) may return a plain ``nn.Module``: the task
-type then supplies the loss and the metrics (see :mod:`integrations.problems`), which is the
-default implementation of this contract. Or it returns a module that also defines the hooks
-below, and prefect-ml calls them instead, under the same data-parallel strategy, precision,
-checkpointing, resume and retention::
-
-    import torch
-    from torch import nn
-
-
-    class Regressor(nn.Module):  # or lightning.LightningModule: it fits the same contract
-        def __init__(self, input_shape, num_classes):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(input_shape[0], 32), nn.ReLU(), nn.Linear(32, 1))
-
-        def forward(self, x):  # what evaluation and serving call: raw features in
-            return self.net(x)
-
-        def training_step(self, batch, batch_idx):
-            features, targets = batch
-            return nn.functional.huber_loss(self(features).squeeze(1), targets)
-
-        def validation_step(self, batch, batch_idx):
-            features, targets = batch
-            error = self(features).squeeze(1) - targets
-            return {"loss": error.pow(2).mean(), "mae": error.abs().mean()}
-
-        def configure_optimizers(self):  # optional: else --optimizer/--lr/--weight-decay
-            return torch.optim.AdamW(self.parameters(), lr=3e-3)
-
-
-    def build(input_shape, num_classes):
-        return Regressor(input_shape, num_classes)
-
-A batch is ``(features, targets)``: a float32 tensor of ``(batch, *sample_shape)`` and the
-task's targets (class ids, or regression targets standardised as the data was prepared); a
-model with ``batch_format = "dict"`` gets ``{"features": ..., "targets": ...}`` instead.
-The steps log as a ``LightningModule`` does, with ``self.log``/``self.log_dict`` (see
-:mod:`integrations.training`); metrics ``validation_step`` returns, if it returns any, are
-logged as ``val_<name>`` (batch-size-weighted means over every worker's validation rows). Both
-come next to the task's own, which ``forward`` still provides: evaluation, registration and
-serving call ``forward`` (``test_step`` and ``predict_step``, when the model defines them, add
-test metrics and shape what serving returns). ``configure_optimizers`` may return any form
-Lightning accepts (:mod:`integrations.training`). The loop calls ``on_train_epoch_start``,
-``on_train_epoch_end``, ``on_validation_epoch_start`` and ``on_validation_epoch_end`` where
-Lightning does; a ``LightningModule`` reads ``self.current_epoch``, ``self.global_step`` and
-``self.trainer`` (a :class:`LoopState`) as under Lightning's ``Trainer``. Hooked models train
-with ``--strategy ddp`` (the steps run inside DDP's forward); FSDP is refused for them.
-
-Two simpler hooks keep the task's steps and change one part, on a plain model: a
-``compute_loss(outputs, targets)`` method replaces the task's loss, and a
-``compute_metrics(outputs, targets)`` method returning a dict of scalar tensors adds
-validation metrics.
+"""The checks and calls of the training contract for user code
+(:class:`~prefect_ml.integrations.contracts.TrainingModule`): whether a model brings its own
+steps, the loss and metrics functions the loop calls, the batch it is given, the Lightning
+hooks and ``self.trainer`` state, and the probe the driver runs before any worker starts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from prefect_ml.integrations.errors import ConfigurationError
 from prefect_ml.integrations.training import _step_log
@@ -70,21 +18,6 @@ if TYPE_CHECKING:
     import torch
 
     from prefect_ml.integrations.problems import Problem
-
-
-@runtime_checkable
-class TrainingModule(Protocol):
-    """A model that brings its own steps; ``validation_step`` and ``configure_optimizers()``
-    are optional, as in Lightning."""
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """The loss of one batch: a scalar tensor that backpropagates to the parameters."""
-        ...
-
-    def validation_step(self, batch: Any, batch_idx: int) -> Mapping[str, torch.Tensor] | None:
-        """Metrics of one batch, each a scalar tensor (a mean over the batch), or None (the
-        step logs with ``self.log``)."""
-        ...
 
 
 def loss_function(model: Any, problem: Problem) -> Callable[[Any, Any], torch.Tensor]:

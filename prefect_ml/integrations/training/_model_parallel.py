@@ -13,7 +13,7 @@ left unpaired (anything not elementwise follows it, or it is the last) splits it
 gathers them (``ColwiseParallel(output_layouts=Replicate())``). Other layers (the CNN's
 convolutions) stay replicated: their gradients agree on every rank because their inputs and
 the gathered outputs do. A model defines :meth:`ModelParallelHooks.tensor_parallel_plan` to
-use its own plan instead.
+use its own plan instead (the contract: :mod:`integrations.contracts`).
 
 Pipeline parallelism is ``torch.distributed.pipelining``: each rank keeps the whole
 ``nn.Sequential`` with the layers of the other stages replaced by ``nn.Identity`` (so its state
@@ -35,7 +35,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from prefect_ml.integrations.errors import ConfigurationError
 
@@ -49,36 +49,6 @@ if TYPE_CHECKING:
 
 SIZE_FIELDS = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
 SCHEDULES = ("1f1b", "gpipe")
-
-
-class ModelParallelHooks(Protocol):
-    """Optional methods of a user model that tp or pp call instead of the built-in splits.
-
-    Example, a model with two blocks::
-
-        class Net(nn.Module):
-            def tensor_parallel_plan(self, tp_mesh):
-                return {"up": ColwiseParallel(), "down": RowwiseParallel()}
-
-            def pipeline_stage(self, stage, stages):
-                # this model with the other stage's block removed: names stay the full model's
-                if stage == 0:
-                    self.down = nn.Identity()
-                else:
-                    self.up = nn.Identity()
-                return self
-    """
-
-    def tensor_parallel_plan(self, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
-        """``parallelize_module``'s plan for this model over the ``tp_mesh`` (1-D) group; the
-        model's output must come back replicated (a plain tensor of the full logits)."""
-        ...
-
-    def pipeline_stage(self, stage: int, stages: int) -> nn.Module:
-        """The module that runs stage ``stage`` of ``stages``: it takes the previous stage's
-        output (stage 0: the features) as one tensor and returns one tensor (the last: the
-        logits). Its state-dict names must be the full model's (a subset of them)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -223,7 +193,7 @@ def sequential_plan(model: nn.Sequential, size: int) -> dict[str, ParallelStyle]
             "training.strategy",
             f"{type(model).__name__} has no nn.Linear layer for the built-in tensor-parallel "
             "plan to split; define tensor_parallel_plan(self, tp_mesh) on the model (see "
-            "prefect_ml.integrations.training.ModelParallelHooks) or use --strategy fsdp",
+            "prefect_ml.integrations.contracts.ModelParallelHooks) or use --strategy fsdp",
         )
     return plan
 
@@ -321,7 +291,7 @@ def _not_sequential(model: nn.Module, hook: str) -> ConfigurationError:
         "training.strategy",
         f"{type(model).__name__} is not an nn.Sequential, which the built-in {what} needs; "
         f"define {hook}(self, {signature}) on the model (see "
-        "prefect_ml.integrations.training.ModelParallelHooks) or use --strategy fsdp",
+        "prefect_ml.integrations.contracts.ModelParallelHooks) or use --strategy fsdp",
     )
 
 

@@ -25,7 +25,6 @@ from prefect_ml.integrations.campaign import (
     PARENT_RUN_ATTR,
     TUNED_ATTR,
     RayTrialPool,
-    SearchSpace,
     StudyClaim,
     TrialSpec,
     best_trials,
@@ -45,6 +44,7 @@ from prefect_ml.integrations.campaign import (
 from prefect_ml.integrations.compute import cluster_nodes, ray_session
 from prefect_ml.integrations.config.loop import TrainLoop
 from prefect_ml.integrations.config.sweep import space_text
+from prefect_ml.integrations.contracts import SearchSpace
 from prefect_ml.integrations.errors import CampaignFailedError, PrefectMLError
 from prefect_ml.integrations.settings import PrefectMLSettings, get_settings
 from prefect_ml.integrations.storage import Lease
