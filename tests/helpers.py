@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -12,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -345,3 +347,13 @@ def in_gloo_group(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def docs_hook(name: str) -> ModuleType:
+    """A docs hook module (docs/hooks/<name>.py), loaded by path as mkdocs loads it."""
+    path = REPO_ROOT / "docs" / "hooks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"docs_hook_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,31 +3,20 @@ the generated reference lists, and the hooks that keep one copy of every text (d
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import subprocess
 import sys
 import typing
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from prefect_ml.flows.cli import app
 from prefect_ml.integrations.settings import PrefectMLSettings
+from tests.helpers import docs_hook
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-HOOKS = REPO_ROOT / "docs" / "hooks"
-
-
-def hook(name: str) -> ModuleType:
-    """A docs hook module, loaded by path as mkdocs loads it."""
-    spec = importlib.util.spec_from_file_location(f"docs_hook_{name}", HOOKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -113,14 +102,14 @@ def test_a_public_symbol_without_a_docstring_is_found(tmp_path: Path) -> None:
     )
     loaded = griffe.load("pkg", search_paths=[str(tmp_path)])
     paths = ["pkg.mod.documented", "pkg.mod.bare", "pkg.mod.Thing"]
-    assert hook("reference").missing_docstrings(loaded, paths) == [
+    assert docs_hook("reference").missing_docstrings(loaded, paths) == [
         "pkg.mod.bare",
         "pkg.mod.Thing.method",
     ]
 
 
 def test_links_are_made_to_work_on_the_site(caplog: pytest.LogCaptureFixture) -> None:
-    pages = hook("repo_pages")
+    pages = docs_hook("repo_pages")
     included_by = {"BENCHMARKS.md": "docs/explanation/benchmarks.md"}
     text = (
         "[S3](docs/how-to/s3.md#credentials) [numbers](BENCHMARKS.md#serving) "

@@ -11,8 +11,7 @@ from typing import Protocol
 
 import prefect_ml
 from prefect_ml.integrations import contracts
-from tests.docs.test_site import hook
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, docs_hook
 
 _IMPORT_PROBE = """
 import sys
@@ -56,6 +55,6 @@ def test_the_public_contracts_are_the_ones_defined_there() -> None:
 
 def test_the_api_page_lists_every_contract() -> None:
     """A contract added to the module and not to the docs' list fails here."""
-    listed = set(hook("reference").CONTRACTS)
+    listed = set(docs_hook("reference").CONTRACTS)
     assert contracts.__name__ in listed
     assert {f"{contracts.__name__}.{name}" for name in _protocols()} <= listed
