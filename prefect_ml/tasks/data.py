@@ -132,7 +132,7 @@ def choose_layout(data: DataParams) -> tuple[Layout, datasets.TabularSource | No
             )
         return "arrays", None
     assert data.url is not None and data.label_column is not None  # DataParams checks both
-    source = datasets.describe(data.url, data.label_column, data.task)
+    source = datasets.describe_source(data.url, data.label_column, data.task)
     big = source.total_bytes >= settings.stream_min_mb * 2**20
     if settings.data_layout == "parquet" or (settings.data_layout == "auto" and big):
         return "parquet", source

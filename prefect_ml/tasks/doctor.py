@@ -54,7 +54,7 @@ def _devices() -> list[Check]:
     except Exception as exc:  # same isolation as _guarded: the other checks still run
         return [Check("devices", False, f"{type(exc).__name__}: {exc}")]
     return [
-        Check("devices", True, compute.describe(runtime)),
+        Check("devices", True, compute.describe_devices(runtime)),
         *(_warning("devices", warning) for warning in runtime.warnings),
     ]
 

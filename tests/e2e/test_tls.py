@@ -64,7 +64,7 @@ def tls_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSCluster
     """``ray start --head`` with Ray's TLS and token auth on loopback ports, in its own
     process group, stopped by its process id; without Serve's HAProxy (plain HTTP only)."""
     base = tmp_path_factory.mktemp("tls-cluster")
-    certificates = services.generate(base / "certs")
+    certificates = services.generate_tls_files(base / "certs")
     cluster = TLSCluster("", certificates, secrets.token_hex(32), base / "home")
     port = free_port()
     cluster.address = f"127.0.0.1:{port}"
@@ -247,7 +247,8 @@ def test_prefect_ml_trains_on_a_tls_cluster_and_serves_over_https(
 def test_a_driver_without_the_cluster_certificates_cannot_connect(
     tls_cluster: TLSCluster, tmp_path: Path
 ) -> None:
-    stranger = services.generate(tmp_path / "other-ca")  # TLS, but a certificate of another CA
+    # TLS, but a certificate of another CA
+    stranger = services.generate_tls_files(tmp_path / "other-ca")
     assert not _gcs_answers(tls_cluster, stranger), "a client certificate of another CA"
     assert _gcs_answers(tls_cluster, tls_cluster.certificates), "the probe reaches a member"
     assert not _plaintext_driver_connected(tls_cluster), "a driver without TLS"

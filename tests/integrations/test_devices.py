@@ -29,7 +29,7 @@ def test_cpu_machine_detects_cpu_and_gloo() -> None:
     assert runtime.torch_version == torch.__version__
     assert runtime.runtime_version == (torch.version.cuda or torch.version.hip or "")
     assert runtime.devices and "CPU" in runtime.devices[0]
-    text = compute.describe(runtime)
+    text = compute.describe_devices(runtime)
     assert text.startswith("cpu: ") and f"torch {torch.__version__}" in text and "gloo" in text
 
 
@@ -161,7 +161,7 @@ def test_gpu_machine_detects_cuda_and_nccl() -> None:
     assert compute.collective_backend(True) == "nccl"
     assert compute.collective_backend(False) == "gloo"
     assert compute.training_device(True) == torch.device("cuda", 0)
-    assert compute.describe(runtime).startswith(f"{expected_kind}: ")
+    assert compute.describe_devices(runtime).startswith(f"{expected_kind}: ")
 
 
 @pytest.mark.gpu

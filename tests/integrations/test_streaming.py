@@ -65,7 +65,7 @@ def data_params(url: str) -> DataParams:
 
 def prepare(source_url: str, storage_url: str) -> PreparedData:
     data = data_params(source_url)
-    source = datasets.describe(source_url, "kind")
+    source = datasets.describe_source(source_url, "kind")
     return preprocess_streamed(data, source, fingerprint_source(source, data), storage_url)
 
 
@@ -105,15 +105,15 @@ def test_files_are_described_from_footers_and_their_identity_follows_each_file(
     tmp_path: Path,
 ) -> None:
     write_parquet_files(tmp_path / "data")
-    source = datasets.describe(str(tmp_path / "data"), "kind")
+    source = datasets.describe_source(str(tmp_path / "data"), "kind")
     assert [Path(f.url).name for f in source.files] == [f"part-{i}.parquet" for i in range(3)]
     assert source.rows == 3 * ROWS_PER_FILE
     assert source.feature_columns == [f"f{j}" for j in range(FEATURES)]
-    glob = datasets.describe(str(tmp_path / "data" / "part-[01].parquet"), "kind")
+    glob = datasets.describe_source(str(tmp_path / "data" / "part-[01].parquet"), "kind")
     assert glob.rows == 2 * ROWS_PER_FILE
     before = source.identity()
     write_parquet_files(tmp_path / "data", files=1, seed=1)  # part-0 rewritten: other bytes
-    assert datasets.describe(str(tmp_path / "data"), "kind").identity() != before
+    assert datasets.describe_source(str(tmp_path / "data"), "kind").identity() != before
 
 
 def test_csv_files_are_counted_without_loading_them(tmp_path: Path) -> None:
@@ -122,7 +122,7 @@ def test_csv_files_are_counted_without_loading_them(tmp_path: Path) -> None:
         frame = pd.DataFrame({"a": [1.0, 2.0, 3.0], "kind": ["x", "y", "x"]})
         text = frame.to_csv(index=False)
         (tmp_path / "csv" / f"{index}.csv").write_text(text if index else text.rstrip("\n"))
-    source = datasets.describe(str(tmp_path / "csv"), "kind")
+    source = datasets.describe_source(str(tmp_path / "csv"), "kind")
     assert source.format == "csv" and source.rows == 6 and source.feature_columns == ["a"]
 
 
@@ -131,7 +131,7 @@ def test_a_url_matching_no_file_is_refused_naming_it(tmp_path: Path) -> None:
     (tmp_path / "empty" / "notes.txt").write_text("not data")
     for url in (str(tmp_path / "empty"), str(tmp_path / "missing" / "*.parquet")):
         with pytest.raises(ConfigurationError, match="matches no CSV or Parquet file") as refused:
-            datasets.describe(url, "kind")
+            datasets.describe_source(url, "kind")
         assert refused.value.field == "data.url" and url in str(refused.value)
 
 
@@ -221,7 +221,7 @@ def test_a_streamed_regression_target_is_standardised_by_its_training_rows(
     data = DataParams(
         dataset="tabular", url=str(tmp_path / "source"), label_column="price", task="regression"
     )
-    source = datasets.describe(data.url or "", "price", "regression")
+    source = datasets.describe_source(data.url or "", "price", "regression")
     prepared = preprocess_streamed(
         data, source, fingerprint_source(source, data), (tmp_path / "storage").as_uri()
     )
@@ -336,7 +336,7 @@ def test_a_label_column_of_objects_is_refused(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     pq.write_table(table, tmp_path / "data" / "part-0.parquet")
     with pytest.raises(ConfigurationError, match="a label must be a number") as refused:
-        datasets.describe(str(tmp_path / "data"), "kind")
+        datasets.describe_source(str(tmp_path / "data"), "kind")
     assert refused.value.field == "data.label_column" and "part-0.parquet" in str(refused.value)
 
 

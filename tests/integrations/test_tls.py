@@ -54,7 +54,7 @@ def test_tls_command_writes_a_ca_and_certificates_with_private_keys(tmp_path: Pa
 def test_missing_certificates_are_named_with_the_command_that_makes_them(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="prefect-ml tls --dir"):
         services.ray_environment(tmp_path / "nowhere")
-    files = services.generate(tmp_path / "tls")
+    files = services.generate_tls_files(tmp_path / "tls")
     environment = services.ray_environment(files.folder)
     assert environment["RAY_USE_TLS"] == "1"
     assert environment["RAY_TLS_CA_CERT"] == str(files.ca_cert)
@@ -63,7 +63,7 @@ def test_missing_certificates_are_named_with_the_command_that_makes_them(tmp_pat
 def test_https_serving_needs_both_files_and_leaves_haproxy_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    files = services.generate(tmp_path / "tls")
+    files = services.generate_tls_files(tmp_path / "tls")
     monkeypatch.setenv("PREFECT_ML_SERVE_TLS_CERT", str(files.serve_cert))
     with pytest.raises(ConfigurationError, match="set both"):
         _ = PrefectMLSettings().serve_tls

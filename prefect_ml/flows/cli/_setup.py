@@ -205,7 +205,7 @@ def tls(folder: Path | None, hosts: tuple[str, ...], days: int) -> None:
 
     settings = get_settings()
     with clear_errors():
-        files = services.generate(
+        files = services.generate_tls_files(
             folder or settings.default_tls_dir,
             tuple(dict.fromkeys((*services.local_hosts(), *hosts))),
             days=days,

@@ -31,7 +31,7 @@ _EXPORTS = {
     "needs_probe": "_code_shipping",
     "plan_code": "_code_shipping",
     "collective_backend": "_devices",
-    "describe": "_devices",
+    "describe_devices": "_devices",
     "detect_runtime": "_devices",
     "mismatch_warnings": "_devices",
     "peak_memory_bytes": "_devices",
@@ -72,7 +72,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.integrations.compute._code_shipping import needs_probe as needs_probe
     from prefect_ml.integrations.compute._code_shipping import plan_code as plan_code
     from prefect_ml.integrations.compute._devices import collective_backend as collective_backend
-    from prefect_ml.integrations.compute._devices import describe as describe
+    from prefect_ml.integrations.compute._devices import describe_devices as describe_devices
     from prefect_ml.integrations.compute._devices import detect_runtime as detect_runtime
     from prefect_ml.integrations.compute._devices import mismatch_warnings as mismatch_warnings
     from prefect_ml.integrations.compute._devices import peak_memory_bytes as peak_memory_bytes

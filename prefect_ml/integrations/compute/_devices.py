@@ -268,7 +268,7 @@ def peak_memory_kind(device: torch.device) -> str:
     return "peak process RSS" if _can_reset_rss() else "peak process RSS since process start"
 
 
-def describe(runtime: DeviceRuntime) -> str:
+def describe_devices(runtime: DeviceRuntime) -> str:
     """Two lines for humans: the devices, then every layer's version and the backend."""
     versions = [f"torch {runtime.torch_version}"]
     if runtime.runtime_version:

@@ -72,7 +72,7 @@ def probe_node(root_url: str, driver_object: tuple[str, bytes] | None) -> NodeRe
         host=socket.gethostname(),
         versions=imported_versions(),
         prefect_ml_from=str(PACKAGE_FOLDER),
-        devices=_devices.describe(runtime),
+        devices=_devices.describe_devices(runtime),
         device_warnings=list(runtime.warnings),
         storage_ok=storage_ok,
         storage=outcome,

@@ -63,7 +63,7 @@ def load_tabular_dataset(url: str, label_column: str) -> DatasetArrays:
     ``tasks.data``)."""
     import pandas as pd
 
-    source = _tabular_files.describe(url, label_column)
+    source = _tabular_files.describe_source(url, label_column)
     frames = []
     for file in source.files:
         with storage.open_file(file.url) as handle:

@@ -213,7 +213,7 @@ def _columns_hint(columns: list[str], wanted: str) -> str:
     return f"which has {len(columns)} column{'s' if len(columns) != 1 else ''}{shown}"
 
 
-def describe(url: str, label_column: str, task: str = "classification") -> TabularSource:
+def describe_source(url: str, label_column: str, task: str = "classification") -> TabularSource:
     """The files at ``url`` and their shared schema, from metadata only.
 
     Raises:

@@ -63,7 +63,7 @@ from prefect_ml.integrations.services._timeline import Moment, Timeline, mark, r
 from prefect_ml.integrations.services._tls import (
     TLSFiles,
     certificate_hosts,
-    generate,
+    generate_tls_files,
     local_hosts,
     ray_environment,
     trusting,
@@ -90,7 +90,7 @@ __all__ = [
     "ensure_automations",
     "ephemeral_api_pid",
     "find_notification_block",
-    "generate",
+    "generate_tls_files",
     "haproxy_on_loopback",
     "haproxy_private_paths",
     "local_hosts",

@@ -76,7 +76,9 @@ def local_hosts() -> tuple[str, ...]:
     return tuple(dict.fromkeys(hosts))
 
 
-def generate(folder: Path, hosts: tuple[str, ...] | None = None, *, days: int = 365) -> TLSFiles:
+def generate_tls_files(
+    folder: Path, hosts: tuple[str, ...] | None = None, *, days: int = 365
+) -> TLSFiles:
     """Write (or reuse) the CA, then issue node and serving certificates valid for ``hosts``.
 
     Args:
