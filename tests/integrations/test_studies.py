@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from pathlib import Path
 
 import optuna
@@ -49,6 +51,18 @@ def test_a_study_persists_in_sqlite_or_a_journal_file(tmp_path: Path, kind: str)
     study.tell(trial, 0.5)
     again = _open(url)
     assert [t.value for t in again.trials] == [0.5]
+
+
+def test_a_sqlite_study_writes_ahead_and_optuna_reads_it(tmp_path: Path) -> None:
+    """Its file is in write-ahead-log mode (one fsync per commit, readers never block the
+    campaign), which any SQLite client and ``optuna.load_study`` read."""
+    url = f"sqlite:///{tmp_path}/studies/o.db"
+    study = _open(url)
+    trial = study.ask(distributions(SPACE))
+    study.tell(trial, 0.5)
+    with contextlib.closing(sqlite3.connect(tmp_path / "studies" / "o.db")) as connection:
+        assert connection.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert [t.value for t in optuna.load_study(study_name="c", storage=url).trials] == [0.5]
 
 
 def test_changed_objectives_are_refused_naming_the_field(tmp_path: Path) -> None:

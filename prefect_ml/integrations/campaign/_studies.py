@@ -9,8 +9,10 @@ study.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sqlite3
 import time
 import warnings
 from collections.abc import Callable
@@ -52,13 +54,27 @@ def is_database(url: str) -> bool:
 
 def engine_options(url: str) -> dict[str, Any]:
     """SQLAlchemy ``create_engine`` options for the study database ``url`` (created if it is a
-    new SQLite file), shared by Optuna's storage and the study claims (``_study_claims``)."""
+    new SQLite file, in write-ahead-log mode), shared by Optuna's storage and the study claims
+    (``_study_claims``)."""
     if not url.startswith("sqlite:///"):
         return {}
-    Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    path = url.removeprefix("sqlite:///").partition("?")[0]
+    if path and path != ":memory:":
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_ahead_log(path)
     # SQLite serialises writers; waiting for the lock beats failing with "database is locked"
     # when two campaigns share one file.
     return {"connect_args": {"timeout": 60}}
+
+
+def write_ahead_log(path: str) -> None:
+    """Put the SQLite file ``path`` in write-ahead-log mode (kept in the file, for every later
+    connection): a commit is one append and one fsync instead of a rollback journal created,
+    synced and deleted, and readers (the dashboard, ``optuna.load_study``) no longer block the
+    campaign's writes. Commits stay as durable (SQLite's default ``synchronous=FULL``). A
+    campaign commits a dozen times per trial, and every parameter a trial draws is one."""
+    with contextlib.closing(sqlite3.connect(path, timeout=60)) as connection:
+        connection.execute("PRAGMA journal_mode=WAL")
 
 
 def storage_for(url: str) -> optuna.storages.BaseStorage:
