@@ -68,7 +68,7 @@ import pytest  # noqa: E402
 from hypothesis import settings as hypothesis_settings  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
-from tests import durations, tiers  # noqa: E402
+from tests import durations, tiers, worker_groups  # noqa: E402
 from tests.postgres import PostgresServer  # noqa: E402
 from tests.s3 import TEST_BUCKET, MlflowServer, MotoS3  # noqa: E402
 
@@ -167,19 +167,19 @@ _early_mlflow: list[MlflowServer] = []
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tiers (tests/tiers.py), marked before ``-m`` selects; the groups workers take."""
+    """The tiers (tests/tiers.py), marked before ``-m`` selects; the cluster's tests in its
+    files (tests/worker_groups.py)."""
     tiers.apply(items)
-    _worker_groups(items)
+    worker_groups.check_cluster_files(items)
 
 
-def _worker_groups(items: list[pytest.Item]) -> None:
-    """What one worker runs together under ``--dist loadgroup``: a test file (its module
-    fixtures, a served model or a UI, are built once), and every file that uses the session's
-    3-node cluster in one group, so the machine runs one such cluster at a time."""
-    on_cluster = {item.path for item in items if "cluster" in getattr(item, "fixturenames", ())}
-    for item in items:
-        group = "cluster" if item.path in on_cluster else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadgroup``: a worker runs a test file, or all the cluster's files, at a time
+    (tests/worker_groups.py says why xdist's own marks cannot)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    return worker_groups.make_scheduler(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
