@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from prefect_ml.integrations.campaign import RayTrialPool, TrialWorker, _trial_pool
+from prefect_ml.integrations.campaign import RayTrialPool, TrialError, TrialWorker, _trial_pool
 from prefect_ml.integrations.config.resources import Resources
 from prefect_ml.integrations.errors import TrainingCodeError
 from tests.helpers import holding_cpus, wait_for
@@ -140,7 +140,8 @@ def test_a_pool_ray_cannot_place_at_all_ends_at_its_timeout_and_leaves_nothing_p
 def test_the_workers_start_as_the_pool_is_made_and_close_without_being_entered() -> None:
     """The campaign opens its MLflow runs while its workers start: they are ready before anyone
     enters the pool, which then has them at once; a pool the caller never enters (its set-up
-    failed meanwhile) leaves nothing when closed."""
+    failed meanwhile) leaves nothing when closed. One wait hands back every call that has
+    finished (slots whose trials end together), not only the first."""
     import ray
 
     pool = RayTrialPool(2, request=ONE_CPU, driver_only=False, start_timeout_s=120)
@@ -151,7 +152,13 @@ def test_the_workers_start_as_the_pool_is_made_and_close_without_being_entered()
         assert len(ready) == 2, "the workers asked for started before the pool was entered"
         with pool:
             assert pool.size == 2
-            pool.finish()
+            pool.advance(0)  # no trial begun: each call fails at once
+            pool.advance(1)
+            pool.finish()  # a worker runs its calls in order: both advances have returned
+            outcomes = pool.wait(60)
+            assert sorted(slot for slot, _ in outcomes) == [0, 1]
+            assert all(isinstance(outcome, TrialError) for _, outcome in outcomes)
+            assert "no trial started" in outcomes[0][1].error
     finally:
         pool.close()
     unentered = RayTrialPool(2, request=ONE_CPU, driver_only=False, start_timeout_s=120)

@@ -244,7 +244,12 @@ class RayTrialPool:
 
         if not self._pending:
             return []
-        ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=timeout)
+        pending = list(self._pending)
+        ready, _ = ray.wait(pending, num_returns=1, timeout=timeout)
+        if ready and len(pending) > 1:
+            # Every call done by now, not only the first: slots whose trials end together
+            # (trials of one length) each get their next trial before the loop's other work.
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
         return [(self._pending.pop(ref), self._outcome(ref)) for ref in ready]
 
     @staticmethod
