@@ -277,12 +277,31 @@ def test_a_holder_dead_on_this_host_is_taken_over_at_once(database: str, record:
         rival.release()
 
 
+def _hold_heartbeat(claim: StudyClaim) -> threading.Event:
+    """Stop ``claim``'s heartbeat thread inside its next renewal until the event returned is set,
+    so that no renewal lands between a test's ageing of the row and a takeover (on a loaded
+    machine one did: the taker then met a heartbeat 0 s old)."""
+    entered, release = threading.Event(), threading.Event()
+    renew = claim._beats._renew
+
+    def held_renew() -> bool:
+        entered.set()
+        release.wait(60)
+        return renew()
+
+    claim._beats._renew = held_renew
+    wait_for(entered.is_set, 30, "the heartbeat thread to reach its next renewal")
+    return release
+
+
 def test_a_claim_taken_over_is_noticed_and_stops_the_holder(database: str) -> None:
     claim = _claim(database, expiry_s=1.2).acquire()
+    taken = _hold_heartbeat(claim)
     try:
         assert claim.renew()
         _age(database, 10)
         taker = _claim(database, expiry_s=1.2).acquire()  # presumed the first one dead
+        taken.set()  # the holder's next heartbeat finds the claim taken
         wait_for(lambda: claim.lost, 30, "the heartbeat to notice the takeover")
         assert not claim.renew()
         with pytest.raises(LeaseLostError, match=f"its claim on study '{STUDY}'"):
