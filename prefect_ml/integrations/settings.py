@@ -431,9 +431,23 @@ def _comma_list(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
+# The settings last read, and the environment and working directory they were read from.
+_last_read: tuple[tuple[object, ...], PrefectMLSettings] | None = None
+
+
 def get_settings() -> PrefectMLSettings:
-    """Read settings from the environment now (not cached: tests and the CLI change it)."""
-    return PrefectMLSettings()
+    """The settings of the environment as it is now: read again whenever a variable or the
+    working directory (a relative home) changed since the last call, as tests and the CLI
+    change them; otherwise the same object. Reading them costs about 5 ms, and a trial worker
+    asks five times per trial (the allow-list of the model's import path, the checkpoint key)."""
+    global _last_read
+    key = (tuple(sorted(os.environ.items())), os.getcwd())
+    last = _last_read
+    if last is not None and last[0] == key:
+        return last[1]
+    settings = PrefectMLSettings()
+    _last_read = (key, settings)
+    return settings
 
 
 def running_local_server(settings: PrefectMLSettings) -> str | None:

@@ -12,6 +12,7 @@ import pytest
 from prefect_ml.integrations.services import prepare_process_environment
 from prefect_ml.integrations.settings import (
     PrefectMLSettings,
+    get_settings,
     running_local_server,
     worker_environment,
 )
@@ -51,6 +52,22 @@ def test_home_is_relative_to_the_working_directory(
     monkeypatch.delenv("PREFECT_ML_HOME", raising=False)
     monkeypatch.chdir(tmp_path)
     assert PrefectMLSettings().home_dir == tmp_path / ".prefect-ml"
+
+
+def test_settings_are_read_again_once_the_environment_or_directory_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asked again in the same environment, the same settings (a trial worker asks five
+    times per trial); a changed variable or working directory is seen at once."""
+    monkeypatch.delenv("PREFECT_ML_HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    first = get_settings()
+    assert get_settings() is first
+    monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "mine,theirs")
+    assert get_settings().allowed_module_prefixes == ("mine", "theirs")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert get_settings().home_dir == tmp_path / "elsewhere" / ".prefect-ml"
 
 
 def test_commands_find_the_server_that_prefect_ml_ui_runs_for_their_home(
