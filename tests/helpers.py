@@ -357,3 +357,17 @@ def docs_hook(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def serve_shut_down_after() -> Iterator[None]:
+    """Ray Serve is shut down when the block ends, however it ends (its applications deleted,
+    the replicas' CPUs freed for the tests that train). A serve that failed half-way must not
+    leave Serve listening on its port: every later serve in the session, on another port,
+    would be refused ("Ray Serve already listens on ...")."""
+    from ray import serve
+
+    try:
+        yield
+    finally:
+        serve.shutdown()

@@ -180,6 +180,7 @@ def serving_now(
     """
     if not serving.running_replicas(params.app_name):
         return None
+    wait_answering(url, params.deploy_timeout_s, certificate)
     with _endpoint_client(token, certificate) as client:
         response = client.get(f"{url}/metadata")
     if response.status_code in (401, 403):
@@ -235,6 +236,36 @@ def serving_markdown(result: ServingResult) -> str:
 - **Model**: `{result.model_uri}` from MLflow run `{result.run_id}`
 
 {smoke_text}"""
+
+
+def wait_answering(url: str, timeout_s: float, certificate: Path | None) -> None:
+    """Return once ``url``'s /healthz answers 200 through Serve's proxy. The application can be
+    running while the proxy in front of it is not: Serve starts one with the first application,
+    and replaces one it found dead or not ready in time (its readiness check gives a starting
+    HAProxy 5 s; a loaded machine takes longer). Until then the port refuses connections.
+
+    Raises:
+        DeploymentError: no 200 within ``timeout_s`` (serving.deploy_timeout_s); the message
+            holds the last answer or error. The application stays deployed.
+    """
+    deadline = time.monotonic() + timeout_s
+    with _endpoint_client(None, certificate) as client:
+        while True:
+            try:
+                response = client.get(f"{url}/healthz", timeout=5)
+                if response.status_code == 200:
+                    return
+                last = f"HTTP {response.status_code}"
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                raise DeploymentError(
+                    f"{url}/healthz did not answer within {timeout_s:g} s "
+                    f"(serving.deploy_timeout_s): {last}. The application is deployed; Ray "
+                    "Serve's proxy on this port is not serving it (see the Serve controller "
+                    "log under the Ray session's logs/serve)"
+                )
+            time.sleep(0.25)
 
 
 def deploy_or_roll_back(
@@ -294,6 +325,7 @@ def serve_registered_model(
             logger.info("Deploying %s v%s to %s", served.name, served.version, url)
             options = replica_options(params, token)
             deploy_or_roll_back(served, current, options, tls_pair)
+            wait_answering(url, params.deploy_timeout_s, certificate)
             record_served(served, current, params.app_name, url)
         smoke = smoke_request(url, token, certificate) if params.smoke_test else None
     result = ServingResult(

@@ -10,7 +10,6 @@ import sys
 import httpx
 import numpy as np
 import pytest
-from ray import serve
 
 from examples import sequence
 from prefect_ml.flows.serve import serve_model
@@ -18,7 +17,7 @@ from prefect_ml.integrations import tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import ServeModelParams
 from tests.conftest import REPO_ROOT
-from tests.helpers import cli_env, free_port
+from tests.helpers import cli_env, free_port, serve_shut_down_after
 
 pytestmark = pytest.mark.e2e
 
@@ -48,16 +47,14 @@ def test_the_sequence_example_trains_on_two_workers_registers_and_serves(
 
     monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "examples,tests.fixtures")
     port = free_port()
-    served = serve_model(
-        ServeModelParams(model_name="token-marker", serving={"port": port, "replica_cpus": 0.25})
-    )
-    try:
+    with serve_shut_down_after():
+        served = serve_model(
+            ServeModelParams(
+                model_name="token-marker", serving={"port": port, "replica_cpus": 0.25}
+            )
+        )
         tokens, labels = sequence.load(rows=64, seed=99)
         response = httpx.post(f"{served.url}/predict", json={"inputs": tokens.tolist()}, timeout=30)
         assert response.status_code == 200, response.text
         predicted = np.asarray(response.json()["predictions"]).astype(int)
         assert (predicted == labels).mean() > 0.85
-    finally:
-        for app_name in serve.status().applications:
-            serve.delete(app_name)
-        serve.shutdown()

@@ -16,7 +16,6 @@ import httpx
 import numpy as np
 import pytest
 from prefect import flow
-from ray import serve
 
 from prefect_ml import preprocess, train
 from prefect_ml.flows.serve import serve_model
@@ -24,7 +23,7 @@ from prefect_ml.integrations import tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import ServeModelParams
 from tests.conftest import REPO_ROOT
-from tests.helpers import cli_env, free_port
+from tests.helpers import cli_env, free_port, serve_shut_down_after
 
 pytestmark = pytest.mark.e2e
 
@@ -85,10 +84,10 @@ def test_the_lightning_example_trains_on_two_workers_through_the_cli_and_serves(
 
     monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "examples,tests.fixtures")
     port = free_port()
-    served = serve_model(
-        ServeModelParams(model_name="lit-digits", serving={"port": port, "replica_cpus": 0.25})
-    )
-    try:
+    with serve_shut_down_after():
+        served = serve_model(
+            ServeModelParams(model_name="lit-digits", serving={"port": port, "replica_cpus": 0.25})
+        )
         from sklearn.datasets import load_digits
 
         digits = load_digits()
@@ -97,10 +96,6 @@ def test_the_lightning_example_trains_on_two_workers_through_the_cli_and_serves(
         assert response.status_code == 200, response.text
         predicted = np.asarray(response.json()["predictions"]).astype(int)
         assert (predicted == digits.target[:64]).mean() > 0.85
-    finally:
-        for app_name in serve.status().applications:
-            serve.delete(app_name)
-        serve.shutdown()
 
 
 @pytest.mark.usefixtures("ray_cluster")

@@ -19,7 +19,6 @@ import numpy as np
 import pandas as pd
 import pytest
 from mlflow.models import get_model_info
-from ray import serve
 from sklearn.datasets import load_diabetes
 
 from prefect_ml.flows.serve import serve_model
@@ -28,7 +27,7 @@ from prefect_ml.flows.train import TrainingOutcome, train_model
 from prefect_ml.integrations import tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import CampaignParams, ServeModelParams, TrainModelParams
-from tests.helpers import free_port
+from tests.helpers import free_port, serve_shut_down_after
 
 pytestmark = pytest.mark.e2e
 
@@ -105,13 +104,13 @@ def trained(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
         )
         outcome = train_model(params)
         port = free_port()
-        served = serve_model(
-            ServeModelParams(model_name=MODEL_NAME, serving={"port": port, "replica_cpus": 0.25})
-        )
-        yield Trained(PrefectMLSettings(), frame, csv, outcome, served.url)
-        for app_name in serve.status().applications:
-            serve.delete(app_name)  # frees the replica's CPU for the tests that train
-        serve.shutdown()
+        with serve_shut_down_after():
+            served = serve_model(
+                ServeModelParams(
+                    model_name=MODEL_NAME, serving={"port": port, "replica_cpus": 0.25}
+                )
+            )
+            yield Trained(PrefectMLSettings(), frame, csv, outcome, served.url)
 
 
 def test_regression_trains_evaluates_and_registers_with_its_own_metrics(trained: Trained) -> None:

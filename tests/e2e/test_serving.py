@@ -42,6 +42,7 @@ from tests.helpers import (
     free_port,
     holding_cpus,
     register_classifier,
+    serve_shut_down_after,
     wait_for,
 )
 
@@ -85,14 +86,12 @@ def served(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Itera
         )
         port = free_port()
         state = Served(settings, port, f"http://127.0.0.1:{port}")
-        flow_state = serve_model(state.params(), return_state=True)
-        assert flow_state.is_completed(), flow_state.message
-        state.result = flow_state.result()  # type: ignore[attr-defined]
-        state.flow_run_id = str(flow_state.state_details.flow_run_id)  # type: ignore[attr-defined]
-        yield state
-        for app_name in serve.status().applications:
-            serve.delete(app_name)  # frees the replicas' CPUs for the tests that train
-        serve.shutdown()
+        with serve_shut_down_after():
+            flow_state = serve_model(state.params(), return_state=True)
+            assert flow_state.is_completed(), flow_state.message
+            state.result = flow_state.result()  # type: ignore[attr-defined]
+            state.flow_run_id = str(flow_state.state_details.flow_run_id)  # type: ignore[attr-defined]
+            yield state
 
 
 def test_predictions_match_the_registered_model_and_the_run_is_documented(served: Served) -> None:
@@ -769,3 +768,37 @@ def test_a_good_canary_takes_all_requests_and_the_versions_record_where_they_ser
     old_record = tracking.serving_records(client.get_model_version("digits-classifier", stable))
     assert new_record["prefect-ml"]["url"] == served.url and "until" not in new_record["prefect-ml"]
     assert old_record["prefect-ml"]["until"] >= new_record["prefect-ml"]["since"]
+
+
+def test_a_serve_while_serves_proxy_is_replaced_waits_for_it_instead_of_failing(
+    served: Served,
+) -> None:
+    """Serve's controller replaces a proxy it finds dead, or not ready in time (on a loaded
+    machine a starting HAProxy missed Ray's 5 s three times); until the replacement is up the
+    port refuses connections while the application runs. A serve in that window used to fail
+    on the refused connection and leave nothing answering; it now waits for the endpoint,
+    within serving.deploy_timeout_s, and smoke-tests it."""
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE, SERVE_PROXY_NAME
+
+    serving_before = _served_version(served.url)
+    assert serving_before is not None
+    for node_id in serve.status().proxies:
+        ray.kill(ray.get_actor(f"{SERVE_PROXY_NAME}-{node_id}", SERVE_NAMESPACE), no_restart=True)
+
+    def refused() -> bool:
+        try:
+            httpx.get(f"{served.url}/healthz", timeout=2)
+        except httpx.TransportError:
+            return True
+        return False
+
+    wait_for(refused, 15, "the killed proxy's port to refuse connections")
+    assert served.params().serving.deploy_timeout_s >= 60  # the replacement comes in 20-30 s
+
+    state = serve_model(served.params(), return_state=True)
+
+    assert state.is_completed(), state.message
+    smoke = state.result().smoke  # type: ignore[union-attr]
+    assert smoke is not None and smoke.response["model"]["version"] == serving_before
+    assert _served_version(served.url) == serving_before

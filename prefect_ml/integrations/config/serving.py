@@ -137,7 +137,9 @@ class ServingParams(Reserving):
         gt=0,
         title="Deploy timeout (s)",
         description="Every replica must have loaded the model by then, or the deployment fails "
-        "with the replica's error (a new application is removed; a roll keeps the old version).",
+        "with the replica's error (a new application is removed; a roll keeps the old version); "
+        "and the endpoint must answer through Ray Serve's proxy by then (one being started or "
+        "replaced is waited for).",
     )
     replica_cpus: Annotated[float, Reserve.CPUS] = Field(
         1.0, gt=0, title="CPUs per replica", description="CPUs reserved."

@@ -29,6 +29,11 @@ SERVE_INGRESS_ENVIRONMENT = {
     # HAProxy drops a stopping replica within a second of its reload; Ray's default keeps the
     # replica draining 30 s more, which makes every roll and delete take 30 s.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "3",
+    # Serve's controller asks a new proxy whether it is ready with a bound of this many seconds
+    # (times its restarts), and kills and replaces it after three misses. Ray's 5 s counts
+    # HAProxyManager's start of HAProxy too; on a loaded 2-core machine (Ray's workers run at
+    # nice 15) it missed three times and every request was refused until the replacement came up.
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "20",
     # A client silent for a minute loses its connection (Ray's default holds it an hour).
     "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": "60",
     # Ray's HAProxy writes a log line per request that HAProxyManager parses in Python into the
