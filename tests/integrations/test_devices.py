@@ -176,3 +176,22 @@ def test_cuda_peak_memory_tracks_a_1_gib_allocation() -> None:
     compute.reset_peak_memory(cuda)
     assert compute.peak_memory_bytes(cuda) < before + GiB
     assert compute.peak_memory_kind(cuda) == "max CUDA memory allocated"
+
+
+def test_a_cpu_worker_seeded_draws_what_torch_manual_seed_draws_and_queues_no_cuda_seed() -> None:
+    """Every epoch a training worker seeds torch (its dropout masks and data order replay on a
+    resume). On the CPU that is the default generator alone: the same draws as
+    ``torch.manual_seed``, without queueing the lazy CUDA seed whose stack trace it captures
+    on every call (torch.manual_seed replaces the queued one each time)."""
+    torch.manual_seed(1234)
+    expected = (torch.rand(5), torch.randint(0, 10, (5,)), torch.randn(3))
+    torch.manual_seed(0)
+    queued = torch.cuda._lazy_seed_tracker.manual_seed_all_cb
+    assert queued is not None  # what torch.manual_seed queued on this CPU-only process
+
+    compute.seed_rngs(1234, torch.device("cpu"))
+
+    drawn = (torch.rand(5), torch.randint(0, 10, (5,)), torch.randn(3))
+    for ours, theirs in zip(drawn, expected, strict=True):
+        assert torch.equal(ours, theirs)
+    assert torch.cuda._lazy_seed_tracker.manual_seed_all_cb is queued

@@ -37,6 +37,7 @@ _EXPORTS = {
     "peak_memory_bytes": "_devices",
     "peak_memory_kind": "_devices",
     "reset_peak_memory": "_devices",
+    "seed_rngs": "_devices",
     "training_device": "_devices",
     "code_on_node": "_node_probe",
     "NodeReport": "_node_report",
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.integrations.compute._devices import peak_memory_bytes as peak_memory_bytes
     from prefect_ml.integrations.compute._devices import peak_memory_kind as peak_memory_kind
     from prefect_ml.integrations.compute._devices import reset_peak_memory as reset_peak_memory
+    from prefect_ml.integrations.compute._devices import seed_rngs as seed_rngs
     from prefect_ml.integrations.compute._devices import training_device as training_device
     from prefect_ml.integrations.compute._node_probe import code_on_node as code_on_node
     from prefect_ml.integrations.compute._node_report import NodeReport as NodeReport

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from prefect_ml.integrations import compute
 from prefect_ml.integrations.datasets import build_model
 from prefect_ml.integrations.early_stopping import EarlyStopping, StopDecision
 from prefect_ml.integrations.errors import CheckpointError
@@ -127,10 +128,10 @@ def epoch_start(
 
     loss_sum = torch.zeros((), device=device)
     if resume is None or resume.epoch != epoch:
-        torch.manual_seed(worker_seed)
+        compute.seed_rngs(worker_seed, device)
         return 0, loss_sum
     if (resume.world_size, resume.data_world_size) != layout:
-        torch.manual_seed(worker_seed)
+        compute.seed_rngs(worker_seed, device)
         if rank == 0:
             loss_sum += sum(float(part["loss_sum"]) for part in resume.ranks)
         return resume.step * resume.data_world_size // layout[1], loss_sum
