@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,3 +60,26 @@ def save_report(report: dict[str, Any], output: Path, table: str) -> None:
     output.write_text(json.dumps(report, indent=1))
     print(table)
     print(f"\nraw results: {output}")
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_until_idle(
+    busy_below: float = 0.15, window_s: float = 0.5, timeout_s: float = 60.0
+) -> float:
+    """Wait until the machine's CPUs were busy less than ``busy_below`` of a ``window_s`` window
+    (what the previous arm left running: its Ray actors stopping, its flow's API calls), or
+    ``timeout_s``. Returns the last window's busy share, for the report."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy_before, total_before = _cpu_times()
+        time.sleep(window_s)
+        busy_after, total_after = _cpu_times()
+        share = (busy_after - busy_before) / max(total_after - total_before, 1)
+        if share < busy_below or time.monotonic() >= deadline:
+            return share

@@ -38,7 +38,12 @@ import numpy as np
 
 # Run as a script, ``benchmarks/`` is on sys.path but the repository is not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS_DIR, embedded_home, save_report  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    embedded_home,
+    save_report,
+    wait_until_idle,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -360,7 +365,9 @@ def run_ours(params: TrainModelParams, data: PreparedData, mode: str) -> Measure
 
 
 def measure(mode: str, params: TrainModelParams, data: PreparedData, work_dir: Path) -> Measurement:
-    """One mode, noting how busy the machine was right after it (it may be shared)."""
+    """One mode, started once the machine is idle (what the previous mode left running has
+    stopped), noting how busy it was before and right after (it may be shared)."""
+    busy_before = wait_until_idle()
     if mode in PLAIN_MODES:
         measurement = run_plain(params, data, mode, PLAIN_MODES[mode], work_dir)
     else:
@@ -368,6 +375,7 @@ def measure(mode: str, params: TrainModelParams, data: PreparedData, work_dir: P
             params = params.model_copy(deep=True)
             params.model.model = OURS[mode]
         measurement = run_ours(params, data, mode)
+    measurement.extra["busy_share_before"] = busy_before
     measurement.extra["loadavg_1m_after"] = os.getloadavg()[0]
     return measurement
 
@@ -462,7 +470,7 @@ def markdown(measured: dict[str, dict[str, Measurement]]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 epochs, small data")
-    parser.add_argument("--digits-epochs", type=int, help="epochs of the digits MLP [20]")
+    parser.add_argument("--digits-epochs", type=int, help="epochs of the digits MLP [60]")
     parser.add_argument("--synthetic-epochs", type=int, help="epochs of the synthetic MLP [8]")
     parser.add_argument("--synthetic-rows", type=int, help="rows of the synthetic set [20000]")
     parser.add_argument("--output", type=Path, help="JSON results [results/training.json]")
@@ -473,7 +481,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "raw per-epoch data, rewrite them there and print the tables",
     )
     args = parser.parse_args(argv)
-    quick, full = (3, 3, 4_000, "training.quick.json"), (20, 8, 20_000, "training.json")
+    quick, full = (3, 3, 4_000, "training.quick.json"), (60, 8, 20_000, "training.json")
     defaults = quick if args.quick else full
     args.digits_epochs = args.digits_epochs or defaults[0]
     args.synthetic_epochs = args.synthetic_epochs or defaults[1]
@@ -505,11 +513,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             address="local", num_cpus=WORKERS, include_dashboard=True, dashboard_host="127.0.0.1"
         )
         try:
-            # One untimed fit first, so no mode pays the process's first-Ray-Train costs.
+            # One untimed fit of each kind first, so no mode pays the process's first Ray Train
+            # fit, nor (ours) its first Prefect flow run and MLflow experiment.
             first = next(iter(params_by_name))
             warm = params_by_name[first].model_copy(deep=True)
             warm.training.epochs = 2
             run_plain(warm, prepared[first], "warm-up", "final", tmp)
+            run_ours(warm, prepared[first], "warm-up")
             results: dict[str, dict[str, Any]] = {}
             for name, params in params_by_name.items():
                 data = prepared[name]
