@@ -22,6 +22,8 @@ from prefect_ml.integrations.storage import CheckpointStore, MetricsOnlyCheckpoi
 from prefect_ml.integrations.training import (
     METRICS_FILE,
     CheckpointBudget,
+    CommitCost,
+    EpochCommitter,
     EpochTrainer,
     committed_history,
     load_trained_model,
@@ -64,16 +66,50 @@ TRAINED = ("train_loss", "val_loss", "val_accuracy")
 def test_the_budget_commits_weights_while_their_cost_fits_its_share_of_the_time() -> None:
     budget = CheckpointBudget(0.05, started=100.0)
     assert budget.due(100.0), "nothing measured yet: the first epoch commits"
-    budget.spend(0.01, weights=True)
+    budget.spend(CommitCost(0.01), weights=True)
     assert not budget.due(100.1), "0.01 spent + 0.01 more > 5% of 0.1 s"
     assert budget.due(100.4), "0.02 <= 5% of 0.4 s"
-    budget.spend(0.001, weights=False)  # an epoch of metrics only also costs its wait
+    budget.spend(CommitCost(0.001), weights=False)  # an epoch of metrics only costs its wait
     assert not budget.due(100.4)
     assert budget.due(100.42)
-    budget.spend(0.03, weights=True)  # commits got slower: the next one waits longer
+    budget.spend(CommitCost(0.03), weights=True)  # commits got slower: the next one waits longer
     assert not budget.due(100.8) and budget.due(101.42)
     off = CheckpointBudget(0.0, started=0.0, spent=10.0, commit_seconds=10.0)
     assert off.due(0.0), "a budget of 0 commits every epoch"
+
+
+def test_the_committers_cpu_counts_in_the_budget_as_the_loops_blocking_does() -> None:
+    """The committer's thread serialises, hashes and writes beside the steps, on the same cores
+    and interpreter lock: its CPU time counts, and a commit's cost is its blocking plus it."""
+    blocking_only = CheckpointBudget(0.05, started=0.0)
+    with_writer = CheckpointBudget(0.05, started=0.0)
+    for budget, writer_cpu in ((blocking_only, 0.0), (with_writer, 0.02)):
+        budget.spend(CommitCost(0.01), weights=True)
+        # The next epoch (metrics only) waited for that commit, which took this much CPU.
+        budget.spend(CommitCost(0.001, writer_cpu, writer_cpu), weights=False)
+    assert blocking_only.due(0.5), "0.011 + 0.01 <= 5% of 0.5 s"
+    assert not with_writer.due(0.5), "0.031 + 0.03 > 5% of 0.5 s"
+    assert with_writer.due(1.22), "0.031 + 0.03 <= 5% of 1.22 s"
+    assert with_writer.commit_writer_cpu == 0.02
+
+
+def test_a_committed_epoch_reports_what_its_committer_spent(tmp_path: Path) -> None:
+    """Each epoch's metrics carry the committer's CPU on the commits that ended meanwhile, and
+    ``submit`` returns it with the blocking time, for the budget."""
+    store = CheckpointStore(str(tmp_path / "checkpoints"))
+    committer = EpochCommitter(store)
+    weights = {"model.pt": torch.randn(256, 256).numpy().tobytes()}
+    first = committer.submit(1, weights, {"train_loss": 1.0}, epoch_started=0.0, blocked_since=0.0)
+    second = committer.submit(2, None, {"train_loss": 0.5}, epoch_started=0.0, blocked_since=0.0)
+    third = committer.submit(3, None, {"train_loss": 0.4}, epoch_started=0.0, blocked_since=0.0)
+    committer.close()
+
+    assert first.writer_cpu == 0.0 and first.weights_writer_cpu is None, "nothing ended yet"
+    assert second.writer_cpu > 0 and second.weights_writer_cpu == second.writer_cpu
+    assert third.writer_cpu > 0 and third.weights_writer_cpu is None, "epoch 2: metrics only"
+    history = committed_history(store, 3)
+    assert history[2]["checkpoint_writer_cpu_seconds"] == second.writer_cpu
+    assert history[3]["checkpoint_writer_cpu_seconds"] == third.writer_cpu
 
 
 def test_skipped_epochs_commit_their_metrics_and_a_resumed_run_replays_them_exactly(

@@ -153,7 +153,8 @@ class TrainingParams(Reserving):
         le=1,
         allow_inf_nan=False,
         title="Checkpoint budget",
-        description="Most of the training time that checkpoints may block it for (0.05: 5%): an "
+        description="Most of the training time that checkpoints may take (0.05: 5%; the time "
+        "they block the loop and their background writer's CPU time): an "
         "epoch commits its weights only while that holds (a worker group's first and the last "
         "always); "
         "the others commit their metrics only (all reach MLflow) and a resumed run replays "

@@ -83,6 +83,7 @@ _EXPORTS = {
     "METRICS_FILE": "_commit",
     "TRAINER_STATE_FILE": "_commit",
     "CheckpointBudget": "_commit",
+    "CommitCost": "_commit",
     "EpochCommitter": "_commit",
     "Snapshot": "_commit",
     "StagedSnapshot": "_commit",
@@ -131,6 +132,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.integrations.training._commit import METRICS_FILE as METRICS_FILE
     from prefect_ml.integrations.training._commit import TRAINER_STATE_FILE as TRAINER_STATE_FILE
     from prefect_ml.integrations.training._commit import CheckpointBudget as CheckpointBudget
+    from prefect_ml.integrations.training._commit import CommitCost as CommitCost
     from prefect_ml.integrations.training._commit import EpochCommitter as EpochCommitter
     from prefect_ml.integrations.training._commit import Snapshot as Snapshot
     from prefect_ml.integrations.training._commit import StagedSnapshot as StagedSnapshot

@@ -76,13 +76,24 @@ class StagedSnapshot:
 Snapshot = dict[str, bytes] | StagedSnapshot | ShardedSnapshot
 
 
+@dataclass(frozen=True)
+class CommitCost:
+    """What checkpointing took from one epoch on a rank."""
+
+    blocking: float  # the loop blocked: snapshots, waits for the committer, mid-epoch ones
+    writer_cpu: float = 0.0  # the committer thread's CPU on the commits that ended meanwhile
+    weights_writer_cpu: float | None = None  # of those, the last with weights (None: none)
+
+
 @dataclass
 class CheckpointBudget:
     """Whether the next epoch's weights fit in ``fraction`` of the training time (rank 0's).
 
-    ``spend`` adds what checkpoints blocked the loop (snapshots, waits for the committer,
-    mid-epoch checkpoints); an epoch commits its weights when what was spent plus the cost of
-    the last such commit stays within ``fraction`` of the time since ``started``. So the share
+    ``spend`` adds what checkpoints took: the time they blocked the loop (snapshots, waits for
+    the committer, mid-epoch checkpoints) and the CPU time of the committer's thread, which
+    shares the worker's cores and interpreter lock with the steps (serialising, hashing,
+    writing, pruning). An epoch commits its weights when what was spent plus the cost of the
+    last such commit stays within ``fraction`` of the time since ``started``. So the share
     tends to ``fraction`` from below whatever an epoch lasts: every epoch when commits are
     cheap, every k-th when an epoch is shorter than a commit over ``fraction``.
     """
@@ -90,17 +101,21 @@ class CheckpointBudget:
     fraction: float
     started: float  # time.perf_counter() when the worker group started training
     spent: float = 0.0
-    commit_seconds: float | None = None  # the last commit of weights; None: none yet
+    commit_seconds: float | None = None  # the last commit of weights blocked; None: none yet
+    commit_writer_cpu: float = 0.0  # the committer's CPU on the last commit of weights it ended
 
     def due(self, now: float) -> bool:
         if self.fraction <= 0 or self.commit_seconds is None:
             return True
-        return self.spent + self.commit_seconds <= self.fraction * (now - self.started)
+        cost = self.commit_seconds + self.commit_writer_cpu
+        return self.spent + cost <= self.fraction * (now - self.started)
 
-    def spend(self, seconds: float, *, weights: bool) -> None:
-        self.spent += seconds
+    def spend(self, cost: CommitCost, *, weights: bool) -> None:
+        self.spent += cost.blocking + cost.writer_cpu
         if weights:
-            self.commit_seconds = seconds
+            self.commit_seconds = cost.blocking
+        if cost.weights_writer_cpu is not None:
+            self.commit_writer_cpu = cost.weights_writer_cpu
 
 
 class EpochCommitter:
@@ -139,7 +154,10 @@ class EpochCommitter:
         # This epoch's mid-epoch commits so far, and the time they blocked the loop.
         self.mid_epoch_checkpoints, self._mid_epoch_blocking = 0, 0.0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._in_flight: Future[str | None] | None = None
+        self._in_flight: Future[_Committed] | None = None
+        # The committer thread's CPU on the commits waited for since the last epoch's submit,
+        # and on the last of them with weights.
+        self._writer_cpu, self._weights_writer_cpu = 0.0, None  # type: tuple[float, float | None]
         # The metrics files of epochs committed without weights, for a later commit of them.
         self._metrics_only: dict[int, dict[str, bytes]] = {}
 
@@ -151,18 +169,24 @@ class EpochCommitter:
         *,
         epoch_started: float,
         blocked_since: float,
-    ) -> float:
+    ) -> CommitCost:
         """Queue one epoch (``files`` None: its metrics only, no resume point); the loop was
-        blocked from ``blocked_since`` until this returns. Returns what checkpointing blocked
-        the loop for this epoch (its ``checkpoint_blocking_seconds``)."""
+        blocked from ``blocked_since`` until this returns. Returns what checkpointing took from
+        this epoch (its ``checkpoint_blocking_seconds`` and ``checkpoint_writer_cpu_seconds``)."""
         self.wait()
         now = time.perf_counter()
         # What checkpointing cost the loop: the snapshots (this epoch's mid-epoch ones too)
-        # plus waiting for the previous commits.
-        blocking = now - blocked_since + self._mid_epoch_blocking
+        # plus waiting for the previous commits; and the committer's CPU beside it.
+        cost = CommitCost(
+            now - blocked_since + self._mid_epoch_blocking,
+            self._writer_cpu,
+            self._weights_writer_cpu,
+        )
+        self._writer_cpu, self._weights_writer_cpu = 0.0, None
         metrics = {
             **metrics,
-            "checkpoint_blocking_seconds": blocking,
+            "checkpoint_blocking_seconds": cost.blocking,
+            "checkpoint_writer_cpu_seconds": cost.writer_cpu,  # the commits ended meanwhile
             "epoch_seconds": now - epoch_started,  # wall time of the whole epoch on rank 0
             "mid_epoch_checkpoints": self.mid_epoch_checkpoints,  # by this worker group
             "checkpoint_weights": float(files is not None),  # 0: metrics only (the budget's)
@@ -178,7 +202,7 @@ class EpochCommitter:
             self._in_flight = self._executor.submit(
                 self._commit, epoch, _with_files(files, small), metrics
             )
-        return blocking
+        return cost
 
     def submit_weights(self, epoch: int, files: Snapshot) -> None:
         """Queue the weights of ``epoch``, whose metrics were committed alone before (a best
@@ -211,7 +235,8 @@ class EpochCommitter:
         metrics: dict[str, float] | None,  # None: a mid-epoch checkpoint, or a best epoch's
         step: int | None = None,
         metrics_only: bool = False,
-    ) -> str | None:
+    ) -> _Committed:
+        started = time.thread_time()
         if isinstance(files, StagedSnapshot):
             files = files.files()
         if isinstance(files, ShardedSnapshot):  # None on ranks other than 0
@@ -224,7 +249,7 @@ class EpochCommitter:
                 self.committed_epoch = epoch
         if self._retention is not None and url is not None and not metrics_only:  # rank 0
             self._store.prune(self._retention, also_keep=self._pinned())
-        return url
+        return _Committed(time.thread_time() - started, weights=not metrics_only)
 
     def _pinned(self) -> frozenset[int]:
         """Epochs whose weights stay whatever the retention policy says: early stopping's best."""
@@ -240,7 +265,7 @@ class EpochCommitter:
             return
         in_flight, self._in_flight = self._in_flight, None
         try:
-            in_flight.result()
+            committed = in_flight.result()
         except Exception as exc:
             last = f"epoch {self.committed_epoch}" if self.committed_epoch else "none yet"
             raise CheckpointError(
@@ -248,10 +273,19 @@ class EpochCommitter:
                 f"({type(exc).__name__}: {exc}); the last one committed here is {last}. "
                 "Run again to resume from the last verified checkpoint."
             ) from exc
+        self._writer_cpu += committed.cpu_seconds
+        if committed.weights:
+            self._weights_writer_cpu = committed.cpu_seconds
 
     def close(self) -> None:
         self.wait()
         self._executor.shutdown()
+
+
+@dataclass(frozen=True)
+class _Committed:
+    cpu_seconds: float  # the committer thread's CPU time on this commit
+    weights: bool  # False: an epoch's metrics only
 
 
 def _with_files(files: Snapshot, small: dict[str, bytes]) -> Snapshot:

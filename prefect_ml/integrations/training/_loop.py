@@ -144,11 +144,11 @@ class _EpochCommits:
             else:
                 self.best = (epoch, snapshot)
         if committer is not None and (weights or trainer.rank == 0):
-            blocking = committer.submit(
+            cost = committer.submit(
                 epoch,
                 files,
                 outcome.metrics,
                 epoch_started=started,
                 blocked_since=blocked_since,
             )
-            self.budget.spend(blocking, weights=weights)
+            self.budget.spend(cost, weights=weights)
