@@ -62,10 +62,12 @@ class ServingResult(BaseModel):
 def resolve_served_model(
     model_name: str, alias: str, model_version: str | None
 ) -> serving.ServedModel:
-    """The version to serve and its input schema, or a ConfigurationError before any deploy."""
+    """The version to serve and its input schema, or a ConfigurationError before any deploy
+    (also for a version no replica would load: no MLmodel, or not pt2)."""
     tracking_uri = get_settings().resolved_tracking_uri
     client = tracking.client_for(tracking_uri)
     version = tracking.registered_version(client, model_name, alias=alias, version=model_version)
+    tracking.check_loadable(client, version)
     return serving.registered_model(version, tracking_uri)
 
 

@@ -163,6 +163,45 @@ def test_a_pickle_format_version_is_refused_without_being_loaded(
     assert not canary.exists()
 
 
+def test_a_version_no_replica_would_load_is_refused_from_its_mlmodel_and_file_names(
+    home: PrefectMLSettings, tmp_path: Path
+) -> None:
+    """What serving checks before it deploys (tasks/serve.py resolve_served_model): the same
+    refusals as the loader, read from the registry's copy without loading or downloading the
+    weights; a version with no MLmodel file is refused too."""
+    import mlflow.pytorch
+    import numpy as np
+
+    canary = tmp_path / "canary"
+    client = tracking.client_for(home.resolved_tracking_uri)
+    _register(
+        client,
+        home,
+        lambda: mlflow.pytorch.log_model(
+            _Trap(str(canary)), name="model", serialization_format="pickle"
+        ),
+    )
+    pickled = client.get_model_version("m", "1")
+    with pytest.raises(ConfigurationError, match="with pickle, which runs code") as error:
+        tracking.check_loadable(client, pickled)
+    assert error.value.field == "model_version" and "models:/m/1" in error.value.message
+    assert not canary.exists()
+
+    pt2 = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()
+    example = np.ones((5, 4), dtype=np.float32)
+    experiment = tracking.ensure_experiment(client, "e", home.mlflow_artifact_root)
+    run_id = client.create_run(experiment).info.run_id
+    tracking.log_and_register_model(
+        client, home.resolved_tracking_uri, run_id, pt2, example, model_name="pt2", tags={}
+    )
+    version = client.get_model_version("pt2", "1")
+    tracking.check_loadable(client, version)  # a pt2 version passes
+    location = client.get_model_version_download_uri("pt2", "1").removeprefix("file://")
+    (Path(location) / "MLmodel").unlink()
+    with pytest.raises(ConfigurationError, match="models:/pt2/1 has no MLmodel file at"):
+        tracking.check_loadable(client, version)
+
+
 def test_registered_versions_are_pt2_and_load_without_pickle(home: PrefectMLSettings) -> None:
     import numpy as np
 

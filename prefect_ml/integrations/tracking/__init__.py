@@ -23,6 +23,7 @@ from prefect_ml.integrations.tracking._campaigns import (
 from prefect_ml.integrations.tracking._registry import (
     PromotionDecision,
     champion,
+    check_loadable,
     decide_promotion,
     load_pt2_model,
     log_and_register_model,
@@ -127,6 +128,7 @@ __all__ = [
     "campaign_parent_run",
     "champion",
     "check_experiment_name",
+    "check_loadable",
     "check_writable",
     "client_for",
     "decide_promotion",
@@ -136,6 +138,7 @@ __all__ = [
     "flow_runs",
     "in_namespace",
     "load_pt2_model",
+    "check_loadable",
     "log_and_register_model",
     "log_dataset_input",
     "log_dict",

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from prefect_ml.integrations import tenancy
@@ -159,23 +161,66 @@ def load_pt2_model(model_dir: str, *, what: str) -> torch.nn.Module:
     logged with ``code_paths`` puts its own files first on ``sys.path``. Both are refused here,
     before MLflow reads anything but the MLmodel file, and the pt2 archive itself is checked by
     MLflow for pickle payloads (``MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false``). ``what`` names
-    the version in the error.
+    the version in the error. :func:`check_loadable` says the same before anything deploys.
     """
     import mlflow.pytorch
     from mlflow.models import Model
 
     from prefect_ml.integrations.settings import ENFORCED_ENVIRONMENT
 
-    flavor = Model.load(model_dir).flavors.get("pytorch") or {}
-    data_dir = os.path.join(model_dir, str(flavor.get("model_data", "data")))
-    pt2 = os.path.isfile(os.path.join(data_dir, "model.pt2"))
-    pickled = os.path.exists(os.path.join(data_dir, "model.pth"))
+    flavors = Model.load(model_dir).flavors
+    data_dir = os.path.join(model_dir, _data_folder(flavors))
+    names = os.listdir(data_dir) if os.path.isdir(data_dir) else []
+    _refuse_unsafe(flavors, {n for n in names if os.path.isfile(os.path.join(data_dir, n))}, what)
+    os.environ.update(ENFORCED_ENVIRONMENT)  # also in a process we did not start
+    return mlflow.pytorch.load_model(model_dir)  # type: ignore[no-any-return]
+
+
+def check_loadable(client: MlflowClient, version: ModelVersion) -> None:
+    """Refuse, before anything is deployed, a registered ``version`` that no replica would load
+    (:func:`load_pt2_model`): one with no MLmodel file, or not a pt2 PyTorch model. Reads its
+    MLmodel file and the names in its data folder only, not its weights, so a failure to load
+    those still shows in the replica."""
+    import mlflow.artifacts
+    from mlflow.exceptions import MlflowException
+    from mlflow.models import Model
+
+    what = f"models:/{version.name}/{version.version}"
+    tracking_uri = client.tracking_uri
+    location = client.get_model_version_download_uri(version.name, version.version).rstrip("/")
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            mlmodel = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"{location}/MLmodel", dst_path=folder, tracking_uri=tracking_uri
+            )
+        except (MlflowException, OSError) as exc:
+            raise ConfigurationError(
+                "model_version",
+                f"{what} has no MLmodel file at {masked(location)}, so it cannot load "
+                f"({type(exc).__name__}); register a version logged with "
+                "mlflow.pytorch.log_model and move the alias to it",
+            ) from None
+        flavors = Model.load(mlmodel).flavors
+    listed = mlflow.artifacts.list_artifacts(
+        artifact_uri=f"{location}/{_data_folder(flavors)}", tracking_uri=tracking_uri
+    )
+    _refuse_unsafe(flavors, {PurePosixPath(f.path).name for f in listed if not f.is_dir}, what)
+
+
+def _data_folder(flavors: dict[str, Any]) -> str:
+    return str((flavors.get("pytorch") or {}).get("model_data", "data"))
+
+
+def _refuse_unsafe(flavors: dict[str, Any], data_files: set[str], what: str) -> None:
+    """A ConfigurationError unless the MLmodel ``flavors`` and the files of the model's data
+    folder are a pt2 PyTorch model with no code of its own."""
+    flavor = flavors.get("pytorch") or {}
     problem = None
     if not flavor:
         problem = "is not a PyTorch model"
     elif flavor.get("code"):
         problem = "ships its own code (code_paths), which would go first on sys.path"
-    elif pickled or not pt2:
+    elif "model.pth" in data_files or "model.pt2" not in data_files:
         problem = "is not saved as pt2 but with pickle, which runs code when it loads"
     if problem:
         raise ConfigurationError(
@@ -184,8 +229,6 @@ def load_pt2_model(model_dir: str, *, what: str) -> torch.nn.Module:
             "(prefect-ml train does; mlflow.pytorch.log_model(..., serialization_format='pt2')) "
             "and move the alias to it",
         )
-    os.environ.update(ENFORCED_ENVIRONMENT)  # also in a process we did not start
-    return mlflow.pytorch.load_model(model_dir)  # type: ignore[no-any-return]
 
 
 def _ensure_registered_model(client: MlflowClient, model_name: str) -> None:
