@@ -107,6 +107,18 @@ def ray_cluster() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
+def serve_port(ray_cluster: None) -> Iterator[int]:
+    """The port of the session's one Ray Serve instance, on the session's Ray: every test that
+    serves there uses it and deletes its applications when done
+    (``tests.helpers.serve_applications_deleted_after``) instead of shutting Serve down, whose
+    controller and HAProxy proxy would start again for the next one. Shut down at the end."""
+    from ray import serve
+
+    yield free_port()
+    serve.shutdown()
+
+
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """A real 3-node Ray cluster (:mod:`tests.cluster`) whose nodes cannot import the checkout:
     a head with no CPUs, node-a (127.0.0.2, 1 CPU) and node-b (127.0.0.3, 1 CPU and 1

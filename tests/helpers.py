@@ -360,14 +360,14 @@ def docs_hook(name: str) -> ModuleType:
 
 
 @contextlib.contextmanager
-def serve_shut_down_after() -> Iterator[None]:
-    """Ray Serve is shut down when the block ends, however it ends (its applications deleted,
-    the replicas' CPUs freed for the tests that train). A serve that failed half-way must not
-    leave Serve listening on its port: every later serve in the session, on another port,
-    would be refused ("Ray Serve already listens on ...")."""
+def serve_applications_deleted_after() -> Iterator[None]:
+    """Every Ray Serve application is deleted when the block ends, however it ends (the
+    replicas' CPUs freed for the tests that train); Serve itself, its controller and proxy,
+    keeps listening on the session's ``serve_port`` for the next test that serves."""
     from ray import serve
 
     try:
         yield
     finally:
-        serve.shutdown()
+        for name in serve.status().applications:
+            serve.delete(name)

@@ -17,14 +17,14 @@ from prefect_ml.integrations import tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import ServeModelParams
 from tests.conftest import REPO_ROOT
-from tests.helpers import cli_env, free_port, serve_shut_down_after
+from tests.helpers import cli_env, serve_applications_deleted_after
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_the_sequence_example_trains_on_two_workers_registers_and_serves(
-    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch, serve_port: int
 ) -> None:
     command = [sys.executable, "-m", "prefect_ml.flows.cli", "train"]
     command += ["--dataset", "examples.sequence:load", "--model", "examples.sequence:build"]
@@ -46,11 +46,10 @@ def test_the_sequence_example_trains_on_two_workers_registers_and_serves(
     assert client.get_run(version.run_id).data.tags["prefect_ml.worker_group_size"] == "2"
 
     monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "examples,tests.fixtures")
-    port = free_port()
-    with serve_shut_down_after():
+    with serve_applications_deleted_after():
         served = serve_model(
             ServeModelParams(
-                model_name="token-marker", serving={"port": port, "replica_cpus": 0.25}
+                model_name="token-marker", serving={"port": serve_port, "replica_cpus": 0.25}
             )
         )
         tokens, labels = sequence.load(rows=64, seed=99)

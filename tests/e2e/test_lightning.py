@@ -23,7 +23,7 @@ from prefect_ml.integrations import tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import ServeModelParams
 from tests.conftest import REPO_ROOT
-from tests.helpers import cli_env, free_port, serve_shut_down_after
+from tests.helpers import cli_env, serve_applications_deleted_after
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +60,7 @@ def _check_run(home: PrefectMLSettings, run_id: str, epochs: int = 6) -> int:
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_the_lightning_example_trains_on_two_workers_through_the_cli_and_serves(
-    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch
+    home: PrefectMLSettings, monkeypatch: pytest.MonkeyPatch, serve_port: int
 ) -> None:
     command = [sys.executable, "-m", "prefect_ml.flows.cli", "train", "--model", MODEL]
     command += ["--workers", "2", "--epochs", "6", "--model-name", "lit-digits"]
@@ -83,10 +83,11 @@ def test_the_lightning_example_trains_on_two_workers_through_the_cli_and_serves(
     assert metrics["test_acc"] == pytest.approx(metrics["test_accuracy"])  # its test_step
 
     monkeypatch.setenv("PREFECT_ML_ALLOWED_MODULES", "examples,tests.fixtures")
-    port = free_port()
-    with serve_shut_down_after():
+    with serve_applications_deleted_after():
         served = serve_model(
-            ServeModelParams(model_name="lit-digits", serving={"port": port, "replica_cpus": 0.25})
+            ServeModelParams(
+                model_name="lit-digits", serving={"port": serve_port, "replica_cpus": 0.25}
+            )
         )
         from sklearn.datasets import load_digits
 

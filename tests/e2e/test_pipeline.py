@@ -15,7 +15,6 @@ import mlflow.pyfunc
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from ray import serve
 from sklearn.datasets import load_digits
 
 from examples import pipeline_from_python
@@ -24,7 +23,7 @@ from prefect_ml.flows.pipeline import ml_pipeline
 from prefect_ml.integrations import storage, tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import PipelineParams
-from tests.helpers import flow_run_artifacts, free_port, wait_for
+from tests.helpers import flow_run_artifacts, free_port, serve_applications_deleted_after, wait_for
 from tests.s3 import TEST_BUCKET, MotoS3
 
 
@@ -183,6 +182,7 @@ def test_the_pipeline_with_a_sweep_runs_on_s3_with_mlflow_artifacts_in_s3(
     moto_s3: MotoS3,
     mlflow_s3_server: str,
     monkeypatch: pytest.MonkeyPatch,
+    serve_port: int,
 ) -> None:
     """Dataset, splits, checkpoints, Ray Train state, Prefect results and MLflow artifacts all on
     S3; the campaign's best values train the final model, which is served from there."""
@@ -204,16 +204,14 @@ def test_the_pipeline_with_a_sweep_runs_on_s3_with_mlflow_artifacts_in_s3(
                     "hidden": {"type": "int", "low": 32, "high": 128},
                 },
             },
-            "serving": {"port": free_port(), "replica_cpus": 0.25},
+            "serving": {"port": serve_port, "replica_cpus": 0.25},
         }
     )
 
     uri = mlflow_s3_server
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    try:
+    with serve_applications_deleted_after():
         state = ml_pipeline(params=params, return_state=True)
-    finally:
-        serve.shutdown()  # the session's Ray serves nothing after this test
 
     assert state.is_completed(), state.message
     outcome = state.result()

@@ -27,7 +27,7 @@ from prefect_ml.flows.train import TrainingOutcome, train_model
 from prefect_ml.integrations import tracking
 from prefect_ml.integrations.settings import PrefectMLSettings
 from prefect_ml.tasks.params import CampaignParams, ServeModelParams, TrainModelParams
-from tests.helpers import free_port, serve_shut_down_after
+from tests.helpers import serve_applications_deleted_after
 
 pytestmark = pytest.mark.e2e
 
@@ -90,7 +90,7 @@ def test_a_campaign_over_a_regression_space_optimises_rmse(
 
 
 @pytest.fixture(scope="module")
-def trained(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
+def trained(serve_port: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
     """The diabetes regressor trained, registered (@champion) and served on a loopback port."""
     folder = tmp_path_factory.mktemp("regression")
     with pytest.MonkeyPatch.context() as patch:
@@ -103,11 +103,10 @@ def trained(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
             regression_params(csv, registry={"model_name": MODEL_NAME})
         )
         outcome = train_model(params)
-        port = free_port()
-        with serve_shut_down_after():
+        with serve_applications_deleted_after():
             served = serve_model(
                 ServeModelParams(
-                    model_name=MODEL_NAME, serving={"port": port, "replica_cpus": 0.25}
+                    model_name=MODEL_NAME, serving={"port": serve_port, "replica_cpus": 0.25}
                 )
             )
             yield Trained(PrefectMLSettings(), frame, csv, outcome, served.url)

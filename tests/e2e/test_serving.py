@@ -39,10 +39,9 @@ from tests.e2e.test_resume_after_kill import _kill_tree
 from tests.helpers import (
     cli_env,
     flow_run_artifacts,
-    free_port,
     holding_cpus,
     register_classifier,
-    serve_shut_down_after,
+    serve_applications_deleted_after,
     wait_for,
 )
 
@@ -73,8 +72,8 @@ def _local_probabilities(settings: PrefectMLSettings, version: str, rows: np.nda
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """digits-classifier v1 (@champion) and v2 registered; v1 served on a free loopback port."""
+def served(serve_port: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """digits-classifier v1 (@champion) and v2 registered; v1 served on the session's Serve."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PREFECT_ML_HOME", str(tmp_path_factory.mktemp("serving") / "home"))
         for variable in ("MLFLOW_TRACKING_URI", "PREFECT_ML_MLFLOW_TRACKING_URI"):
@@ -84,9 +83,8 @@ def served(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Itera
         register_classifier(
             settings, "digits-classifier", FEATURES, DIGITS.target, seed=1, alias=None
         )
-        port = free_port()
-        state = Served(settings, port, f"http://127.0.0.1:{port}")
-        with serve_shut_down_after():
+        state = Served(settings, serve_port, f"http://127.0.0.1:{serve_port}")
+        with serve_applications_deleted_after():
             flow_state = serve_model(state.params(), return_state=True)
             assert flow_state.is_completed(), flow_state.message
             state.result = flow_state.result()  # type: ignore[attr-defined]
@@ -493,29 +491,61 @@ def _broken_version(served: Served, damage: Callable[[Path], None], seed: int) -
     return version
 
 
+def _truncated_archive(model_dir: Path) -> None:
+    """A pt2 archive cut short, as storage that lost the end of a file leaves it: nothing read
+    before deploying shows it (the MLmodel file and the names are right); the replica fails."""
+    archive = model_dir / "data" / "model.pt2"
+    archive.write_bytes(archive.read_bytes()[:2000])
+
+
+def _deployed_at(app_name: str) -> float:
+    return float(serve.status().applications[app_name].last_deployed_time_s)
+
+
 @pytest.mark.parametrize(
     ("damage", "reason"),
-    [(_without_mlmodel, "MLmodel"), (_pickle_format, "with pickle, which runs code")],
+    [
+        (_without_mlmodel, "has no MLmodel file at"),
+        (_pickle_format, "is not saved as pt2 but with pickle, which runs code"),
+    ],
 )
-def test_a_version_that_cannot_load_fails_the_flow_and_the_old_one_keeps_serving(
+def test_a_version_that_cannot_load_is_refused_before_deploying_and_the_old_one_serves_on(
     served: Served, damage: Callable[[Path], None], reason: str
 ) -> None:
+    """Told from its MLmodel file and its file names, before any replica starts (Serve would
+    try its constructor three times, then the flow rolls back: a minute or more)."""
     version = _broken_version(served, damage, seed=3)
+    serving_before, deployed_before = _served_version(served.url), _deployed_at("prefect-ml")
+
+    broken = served.params().model_copy(update={"model_version": version})
+    state = serve_model(broken, return_state=True)
+
+    assert state.is_failed()
+    assert f"models:/digits-classifier/{version} {reason}" in str(state.message)
+    assert "model_version" in str(state.message), "names the field to fix"
+    assert serving_before is not None and _served_version(served.url) == serving_before
+    assert _deployed_at("prefect-ml") == deployed_before, "nothing was deployed"
+
+
+def test_a_roll_to_a_version_whose_replica_cannot_load_fails_the_flow_and_the_old_one_serves_on(
+    served: Served,
+) -> None:
+    version = _broken_version(served, _truncated_archive, seed=7)
 
     serving_before = _served_version(served.url)
     broken = served.params().model_copy(update={"model_version": version})
     state = serve_model(broken, return_state=True)
 
     assert state.is_failed()
-    assert f"models:/digits-classifier/{version} did not deploy" in state.message
-    assert reason in state.message
+    assert f"models:/digits-classifier/{version} did not deploy" in str(state.message)
+    assert "model.pt2" in str(state.message)  # the replica's own error
     assert serving_before is not None and _served_version(served.url) == serving_before
 
 
 def test_a_new_application_whose_replica_cannot_load_fails_with_its_error_and_is_removed(
     served: Served,
 ) -> None:
-    version = _broken_version(served, _without_mlmodel, seed=4)
+    version = _broken_version(served, _truncated_archive, seed=4)
     params = served.params(app_name="never-loads", route_prefix="/never-loads")
     started = time.monotonic()
 
@@ -524,7 +554,7 @@ def test_a_new_application_whose_replica_cannot_load_fails_with_its_error_and_is
     assert state.is_failed()
     assert time.monotonic() - started < 180  # Serve gives up after 3 tries of the constructor
     assert f"models:/digits-classifier/{version} did not deploy" in str(state.message)
-    assert "MLmodel" in str(state.message)  # the replica's own error
+    assert "model.pt2" in str(state.message)  # the replica's own error
     assert "never-loads" not in serve.status().applications, "left deployed half-way"
 
 
@@ -572,35 +602,24 @@ CLI_CANARY += ["--canary-max-latency-ratio", "100"]
 def test_the_cli_serves_in_the_foreground_follows_the_alias_and_stops_on_ctrl_c(
     served: Served, tmp_path: Path
 ) -> None:
-    """``prefect-ml serve --watch 1`` in its own process (its own local Ray): it serves the
-    champion, rolls when the alias moves, and deletes the application on SIGINT."""
+    """``prefect-ml serve --watch 1`` in its own process, joining the session's Ray and its
+    Serve as a command joins a cluster (a local Ray of its own: tests/e2e/test_stopping.py): it
+    serves the champion beside the fixture's application, rolls when the alias moves, and
+    deletes its application, and only it, on SIGINT."""
     client = tracking.client_for(served.settings.resolved_tracking_uri)
     tracking.set_alias(client, "digits-classifier", "champion", "2")
-    port = free_port()
-    env = cli_env(
-        served.settings.home_dir,
-        own_ray=True,
-        PREFECT_ML_LOCAL_RAY_CPUS="2",
-        # A second Ray on this host: keep its Serve ports apart from the session Ray's.
-        RAY_SERVE_FALLBACK_PROXY_HTTP_PORT=str(free_port()),
-        RAY_SERVE_FALLBACK_PROXY_GRPC_PORT=str(free_port()),
-        RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()),
-        RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()),
-        RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT="32000",
-        RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT="33000",
-        RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT="42000",
-        RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT="43000",
-    )
-    command = [sys.executable, "-m", "prefect_ml.flows.cli", "serve", "--port", str(port)]
+    env = cli_env(served.settings.home_dir)
+    command = [sys.executable, "-m", "prefect_ml.flows.cli", "serve", "--port", str(served.port)]
+    command += ["--app-name", "cli-served", "--route-prefix", "/cli"]
     log = tmp_path / "serve.log"
     with log.open("wb") as sink:
         server = subprocess.Popen(
-            [*command, "--replica-cpus", "0.5", "--watch", "1", *CLI_CANARY],
+            [*command, "--replica-cpus", "0.25", "--watch", "1", *CLI_CANARY],
             env=env,
             stdout=sink,
             stderr=sink,
         )
-    url = f"http://127.0.0.1:{port}"
+    url = f"{served.url}/cli"
     try:
         wait_for(lambda: _served_version(url) == "2", 240, "the CLI to serve v2")
         stop, seen, errors = threading.Event(), [], []  # the canary's traffic
@@ -627,8 +646,10 @@ def test_the_cli_serves_in_the_foreground_follows_the_alias_and_stops_on_ctrl_c(
     assert server.returncode == 130, text[-3000:]  # Ctrl-C's status
     assert "@champion moved to v1" in text and "Stopping the application" in text
     # The watch rolled through a canary: the polls above were its traffic.
-    assert "Canary v1 answers 50% of prefect-ml's requests next to v2" in text, text[-5000:]
+    assert "Canary v1 answers 50% of cli-served's requests next to v2" in text, text[-5000:]
     assert _served_version(url) is None
+    assert "cli-served" not in serve.status().applications
+    assert _served_version(served.url) is not None, "the fixture's application still serves"
 
 
 class _FailsOnBrightPixel(torch.nn.Module):
