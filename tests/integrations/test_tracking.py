@@ -211,7 +211,9 @@ def test_registered_versions_are_pt2_and_load_without_pickle(home: PrefectMLSett
     tracking.log_and_register_model(
         client,
         home.resolved_tracking_uri,
-        client.create_run(tracking.ensure_experiment(client, "e", None)).info.run_id,
+        client.create_run(
+            tracking.ensure_experiment(client, "e", home.mlflow_artifact_root)
+        ).info.run_id,
         model,
         example,
         model_name="pt2-model",
