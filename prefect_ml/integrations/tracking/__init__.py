@@ -138,7 +138,6 @@ __all__ = [
     "flow_runs",
     "in_namespace",
     "load_pt2_model",
-    "check_loadable",
     "log_and_register_model",
     "log_dataset_input",
     "log_dict",

@@ -157,7 +157,8 @@ class EpochCommitter:
         self._in_flight: Future[_Committed] | None = None
         # The committer thread's CPU on the commits waited for since the last epoch's submit,
         # and on the last of them with weights.
-        self._writer_cpu, self._weights_writer_cpu = 0.0, None  # type: tuple[float, float | None]
+        self._writer_cpu = 0.0
+        self._weights_writer_cpu: float | None = None
         # The metrics files of epochs committed without weights, for a later commit of them.
         self._metrics_only: dict[int, dict[str, bytes]] = {}
 
