@@ -155,7 +155,7 @@ def test_every_model_and_training_field_reaches_the_training_worker_with_its_val
     options = section_options(params.model, params.training)
     built = params_on_data(TrainingSections, data, None, options, step="train", experiment="e")
     assert built.model == given.model and built.training == given.training
-    loop = train_loop(given, data, checkpoint_url="file:///c", tracking_uri="", run_id="r")
+    loop = train_loop(given, data, checkpoint_url="file:///c")
     received = _on_a_worker(loop)
     _assert_arrives(received, values)
     assert received.model == params.model and received.training == params.training

@@ -75,8 +75,6 @@ def test_retention_keeps_the_weights_of_early_stoppings_best_epoch(tmp_path: Pat
         scheduler="none",
         seed=0,
         checkpoint_url=tmp_path.as_uri(),
-        tracking_uri="",
-        run_id="",
         keep_checkpoints=1,
         best_checkpoint_metric="none",
         early_stopping_patience=3,

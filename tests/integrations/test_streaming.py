@@ -415,8 +415,6 @@ def _config(data: PreparedData, checkpoint_url: str, epochs: int) -> TrainLoop:
         scheduler="none",
         seed=5,
         checkpoint_url=checkpoint_url,
-        tracking_uri="",
-        run_id="",
         layout="parquet",
     )
 

@@ -181,8 +181,6 @@ def plan(tmp_path: Path) -> Callable[[optuna.trial.Trial], tuple[TrialSpec, dict
             scheduler="none",
             seed=0,
             checkpoint_url=(tmp_path / f"trial-{root_trial(trial):05d}").as_uri(),
-            tracking_uri="",
-            run_id="",
         )
         spec = TrialSpec(trial.number, loop, 1, Resources(cpus=1), ray_storage_url="")
         return spec, {"lr": lr}

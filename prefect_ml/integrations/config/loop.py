@@ -31,8 +31,8 @@ class Splits(BaseModel):
 
 class TrainLoop(BaseModel):
     """Everything a training worker needs: the model and training sections, the splits, and
-    the run's checkpoints, MLflow run (``run_id`` "" for none) and stop marker (a file whose
-    existence asks the workers to stop after the epoch; "" for none)."""
+    the run's checkpoints and stop marker (a file whose existence asks the workers to stop
+    after the epoch; "" for none). No MLflow address: the driver alone writes the run."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -40,8 +40,6 @@ class TrainLoop(BaseModel):
     training: TrainingParams
     data: Splits
     checkpoint_url: str
-    tracking_uri: str = ""
-    run_id: str = ""
     stop_url: str = ""
 
     @classmethod

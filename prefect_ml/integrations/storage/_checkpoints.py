@@ -44,6 +44,7 @@ MANIFEST = "MANIFEST.json"
 SIGNATURE = "hmac_sha256"
 _PREFIX = "epoch-"
 _STEP = "-step-"
+_WORKER_GROUP = "worker-group-"  # + the nanosecond it started + ".json"
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +296,23 @@ class CheckpointStore:
         """Epochs that have an end-of-epoch checkpoint directory, verified or not, ascending
         (mid-epoch checkpoints hold no metrics: see ``positions``)."""
         return [p.epoch for p in self.positions() if p.step is None]
+
+    def record_worker_group(self, record: dict[str, str]) -> None:
+        """What a worker group that just started is (its size, nodes, first epoch), named by
+        when it started: the driver tags the run with the newest (:meth:`worker_groups`), so
+        the workers themselves never talk to MLflow."""
+        name = f"{_WORKER_GROUP}{time.time_ns():020d}.json"
+        _files.write_bytes(_keys.join(self.root_url, name), json.dumps(record).encode())
+
+    def worker_groups(self) -> list[str]:
+        """The names of the worker groups' records (:meth:`record_worker_group`), oldest first."""
+        names = _files.list_names(self.root_url)
+        return [n for n in names if n.startswith(_WORKER_GROUP) and n.endswith(".json")]
+
+    def read_worker_group(self, name: str) -> dict[str, str]:
+        """One worker group's record, by its name from :meth:`worker_groups`."""
+        record = json.loads(_files.read_bytes(_keys.join(self.root_url, name)))
+        return {str(key): str(value) for key, value in record.items()}
 
     def _write_manifest(self, url: str, manifest: dict[str, Any]) -> None:
         manifest = {**manifest, "run": self._run}

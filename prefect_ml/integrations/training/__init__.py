@@ -108,6 +108,7 @@ _EXPORTS = {
     "PEAK_MEMORY_TAG": "_ray_training",
     "STARTED_AT_TAG": "_ray_training",
     "WORKER_GROUP_READY_TAG": "_ray_training",
+    "WORKER_GROUP_TAGS": "_ray_training",
     "WORKER_NODES_TAG": "_ray_training",
     "WORLD_SIZE_TAG": "_ray_training",
     "fit": "_ray_training",
@@ -180,6 +181,9 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from prefect_ml.integrations.training._ray_training import STARTED_AT_TAG as STARTED_AT_TAG
     from prefect_ml.integrations.training._ray_training import (
         WORKER_GROUP_READY_TAG as WORKER_GROUP_READY_TAG,
+    )
+    from prefect_ml.integrations.training._ray_training import (
+        WORKER_GROUP_TAGS as WORKER_GROUP_TAGS,
     )
     from prefect_ml.integrations.training._ray_training import WORKER_NODES_TAG as WORKER_NODES_TAG
     from prefect_ml.integrations.training._ray_training import WORLD_SIZE_TAG as WORLD_SIZE_TAG

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prefect_ml.integrations import storage, tracking
+from prefect_ml.integrations import storage
 from prefect_ml.integrations.compute import (
     PLACEMENT_NOTICE_S,
     PLACEMENT_REPEAT_S,
@@ -39,6 +39,14 @@ PEAK_MEMORY_TAG = "prefect_ml.peak_memory"  # what the peak_memory_mib metric me
 WORKER_NODES_TAG = "prefect_ml.worker_nodes"  # each rank's node address, latest group, by rank
 # When the latest group's workers had built the model, restored and opened their data (unix s).
 WORKER_GROUP_READY_TAG = "prefect_ml.worker_group_ready_unix"
+# What each worker group's rank 0 records when it starts, and the driver copies to the run's tags.
+WORKER_GROUP_TAGS = (
+    STARTED_AT_TAG,
+    WORLD_SIZE_TAG,
+    PEAK_MEMORY_TAG,
+    WORKER_NODES_TAG,
+    WORKER_GROUP_READY_TAG,
+)
 
 
 def worker_nodes() -> list[str]:
@@ -66,17 +74,15 @@ def train_loop_per_worker(config: dict[str, TrainLoop]) -> None:
         prepare_model=ray.train.torch.prepare_model,
     )
     nodes = worker_nodes()
-    if trainer.rank == 0 and loop.run_id:
-        tracking.set_tags(
-            tracking.client_for(tracking.worker_uri(loop.tracking_uri)),
-            loop.run_id,
+    if trainer.rank == 0:  # the driver tags the run with it: workers never import MLflow
+        trainer.store.record_worker_group(
             {
                 STARTED_AT_TAG: str(trainer.first_epoch),
                 WORLD_SIZE_TAG: str(trainer.world_size),
                 PEAK_MEMORY_TAG: trainer.peak_memory_kind,
                 WORKER_NODES_TAG: ",".join(nodes),
                 WORKER_GROUP_READY_TAG: str(time.time()),
-            },
+            }
         )
     train_epochs(trainer)  # checkpoints every epoch within the checkpoint budget
     # Per-epoch metrics travel in the checkpoints. Ray Train v2's report() blocks until its

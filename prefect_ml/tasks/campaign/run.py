@@ -170,8 +170,6 @@ class TrialPlanner:
             tuned.model_copy(update={"training": every_epoch}),
             data or self.data,
             checkpoint_url=checkpoint_url,
-            tracking_uri=self.settings.resolved_tracking_uri,
-            run_id="",
             # Per attempt: a retried trial must not see the marker of an attempt that was pruned.
             stop_url=storage.trial_stop_url(checkpoint_url, number),
         )

@@ -1,4 +1,5 @@
-"""The driver's view of a training run's epochs: each committed epoch logged to MLflow once."""
+"""The driver's view of a training run's epochs: each committed epoch logged to MLflow once,
+and each worker group's record copied to the run's tags."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from types import TracebackType
 from prefect import get_run_logger
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from prefect_ml.integrations import services, tracking
+from prefect_ml.integrations import services, tracking, training
 from prefect_ml.integrations.errors import CheckpointError
 from prefect_ml.integrations.storage import CheckpointStore, Lease
 from prefect_ml.integrations.training import METRICS_FILE
@@ -22,7 +23,9 @@ class EpochRecorder:
     turns verified checkpoints into the run's metric history. The checkpoint store is the source
     of truth, so epochs that a killed process committed but never logged are logged on resume,
     and no epoch is logged twice (this is the run's only metric writer: with ``lease``, it stops
-    logging once the lease is lost to another driver).
+    logging once the lease is lost to another driver). Each worker group's rank 0 records what
+    the group is when it starts (its size, nodes, first epoch); the newest record becomes the
+    run's tags here, so the workers never import MLflow nor need its address.
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class EpochRecorder:
         self._run_id, self._epochs = run_id, epochs
         self._store = CheckpointStore(checkpoint_url)
         self._logged = set(tracking.logged_epochs(self._client, run_id))
+        self._groups_tagged: set[str] = set()  # worker groups' records already on the run
         self._recorded_any = False  # whether this recorder logged an epoch yet
         self._logger = get_run_logger()
         self._stop = threading.Event()
@@ -57,7 +61,7 @@ class EpochRecorder:
 
     def __enter__(self) -> EpochRecorder:
         self._progress.start()
-        self.record_new_epochs()
+        self.record_new()
         self._thread.start()
         return self
 
@@ -69,14 +73,16 @@ class EpochRecorder:
     ) -> None:
         self._stop.set()
         self._thread.join()
-        self.record_new_epochs()
+        self.record_new()
         self._progress.stop()
 
     def _poll(self) -> None:
         while not self._stop.wait(1.0):
-            self.record_new_epochs()
+            self.record_new()
 
-    def record_new_epochs(self) -> None:
+    def record_new(self) -> None:
+        """Log the epochs committed since, and tag the run with a new worker group."""
+        self._tag_newest_worker_group()
         for epoch in self._store.epochs():
             if self._lease is not None and self._lease.lost:
                 return
@@ -101,3 +107,14 @@ class EpochRecorder:
             line = f"{values}  {metrics['samples_per_second']:,.0f} samples/s"
             self._logger.info("epoch %d/%d  %s", epoch, self._epochs, line)
             self._progress.update(self._bar, completed=len(self._logged), metrics=line)
+
+    def _tag_newest_worker_group(self) -> None:
+        """Copy the newest worker group's record to the run's tags, once per new record (a
+        group starts again after a lost worker and when an elastic group resizes)."""
+        new = [name for name in self._store.worker_groups() if name not in self._groups_tagged]
+        if not new or (self._lease is not None and self._lease.lost):
+            return
+        record = self._store.read_worker_group(new[-1])
+        tags = {name: value for name, value in record.items() if name in training.WORKER_GROUP_TAGS}
+        tracking.set_tags(self._client, self._run_id, tags)
+        self._groups_tagged.update(new)

@@ -54,8 +54,6 @@ def train_loop(
     data: PreparedData,
     *,
     checkpoint_url: str,
-    tracking_uri: str,
-    run_id: str,
     stop_url: str = "",
 ) -> TrainLoop:
     """What every training worker receives: the model and training sections themselves, the
@@ -65,8 +63,6 @@ def train_loop(
         training=params.training,
         data=Splits.model_validate(data.model_dump(include=set(Splits.model_fields))),
         checkpoint_url=checkpoint_url,
-        tracking_uri=tracking.shipped_uri(tracking_uri),  # Ray shows task arguments
-        run_id=run_id,
         stop_url=stop_url,
     )
 
@@ -216,8 +212,6 @@ class TrainingRun:
             self.params,
             self.data,
             checkpoint_url=self.checkpoint_url,
-            tracking_uri=self.settings.resolved_tracking_uri,
-            run_id=self.run_id,
             # Workers stop at the next epoch boundary once another driver took the lease over.
             stop_url=self.lease.superseded_url,
         )
@@ -249,9 +243,11 @@ class TrainingRun:
 
     def _mark_worker_group_ready(self) -> None:
         """Put on the timeline when the latest worker group had built its model and opened its
-        data (rank 0 stamps the run when it starts its epochs)."""
-        tags = self.client.get_run(self.run_id).data.tags
-        if ready := tags.get(training.WORKER_GROUP_READY_TAG):
+        data (rank 0 records it when it starts its epochs)."""
+        store = CheckpointStore(self.checkpoint_url)
+        if not (groups := store.worker_groups()):
+            return
+        if ready := store.read_worker_group(groups[-1]).get(training.WORKER_GROUP_READY_TAG):
             services.mark("training worker group ready (model built, data opened)", at=float(ready))
 
     def conclude(self, result: TrainResult) -> TrainResult:
