@@ -45,7 +45,7 @@ class EpochRecorder:
         self._run_id, self._epochs = run_id, epochs
         self._store = CheckpointStore(checkpoint_url)
         self._logged = set(tracking.logged_epochs(self._client, run_id))
-        self._groups_tagged: set[str] = set()  # worker groups' records already on the run
+        self._tagged_group = ""  # the newest worker group's record already on the run
         self._recorded_any = False  # whether this recorder logged an epoch yet
         self._logger = get_run_logger()
         self._stop = threading.Event()
@@ -111,10 +111,12 @@ class EpochRecorder:
     def _tag_newest_worker_group(self) -> None:
         """Copy the newest worker group's record to the run's tags, once per new record (a
         group starts again after a lost worker and when an elastic group resizes)."""
-        new = [name for name in self._store.worker_groups() if name not in self._groups_tagged]
-        if not new or (self._lease is not None and self._lease.lost):
+        groups = self._store.worker_groups()  # oldest first
+        if not groups or groups[-1] == self._tagged_group:
             return
-        record = self._store.read_worker_group(new[-1])
+        if self._lease is not None and self._lease.lost:
+            return
+        record = self._store.read_worker_group(groups[-1])
         tags = {name: value for name, value in record.items() if name in training.WORKER_GROUP_TAGS}
         tracking.set_tags(self._client, self._run_id, tags)
-        self._groups_tagged.update(new)
+        self._tagged_group = groups[-1]
