@@ -40,19 +40,7 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
             if settings.ray_address:
                 _connect(settings, shipped)
             else:
-                # Local workers import user code (``module:factory``) the way the driver does.
-                shipped["PYTHONPATH"] = os.pathsep.join(sys.path)
-                ray.init(
-                    # "local": a new Ray, even when a `ray start` cluster runs on this machine
-                    # (which Ray would otherwise join).
-                    address="local",
-                    num_cpus=settings.local_ray_cpus,
-                    runtime_env={"env_vars": shipped, **setup_hook()},
-                    # The dashboard serves Ray's state API, which Ray Train v2 polls; loopback only.
-                    include_dashboard=True,
-                    dashboard_host="127.0.0.1",
-                    logging_level=logging.WARNING,
-                )
+                _start_local_ray(settings, shipped)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             if isinstance(exc, ConfigurationError):
                 raise
@@ -68,6 +56,58 @@ def ray_session(settings: PrefectMLSettings) -> Iterator[dict[str, float]]:
         if owns_ray:
             ray.shutdown()
             _SHIPPING.clear()
+
+
+# Ray gives a new local node a fixed 30 s (``raylet_start_wait_time_s`` in ray/_private/node.py,
+# not a setting) to register with its GCS, then raises a bare Exception with this text. A machine
+# too busy for that (a Prefect worker's flow run at load 18 on 2 CPUs, 2026-12-07) gets
+# LOCAL_RAY_STARTS tries, each one's processes ended before the next.
+_NODE_START_TIMEOUT = "timed out during startup"
+LOCAL_RAY_STARTS = 2
+
+
+def _start_local_ray(settings: PrefectMLSettings, env_vars: dict[str, str]) -> None:
+    """Start a local Ray whose workers import user code (``module:factory``) the way the driver
+    does; a node that timed out registering is started again, once."""
+    import ray
+
+    env_vars["PYTHONPATH"] = os.pathsep.join(sys.path)
+    earlier_children = services.descendant_pids()
+    for start in range(1, LOCAL_RAY_STARTS + 1):
+        try:
+            ray.init(
+                # "local": a new Ray, even when a `ray start` cluster runs on this machine (which
+                # Ray would otherwise join).
+                address="local",
+                num_cpus=settings.local_ray_cpus,
+                runtime_env={"env_vars": env_vars, **setup_hook()},
+                # The dashboard serves Ray's state API, which Ray Train v2 polls; loopback only.
+                include_dashboard=True,
+                dashboard_host="127.0.0.1",
+                logging_level=logging.WARNING,
+            )
+            return
+        except Exception as exc:
+            if _NODE_START_TIMEOUT not in str(exc):
+                raise
+            # The half-started node's GCS, raylet and agents: nothing else would end them.
+            services.stop_descendants(spare=earlier_children)
+            load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+            if start == LOCAL_RAY_STARTS:
+                raise EnvironmentCheckError(
+                    f"a local Ray did not start: its node did not register within Ray's 30 s, "
+                    f"{LOCAL_RAY_STARTS} times (load average {load} on {os.cpu_count()} CPUs). "
+                    "Run it when the machine is less busy, or start Ray once (`ray start "
+                    "--head`) and set PREFECT_ML_RAY_ADDRESS=auto so that runs join it."
+                ) from exc
+            run_logger().warning(
+                "A local Ray's node did not register within Ray's 30 s (load average %s on %s "
+                "CPUs); its processes were ended and Ray starts again (%d of %d).",
+                load,
+                os.cpu_count(),
+                start + 1,
+                LOCAL_RAY_STARTS,
+            )
 
 
 def _connect(settings: PrefectMLSettings, env_vars: dict[str, str]) -> None:

@@ -49,6 +49,7 @@ from prefect_ml.integrations.services._prefect_server import (
 )
 from prefect_ml.integrations.services._processes import (
     check_port_free,
+    descendant_pids,
     end_orphans,
     record_child,
     stop_descendants,
@@ -86,6 +87,7 @@ __all__ = [
     "certificate_hosts",
     "check_haproxy_ports",
     "check_port_free",
+    "descendant_pids",
     "end_orphans",
     "ensure_automations",
     "ephemeral_api_pid",

@@ -37,6 +37,11 @@ def ctrl_c_passes_by() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
+def descendant_pids() -> set[int]:
+    """The pids of every process below this one now."""
+    return {process.pid for process in psutil.Process().children(recursive=True)}
+
+
 def stop_descendants(spare: Iterable[int] = (), grace_s: float = 3.0) -> None:
     """SIGTERM every process below this one (a local Ray's raylet, workers and agents,
     HAProxy) but ``spare``, and SIGKILL those still alive after ``grace_s``."""
