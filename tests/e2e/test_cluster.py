@@ -2,10 +2,10 @@
 
 The session's cluster (:func:`tests.conftest.cluster`): a head with no CPUs (it runs the
 drivers' controllers) and two worker nodes of 1 CPU each at their own addresses, one of them
-declaring a custom resource. The tests here kill and add nodes: node-a dies in the first,
-node-c joins in the second and dies in the third. Storage is the S3 server and MLflow a
-tracking server, as on a real cluster; prefect-ml and the tests' user code reach the nodes only
-by being shipped with each job.
+declaring a custom resource. The tests here kill and add nodes: node-a dies in the pipeline's
+test and node-c joins there; the campaign's test kills the other worker node that is alive.
+Storage is the S3 server and MLflow a tracking server, as on a real cluster; prefect-ml and the
+tests' user code reach the nodes only by being shipped with each job.
 """
 
 from __future__ import annotations
@@ -49,6 +49,15 @@ def _committed(moto_s3: MotoS3, prefix: str, epoch: int, runs: int = 1) -> bool:
 
 def _node(cluster: LocalCluster, name: str) -> ClusterNode:
     return next(node for node in cluster.nodes if node.name == name and not node.ended)
+
+
+def _worker_node_besides(cluster: LocalCluster, ip: str) -> ClusterNode:
+    """The one alive worker node other than the one at ``ip``: node-a when a test runs alone,
+    node-c after the pipeline's test has killed node-a and added node-c."""
+    (other,) = [
+        node for node in cluster.nodes if node.name != "head" and node.ip != ip and not node.ended
+    ]
+    return other
 
 
 def _runs(tracking_uri: str, experiment_name: str) -> list[Any]:
@@ -299,7 +308,8 @@ def test_a_campaign_runs_the_trials_of_a_lost_node_again_from_their_checkpoints(
     mlflow_s3_server: str,
 ) -> None:
     """A node running a trial is killed: the trial runs again, from its checkpoint, on the
-    node that is left, and the campaign completes its budget there."""
+    node that is left (node-b), and the campaign completes its budget there. The node killed is
+    whichever other worker node is alive, so the test also passes run alone."""
     env = cli_environment(cluster, tmp_path / "home", f"{s3_bucket}/sweep", mlflow_s3_server)
     command = cli_command(
         "sweep",
@@ -330,7 +340,7 @@ def test_a_campaign_runs_the_trials_of_a_lost_node_again_from_their_checkpoints(
             300,
             "both running trials' first checkpoints",
         )
-        _node(cluster, "node-c").kill()
+        _worker_node_besides(cluster, WORKER_IPS[1]).kill()
         returncode = sweep.wait(timeout=300)
     output = log_path.read_text()
     assert returncode == 0, output[-6000:]
