@@ -6,7 +6,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 
 from prefect_ml.flows.sweep import hpo_campaign
-from prefect_ml.flows.train import TrainingOutcome, training_chain
+from prefect_ml.flows.train import TrainingOutcome, on_one_ray, training_chain
 from prefect_ml.tasks.params import PipelineParams, with_trial_values
 from prefect_ml.tasks.placement import check_placement
 from prefect_ml.tasks.report import published_timeline
@@ -30,7 +30,7 @@ def ml_pipeline(params: PipelineParams = PipelineParams()) -> PipelineOutcome:  
         params: The data, model, training and registry sections; add a sweep section to search
             hyperparameters first, and a serving section to serve the result.
     """
-    with published_timeline("ml-pipeline"):
+    with published_timeline("ml-pipeline"), on_one_ray(params):
         if params.sweep is not None:
             check_placement(params)  # the final training and serving too, not after the campaign
             result = hpo_campaign(params.campaign())

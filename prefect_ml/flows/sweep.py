@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from prefect_ml.flows.train import prepared_data
+from prefect_ml.flows.train import on_one_ray, prepared_data
 from prefect_ml.tasks.params import CampaignParams
 from prefect_ml.tasks.quotas import tenant_tags
 from prefect_ml.tasks.report import published_timeline
@@ -21,7 +21,7 @@ def hpo_campaign(params: CampaignParams = CampaignParams()) -> CampaignResult:  
         params: The data and model, the fixed training values, and the sweep: search space,
             objectives, sampler, pruner and budget.
     """
-    with published_timeline("hpo-campaign"):
+    with published_timeline("hpo-campaign"), on_one_ray(params):
         data = prepared_data(params)
         with tenant_tags():  # the tenant's quota counts its Ray-occupying tasks
             return campaign(data, params)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from prefect import flow
 from pydantic import BaseModel
 
 from prefect_ml.integrations import services, storage
+from prefect_ml.integrations.compute import ray_session
 from prefect_ml.integrations.settings import get_settings
 from prefect_ml.tasks.data import PreparedData, inspect_data, preprocess
 from prefect_ml.tasks.evaluate import Evaluation, evaluate
 from prefect_ml.tasks.params import TrainingSections, TrainModelParams, section_options
 from prefect_ml.tasks.placement import check_placement
-from prefect_ml.tasks.quotas import apply_ray_slots, tenant_tags
+from prefect_ml.tasks.quotas import apply_ray_slots, check_caps, tenant_tags
 from prefect_ml.tasks.register import Registration, register
 from prefect_ml.tasks.report import published_timeline
 from prefect_ml.tasks.reuse import reuse_finished
@@ -30,13 +34,25 @@ class TrainingOutcome(BaseModel):
     registration: Registration
 
 
-def prepared_data(params: TrainingSections) -> PreparedData:
-    """Check the storage and the cluster's room (and the tenant's caps), set the tenant's
-    quota, inspect the data, then prepare the splits (reused when already prepared for that
-    fingerprint). Every flow starts here, so storage problems and impossible resource requests
-    surface before any compute."""
+@contextlib.contextmanager
+def on_one_ray(params: BaseModel) -> Iterator[None]:
+    """What a flow run checks first, with no Ray (its storage, whose credentials a local Ray's
+    workers then inherit, and the tenant's caps), then one Ray session that every step of the
+    run shares. A run outside the CLI (a deployment's, on a worker) started and stopped a local
+    Ray at each step before: three times in train-model, 6-8 s each on a quiet machine."""
     settings = get_settings()
     storage.prepare_storage(settings)
+    check_caps(params)
+    with ray_session(settings):
+        yield
+
+
+def prepared_data(params: TrainingSections) -> PreparedData:
+    """Check the cluster's room, set the tenant's quota, inspect the data, then prepare the
+    splits (reused when already prepared for that fingerprint). Every flow runs it first,
+    inside :func:`on_one_ray`, so storage problems and impossible resource requests surface
+    before any compute."""
+    settings = get_settings()
     check_placement(params)
     apply_ray_slots(settings)
     inspect_data(params)
@@ -88,5 +104,5 @@ def train_model(params: TrainModelParams = TrainModelParams()) -> TrainingOutcom
     Args:
         params: The data, model, training and registry sections.
     """
-    with published_timeline("train-model"):
+    with published_timeline("train-model"), on_one_ray(params):
         return training_chain(params)

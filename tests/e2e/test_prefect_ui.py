@@ -240,6 +240,10 @@ def test_prefect_deploy_registers_prefect_yaml_and_a_process_worker_runs_its_dep
             run = _flow_run(client, run_id)
         assert run["state_type"] == "COMPLETED", (run["state"], worker_log.read_text()[-3000:])
         assert run["work_pool_name"] == "ml-process"
+        # One local Ray for the whole run, not one per step (placement, training, evaluation).
+        with prefect_ui.api() as client:
+            timeline = _artifact_markdown(client, run_id, "timeline")
+        assert timeline.count("| local Ray started |") == 1, timeline
     finally:
         assert _stop(worker) in (0, 130), worker_log.read_text()[-3000:]
     mlflow = tracking.client_for(f"sqlite:///{prefect_ui.home / 'mlflow.db'}")
@@ -283,6 +287,15 @@ def _artifact_keys(client: httpx.Client, flow_run_id: str) -> set[str]:
         "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}
     )
     return {a["key"] for a in response.json() if a["key"]}
+
+
+def _artifact_markdown(client: httpx.Client, flow_run_id: str, key: str) -> str:
+    response = client.post(
+        "/artifacts/filter",
+        json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}, "key": {"any_": [key]}}},
+    )
+    [artifact] = response.json()
+    return str(artifact["data"])
 
 
 def _flow_run(client: httpx.Client, flow_run_id: str) -> dict[str, Any]:
