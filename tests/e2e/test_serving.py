@@ -533,7 +533,9 @@ def test_a_roll_to_a_version_whose_replica_cannot_load_fails_the_flow_and_the_ol
     version = _broken_version(served, _truncated_archive, seed=7)
 
     serving_before = _served_version(served.url)
-    broken = served.params().model_copy(update={"model_version": version})
+    # The replica's own error is the subject, not the bound: three constructor tries, each
+    # importing torch and MLflow, outran the default 120 s at a load of 36 on 2 cores.
+    broken = served.params(deploy_timeout_s=400).model_copy(update={"model_version": version})
     state = serve_model(broken, return_state=True)
 
     assert state.is_failed()
