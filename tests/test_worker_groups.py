@@ -1,5 +1,6 @@
 """`make test-all`'s two workers get whole test files, and every file on the 3-node cluster goes
-to one worker (tests/worker_groups.py), through pytest-xdist's own scheduler."""
+to one worker, as do the files never run side by side (tests/worker_groups.py), through
+pytest-xdist's own scheduler."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ COLLECTED = [
     "tests/e2e/test_cluster_doctor.py::test_a",
     "tests/e2e/test_prefect_ui.py::test_b",
     "tests/e2e/test_cluster.py::test_b",
+    "tests/e2e/test_fail_fast.py::test_a",
+    "tests/e2e/test_fail_fast.py::test_b",
 ]
 
 
@@ -57,7 +60,10 @@ def test_a_file_and_the_clusters_files_each_go_to_one_worker(
 
     ran_on = {nodeid: i for i, worker in enumerate(workers) for nodeid in worker.sent}
     assert sorted(ran_on) == sorted(COLLECTED), "every test sent once"
-    for group in ("tests/e2e/test_serving.py", "tests/e2e/test_prefect_ui.py", "cluster"):
+    for group in ("tests/e2e/test_fail_fast.py", "serving-and-ui", "cluster"):
         members = [n for n in COLLECTED if worker_groups.group_of(n) == group]
         assert len({ran_on[n] for n in members}) == 1, f"{group} split: {ran_on}"
     assert worker_groups.group_of("tests/e2e/test_cluster_doctor.py::test_a") == "cluster"
+    # Never at once: the serving file's canaries starved the UI's deployment runs' local Ray.
+    assert worker_groups.group_of("tests/e2e/test_serving.py::test_a") == "serving-and-ui"
+    assert worker_groups.group_of("tests/e2e/test_prefect_ui.py::test_a") == "serving-and-ui"

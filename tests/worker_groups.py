@@ -2,7 +2,8 @@
 
 A test file runs on one worker, so its module fixtures (a served model, `prefect-ml ui`) are
 built once; the files on the session's 3-node cluster (:data:`CLUSTER_FILES`) run on one
-worker, so the machine runs one such cluster at a time.
+worker, so the machine runs one such cluster at a time; and the files of
+:data:`NEVER_SIDE_BY_SIDE` run on one worker, one after the other.
 
 The group is worked out from the test's id by the controller's scheduler
 (:class:`FileGroupScheduling`), not from ``xdist_group`` marks: pytest-xdist 3.8 passes a mark's
@@ -21,12 +22,21 @@ import pytest
 CLUSTER_GROUP = "cluster"
 # The test files whose tests use the session's 3-node cluster (the ``cluster`` fixture).
 CLUSTER_FILES = frozenset({"tests/e2e/test_cluster.py", "tests/e2e/test_cluster_doctor.py"})
+NEVER_SIDE_BY_SIDE_GROUP = "serving-and-ui"
+# Files that one worker runs one after the other, never at once: test_serving's canaries load
+# the machine with requests (load 18-36 on 2 cores) while test_prefect_ui's deployment runs each
+# start a local Ray, whose node Ray gives a fixed 30 s to register: beside them it failed to, in
+# two full tiers of three (2026-12-08).
+NEVER_SIDE_BY_SIDE = frozenset({"tests/e2e/test_serving.py", "tests/e2e/test_prefect_ui.py"})
 
 
 def group_of(nodeid: str) -> str:
-    """The worker group of the test ``nodeid``: its file, or the cluster's group."""
+    """The worker group of the test ``nodeid``: its file, the cluster's group, or the group of
+    the files never run side by side."""
     path = nodeid.split("::", 1)[0]
-    return CLUSTER_GROUP if path in CLUSTER_FILES else path
+    if path in CLUSTER_FILES:
+        return CLUSTER_GROUP
+    return NEVER_SIDE_BY_SIDE_GROUP if path in NEVER_SIDE_BY_SIDE else path
 
 
 def _on_the_cluster(item: pytest.Item) -> bool:
