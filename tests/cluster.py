@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefect_ml.integrations.compute._ray_cluster import _NODE_START_TIMEOUT as NODE_START_TIMEOUT
 from tests.helpers import free_port, wait_for
 from tests.s3 import TEST_BUCKET, MotoS3
 
@@ -76,8 +77,6 @@ def _kill(pids: Iterable[int], sig: signal.Signals) -> None:
             pass
 
 
-# What `ray start` prints when its node did not register with the GCS within Ray's fixed 30 s.
-_NODE_START_TIMEOUT = "timed out during startup"
 NODE_STARTS = 3
 
 
@@ -142,38 +141,52 @@ class LocalCluster:
         *args: str,
         hidden: Sequence[Path] | None = None,
     ) -> ClusterNode:
+        """Start a node and wait until the cluster counts it; a node whose registration Ray's
+        fixed 30 s timed out (``ray start`` exits, its processes with it) starts again, up to
+        :data:`NODE_STARTS` times: the full tier's two workers load 2 cores to 20-36."""
         log = self.root / f"{name}.log"
-        command = [
-            _ray_executable(),
-            "start",
-            "--block",
-            f"--node-ip-address={ip}",
-            f"--num-cpus={cpus}",
-            "--num-gpus=0",
-            f"--resources={json.dumps(resources)}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
-            "--disable-usage-stats",
-            *args,
-        ]
         folders = self.hidden if hidden is None else hidden
         hide = ["sh", "-c", _HIDE_AND_RUN, "sh", *map(str, folders), "--"]
         work = self.root / name
         work.mkdir(parents=True, exist_ok=True)
-        process = subprocess.Popen(
-            [*_unshare(), *hide, *command],
-            cwd=work,
-            env=self.environment,
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        node = ClusterNode(name, ip, cpus, resources, process, log)
-        self.nodes.append(node)
-        return node
+        for start in range(1, NODE_STARTS + 1):
+            command = [
+                _ray_executable(),
+                "start",
+                "--block",
+                f"--node-ip-address={ip}",
+                f"--num-cpus={cpus}",
+                "--num-gpus=0",
+                f"--resources={json.dumps(resources)}",
+                f"--dashboard-agent-listen-port={free_port()}",
+                f"--metrics-export-port={free_port()}",
+                "--disable-usage-stats",
+                *args,
+            ]
+            process = subprocess.Popen(
+                [*_unshare(), *hide, *command],
+                cwd=work,
+                env=self.environment,
+                stdout=log.open("wb"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            node = ClusterNode(name, ip, cpus, resources, process, log)
+            self.nodes.append(node)
+            try:
+                self.wait_for_nodes(self.alive_count())
+                return node
+            except AssertionError:
+                if start == NODE_STARTS or NODE_START_TIMEOUT not in log.read_text(
+                    errors="replace"
+                ):
+                    raise
+                node.stop()
+                self.nodes.remove(node)
+        raise AssertionError("unreachable")
 
     def start_head(self, cpus: int, resources: dict[str, float] | None = None) -> ClusterNode:
-        return self._start_registered(
+        return self._start(
             "head",
             "127.0.0.1",
             cpus,
@@ -203,34 +216,9 @@ class LocalCluster:
         ]
         if "prefect_ml" in visible:
             hidden += [REPO_ROOT / "prefect_ml" / name for name in PACKAGE_FOLDERS]
-        return self._start_registered(
+        return self._start(
             name, ip, cpus, resources or {}, f"--address={self.address}", hidden=hidden
         )
-
-    def _start_registered(
-        self,
-        name: str,
-        ip: str,
-        cpus: int,
-        resources: dict[str, float],
-        *args: str,
-        hidden: Sequence[Path] | None = None,
-    ) -> ClusterNode:
-        """Start a node and wait until the cluster counts it; a node that Ray's fixed 30 s
-        registration timed out (``ray start`` exits, its processes with it) starts again, up
-        to :data:`NODE_STARTS` times: the full tier's two workers load 2 cores to 20-36."""
-        for start in range(1, NODE_STARTS + 1):
-            node = self._start(name, ip, cpus, resources, *args, hidden=hidden)
-            try:
-                self.wait_for_nodes(self.alive_count())
-                return node
-            except AssertionError:
-                timed_out = _NODE_START_TIMEOUT in node.log.read_text(errors="replace")
-                if start == NODE_STARTS or not timed_out:
-                    raise
-                node.stop()
-                self.nodes.remove(node)
-        raise AssertionError("unreachable")
 
     def alive_count(self) -> int:
         return sum(not node.ended for node in self.nodes)

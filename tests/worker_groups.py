@@ -30,13 +30,17 @@ NEVER_SIDE_BY_SIDE_GROUP = "serving-and-ui"
 NEVER_SIDE_BY_SIDE = frozenset({"tests/e2e/test_serving.py", "tests/e2e/test_prefect_ui.py"})
 
 
+_SHARED_GROUPS = {
+    **dict.fromkeys(CLUSTER_FILES, CLUSTER_GROUP),
+    **dict.fromkeys(NEVER_SIDE_BY_SIDE, NEVER_SIDE_BY_SIDE_GROUP),
+}
+
+
 def group_of(nodeid: str) -> str:
-    """The worker group of the test ``nodeid``: its file, the cluster's group, or the group of
-    the files never run side by side."""
+    """The worker group of the test ``nodeid``: its file, or the group its file shares (the
+    cluster's, or the files never run side by side)."""
     path = nodeid.split("::", 1)[0]
-    if path in CLUSTER_FILES:
-        return CLUSTER_GROUP
-    return NEVER_SIDE_BY_SIDE_GROUP if path in NEVER_SIDE_BY_SIDE else path
+    return _SHARED_GROUPS.get(path, path)
 
 
 def _on_the_cluster(item: pytest.Item) -> bool:
